@@ -1,0 +1,5 @@
+import sys
+
+from fxquant.cli import main
+
+sys.exit(main())

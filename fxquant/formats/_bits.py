@@ -1,0 +1,91 @@
+"""Exact float32 bit arithmetic shared by every format's reference (FORMATS.md, "Vocabulary").
+
+Exponents come from the float32 bit pattern, never from ``log2``; powers of two are built from bits and
+only ever in the normal float32 range, so no step depends on how a device treats subnormal operands.
+The Triton kernels in ``fxquant.kernels`` mirror these functions line for line.
+"""
+from __future__ import annotations
+
+import torch
+
+F32_MIN_NORMAL = 2.0**-126
+MASK32 = 0xFFFFFFFF
+_HASH_MUL = 0x45D9F3B  # 73244475 < 2**27: products of 32-bit values stay below 2**59, exact in int64
+
+
+def frexp_bits(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For finite ``a >= 0`` (float32): ``(e, m)`` with ``a == m * 2**e``, ``m`` in [1, 2), e int32.
+
+    float32 subnormals are first scaled by 2**24 so their exponent is right. For ``a == 0`` the result is
+    ``(-151, 1.0)``: callers mask zero themselves.
+    """
+    sub = a < F32_MIN_NORMAL
+    a_n = torch.where(sub, a * 16777216.0, a)  # 2**24
+    bits = a_n.view(torch.int32)
+    e = ((bits >> 23) & 0xFF) - 127 - torch.where(sub, 24, 0).to(torch.int32)
+    m = ((bits & 0x007FFFFF) | 0x3F800000).view(torch.float32)
+    return e.to(torch.int32), m
+
+
+def pow2(k: torch.Tensor) -> torch.Tensor:
+    """2**k as float32, exactly, for int32 ``k`` in [-126, 127] (normal range only)."""
+    return ((k.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
+def mul_pow2(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``x * 2**k`` for int32 ``k`` in [-252, 252], as two multiplications by normal powers of two.
+
+    When the exact product is a normal float32 both steps are exact; otherwise the second step rounds
+    once (round-to-nearest-even), the same as a single correctly rounded multiplication.
+    """
+    k1 = torch.div(k, 2, rounding_mode="floor")
+    return (x * pow2(k1)) * pow2(k - k1)
+
+
+def round_integer(r: torch.Tensor, rounding: str, u: torch.Tensor | None) -> torch.Tensor:
+    """Round ``r >= 0`` (float32, < 2**24) to an integer-valued float32 per the rounding mode.
+
+    ``rne``: nearest, ties to even; ``ta``: nearest, ties away from zero; ``rz``: toward zero;
+    ``sr``: up with probability equal to the fractional part, using uniforms ``u`` in (0, 1).
+    """
+    fl = torch.floor(r)
+    frac = r - fl  # exact
+    if rounding == "rne":
+        odd = torch.remainder(fl, 2.0) == 1.0
+        up = (frac > 0.5) | ((frac == 0.5) & odd)
+    elif rounding == "ta":
+        up = frac >= 0.5
+    elif rounding == "rz":
+        return fl
+    elif rounding == "sr":
+        if u is None:
+            raise ValueError("stochastic rounding needs uniforms")
+        up = u < frac
+    else:  # pragma: no cover - guarded by option validation
+        raise ValueError(f"unknown rounding {rounding!r}")
+    return fl + up.to(r.dtype)
+
+
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (three xorshift-multiply rounds) on int64 tensors holding uint32 values."""
+    h = ((h >> 16) ^ h) * _HASH_MUL & MASK32
+    h = ((h >> 16) ^ h) * _HASH_MUL & MASK32
+    return (h >> 16) ^ h
+
+
+def seed_key(seed: int) -> int:
+    """The per-call hash key derived from a user seed (any Python int)."""
+    s = torch.tensor([seed & MASK32], dtype=torch.int64)
+    return int(_mix32(s ^ ((seed >> 32) & MASK32)).item())
+
+
+def uniforms(numel: int, seed: int, device: torch.device) -> torch.Tensor:
+    """Counter-based uniforms in (0, 1) for element indices 0..numel-1, reproducible from ``seed``.
+
+    u_i = (2 * (h_i >> 9) + 1) * 2**-24 with h_i = mix(mix((i mod 2**32) ^ key) ^ (i >> 32)): 23 random
+    bits, odd numerators, so u is never 0 or 1 and is exact in float32.
+    """
+    key = seed_key(seed)
+    i = torch.arange(numel, dtype=torch.int64, device=device)
+    h = _mix32(_mix32((i & MASK32) ^ key) ^ (i >> 32))
+    return ((h >> 9) * 2 + 1).to(torch.float32) * (2.0**-24)

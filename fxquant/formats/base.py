@@ -1,0 +1,186 @@
+"""The public ``Format`` interface: quantize / encode / decode, input validation and layout.
+
+Every format computes in float32 on a canonical layout: ``dim`` moved last, contiguous, viewed as
+``[rows, L]``. Stochastic rounding indexes its random stream by the flat position in that layout, so a
+kernel that sees the same layout draws the same numbers (FORMATS.md, "Rounding modes": reproducible
+from an explicit seed).
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+import torch
+
+from fxquant.formats._bits import uniforms
+from fxquant.formats.options import QuantOptions, Rounding, parse_enum
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """Codes and scales of one encoded tensor; ``Format.decode`` turns it back into values.
+
+    codes: uint8, the input's shape (one code per element; bf16/fp16 give int32 bit patterns).
+    scales: uint8 per block (E8M0 for MX, E4M3 for NVFP4), the input's shape with ``dim`` holding the
+        number of blocks; None for element formats.
+    tensor_scale: float32 0-dim: NVFP4's g, or the per-tensor factor that decoded elements are
+        multiplied by (2**-k) with ``scaling="tensor"``; None otherwise.
+    """
+
+    format: str
+    codes: torch.Tensor
+    scales: torch.Tensor | None
+    tensor_scale: torch.Tensor | None
+    dim: int
+    dtype: torch.dtype
+    options: QuantOptions = field(repr=False, default=None)  # type: ignore[assignment]
+
+
+def check_tensor(x: object, dim: int) -> int:
+    """Validate the input tensor and ``dim``; return ``dim`` normalised to [0, ndim)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        allowed = [str(d) for d in SUPPORTED_DTYPES]
+        raise ValueError(f"x has dtype {x.dtype}; quantize takes floating tensors of dtype {allowed}")
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
+    nd = max(x.dim(), 1)
+    if not -nd <= dim < nd:
+        raise ValueError(f"dim={dim} is out of range for a tensor of {x.dim()} dimensions: allowed [{-nd}, {nd - 1}]")
+    return dim % nd
+
+
+def to_canonical(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """float32, ``dim`` last, contiguous, 2-D ``[rows, L]`` (a 0-dim tensor becomes ``[1, 1]``)."""
+    x32 = x.reshape(1) if x.dim() == 0 else x
+    x32 = x32.movedim(dim, -1).to(torch.float32).contiguous()
+    length = x32.shape[-1]
+    rows = x32.numel() // length if length else int(torch.Size(x32.shape[:-1]).numel())
+    return x32.reshape(rows, length)
+
+
+def restore_layout(y: torch.Tensor, shape: torch.Size, dim: int) -> torch.Tensor:
+    """Inverse of ``to_canonical``'s layout change: ``[rows, L]`` back to ``shape`` (dtype unchanged)."""
+    if len(shape) == 0:
+        return y.reshape(())
+    moved = list(shape)
+    moved.append(moved.pop(dim))
+    return y.reshape(moved).movedim(-1, dim).contiguous()
+
+
+def resolve_seed(rounding: Rounding, seed: int | None) -> int:
+    """The seed of a stochastic-rounding call: the given one, or one drawn from torch's default generator."""
+    if rounding is not Rounding.SR:
+        return 0
+    if seed is None:
+        return int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    return seed
+
+
+def draw_uniforms(rounding: Rounding, seed: int, shape: torch.Size, device: torch.device) -> torch.Tensor | None:
+    if rounding is not Rounding.SR:
+        return None
+    return uniforms(int(torch.Size(shape).numel()), seed, device).reshape(shape)
+
+
+class Format(abc.ABC):
+    """A number format. Subclasses are frozen dataclasses holding the format's data."""
+
+    name: str
+    block_size: int | None = None
+
+    # -- options -----------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def resolve(self, **options: object) -> QuantOptions:
+        """Fill defaults (None -> the format's default) and validate every option value."""
+
+    def _rounding(self, value: object, default: str) -> Rounding:
+        return parse_enum(Rounding, default if value is None else value, "rounding")
+
+    # -- the reference -------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def _quantize_canonical(self, x2: torch.Tensor, opts: QuantOptions, seed: int) -> torch.Tensor:
+        """Fake-quantize float32 ``[rows, L]``; returns float32 of the same shape."""
+
+    @abc.abstractmethod
+    def _encode_canonical(self, x2: torch.Tensor, opts: QuantOptions, seed: int) -> tuple:
+        """(codes [rows, L], scales [rows, nblocks] or None, tensor_scale or None)."""
+
+    @abc.abstractmethod
+    def _decode_canonical(self, codes: torch.Tensor, scales, tensor_scale, opts: QuantOptions) -> torch.Tensor:
+        """float32 ``[rows, L]`` values from canonical codes and scales."""
+
+    # -- public API ----------------------------------------------------------------------------------------
+    def quantize(
+        self,
+        x: torch.Tensor,
+        dim: int = -1,
+        *,
+        rounding: object = None,
+        scale_mode: object = None,
+        saturate: bool | None = None,
+        seed: int | None = None,
+        **extra: object,
+    ) -> torch.Tensor:
+        """Fake-quantize ``x``: nearest representable values, same shape, dtype and device; ``x`` untouched.
+
+        ``None`` options take the format's default (FORMATS.md). ``dim`` is the blocked dimension of
+        block formats. ``seed`` makes stochastic rounding reproducible (drawn from torch's generator
+        when None).
+        """
+        d = check_tensor(x, dim)
+        opts = self.resolve(rounding=rounding, scale_mode=scale_mode, saturate=saturate, **extra)
+        seed_ = resolve_seed(opts.rounding, seed)
+        if x.numel() == 0:
+            return x.clone()
+        y = self._quantize_canonical(to_canonical(x, d), opts, seed_)
+        return restore_layout(y, x.shape, d).to(x.dtype)
+
+    def encode(
+        self,
+        x: torch.Tensor,
+        dim: int = -1,
+        *,
+        rounding: object = None,
+        scale_mode: object = None,
+        saturate: bool | None = None,
+        seed: int | None = None,
+        **extra: object,
+    ) -> Encoded:
+        """Integer codes and scales of ``quantize(x, ...)``; ``decode(encode(x)) == quantize(x)`` bitwise."""
+        d = check_tensor(x, dim)
+        opts = self.resolve(rounding=rounding, scale_mode=scale_mode, saturate=saturate, **extra)
+        seed_ = resolve_seed(opts.rounding, seed)
+        x2 = to_canonical(x, d)
+        codes, scales, tscale = self._encode_canonical(x2, opts, seed_)
+        codes = restore_layout(codes, x.shape, d)
+        if scales is not None:
+            shape = list(x.shape) if x.dim() else [1]
+            shape[d] = scales.shape[-1]
+            moved = shape[:d] + shape[d + 1 :] + [shape[d]]
+            scales = scales.reshape(moved).movedim(-1, d).contiguous()
+            if x.dim() == 0:
+                scales = scales.reshape(())
+        return Encoded(self.name, codes, scales, tscale, d, x.dtype, opts)
+
+    def decode(self, enc: Encoded) -> torch.Tensor:
+        """Values of an ``Encoded``, in the dtype of the tensor it was encoded from."""
+        if not isinstance(enc, Encoded):
+            raise TypeError(f"decode takes an Encoded, got {type(enc).__name__}")
+        if enc.format != self.name:
+            raise ValueError(f"this Encoded holds format {enc.format!r}, not {self.name!r}")
+        codes2 = to_canonical(enc.codes.to(torch.float32), enc.dim).to(torch.int64)
+        scales2 = None
+        if enc.scales is not None:
+            s = enc.scales.reshape(1) if enc.scales.dim() == 0 else enc.scales
+            scales2 = s.movedim(enc.dim, -1).contiguous().reshape(codes2.shape[0], -1)
+        y = self._decode_canonical(codes2, scales2, enc.tensor_scale, enc.options)
+        return restore_layout(y, enc.codes.shape, enc.dim).to(enc.dtype)
+
+    def __str__(self) -> str:
+        return self.name

@@ -1,0 +1,275 @@
+"""Element formats as data, and the one generic rounding routine over that data.
+
+Implements FORMATS.md "Element formats", "HiFloat8" and "Rounding modes". A value ``a >= 0`` in binade
+``e`` (``2**e <= a < 2**(e+1)``) is rounded on the grid of step ``2**(max(e, emin) - m(e))``, where
+``m(e)`` is the element's mantissa width in that binade (constant for OCP minifloats, 3/2/1/0 for
+HiF8's tapered regions). A carry lands on ``2**(e+1)``, which every format represents; results above
+``max_normal`` overflow (saturate, or Inf where the format has one).
+
+Every spec also knows its bit-level codes: ``encode`` maps grid values to uint8 codes and
+``decode_table`` lists the value of every code, built from the bit rules alone (not from ``encode``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fxquant.formats._bits import frexp_bits, mul_pow2, pow2, round_integer
+
+
+@dataclass(frozen=True)
+class ElementSpec:
+    """Common data of an element format; subclasses add the code layout."""
+
+    name: str
+    bits: int
+    mbits: int  # mantissa bits of a normal binade (the widest, for HiF8)
+    emin: int  # exponent of the lowest binade whose grid is used below it too
+    emax: int  # exponent of the largest binade holding max_normal
+    max_normal: float
+    min_normal: float
+    min_subnormal: float
+    has_inf: bool
+    has_nan: bool
+    signed_zero: bool
+    default_rounding: str
+
+    # -- rounding --------------------------------------------------------------------------------------
+    def mantissa_bits(self, e: torch.Tensor) -> torch.Tensor | int:
+        """Mantissa width of binade ``e`` (int32 tensor, already clamped to >= emin)."""
+        return self.mbits
+
+    def quantize(
+        self, v: torch.Tensor, rounding: str, saturate: bool, u: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Round float32 ``v`` to the nearest element value (per ``rounding``), in float32."""
+        a = v.abs()
+        finite = torch.isfinite(v)
+        a0 = torch.where(finite, a, 0.0)
+        e, m_a = frexp_bits(a0)
+        e_eff = torch.clamp(e, min=self.emin)
+        mb = self.mantissa_bits(e_eff)
+        # r = a / 2**(e_eff - mb), exactly: a's mantissa times a power of two >= 2**-126.
+        k = torch.clamp(e - e_eff + mb, min=-126)
+        r = m_a * pow2(k)
+        n = round_integer(r, rounding, u)
+        q = mul_pow2(n * pow2(-torch.as_tensor(mb, dtype=torch.int32)), e_eff)
+        q = torch.where(a0 == 0, 0.0, q)
+        over = q > self.max_normal
+        # Round-toward-zero never overflows to Inf (IEEE 754: it gives the largest finite value).
+        if saturate or not self.has_inf or rounding == "rz":
+            q = torch.where(over, self.max_normal, q)
+        else:
+            q = torch.where(over, math.inf, q)
+        out = torch.copysign(q, v)
+        if not self.signed_zero:
+            out = torch.where(q == 0, 0.0, out)
+        inf_value = torch.copysign(torch.full_like(v, math.inf if self.has_inf else math.nan), v)
+        return torch.where(finite, out, torch.where(torch.isnan(v), math.nan, inf_value))
+
+    # -- codes -------------------------------------------------------------------------------------------
+    def encode(self, q: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def decode_table(self) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        table = _TABLES.get(self)
+        if table is None:
+            table = _TABLES[self] = self.decode_table()
+        return table.to(codes.device)[codes.long()]
+
+
+_TABLES: dict[ElementSpec, torch.Tensor] = {}  # decode tables, built once per spec from the bit rules
+
+
+@dataclass(frozen=True)
+class MiniFloat(ElementSpec):
+    """IEEE-like sign | exponent | mantissa element (OCP FP8/FP6/FP4, fp16, bf16)."""
+
+    ebits: int = 0
+    bias: int = 0
+    nan_style: str = "none"  # "ieee": exp all ones is Inf/NaN; "fn": only S.1..1.1..1 is NaN; "none"
+
+    def encode(self, q: torch.Tensor) -> torch.Tensor:
+        a = q.abs()
+        finite = torch.isfinite(q)
+        a0 = torch.where(finite, a, 0.0)
+        e, m_a = frexp_bits(a0)
+        sub = e < self.emin
+        exp_field = torch.where(sub, 0, e + self.bias)
+        mant_sub = mul_pow2(a0, torch.full_like(e, self.mbits - self.emin))
+        mant = torch.where(sub, mant_sub, (m_a - 1.0) * (2**self.mbits))
+        sign = torch.signbit(q).to(torch.int64) << (self.ebits + self.mbits)
+        code = sign | (exp_field.to(torch.int64) << self.mbits) | mant.to(torch.int64)
+        top = (1 << (self.ebits + self.mbits)) - 1
+        if self.nan_style == "ieee":
+            inf_code = sign | (((1 << self.ebits) - 1) << self.mbits)
+            code = torch.where(torch.isinf(q), inf_code, code)
+            code = torch.where(torch.isnan(q), top, code)
+        elif self.nan_style == "fn":
+            code = torch.where(torch.isnan(q), top, code)
+        return code.to(torch.uint8) if self.bits <= 8 else code.to(torch.int32)
+
+    def decode_table(self) -> torch.Tensor:
+        n = 1 << self.bits
+        values = []
+        for c in range(n):
+            sign = -1.0 if (c >> (self.ebits + self.mbits)) & 1 else 1.0
+            ef = (c >> self.mbits) & ((1 << self.ebits) - 1)
+            mf = c & ((1 << self.mbits) - 1)
+            all_ones_e = ef == (1 << self.ebits) - 1
+            if self.nan_style == "ieee" and all_ones_e:
+                values.append(sign * math.inf if mf == 0 else math.nan)
+            elif self.nan_style == "fn" and all_ones_e and mf == (1 << self.mbits) - 1:
+                values.append(math.nan)
+            elif ef == 0:
+                values.append(sign * mf * 2.0 ** (self.emin - self.mbits))
+            else:
+                values.append(sign * (1 + mf / 2**self.mbits) * 2.0 ** (ef - self.bias))
+        return torch.tensor(values, dtype=torch.float32)
+
+
+@dataclass(frozen=True)
+class HiF8(ElementSpec):
+    """HiFloat8: sign | Dot prefix | sign-magnitude exponent | 1-3 mantissa bits (FORMATS.md, HiF8)."""
+
+    def mantissa_bits(self, e: torch.Tensor) -> torch.Tensor:
+        ae = e.abs()
+        return torch.where(ae <= 3, 3, torch.where(ae <= 7, 2, torch.where(ae <= 15, 1, 0))).to(torch.int32)
+
+    def encode(self, q: torch.Tensor) -> torch.Tensor:
+        a = q.abs()
+        finite = torch.isfinite(q)
+        a0 = torch.where(finite, a, 0.0)
+        e, m_a = frexp_bits(a0)
+        ae = e.abs().to(torch.int64)
+        es = (e < 0).to(torch.int64)
+        mb = self.mantissa_bits(e).to(torch.int64)
+        mant = ((m_a - 1.0) * pow2(mb.to(torch.int32))).to(torch.int64)
+        # (Dot, exponent field, mantissa) packed into the low 7 bits, per |E|.
+        c4 = (0b11 << 5) | (es << 4) | ((ae - 8) << 1) | mant  # |E| 8..15, D=4, m=1
+        c3 = (0b10 << 5) | (es << 4) | ((ae - 4) << 2) | mant  # |E| 4..7, D=3, m=2
+        c2 = (0b01 << 5) | (es << 4) | ((ae - 2) << 3) | mant  # |E| 2..3, D=2, m=3
+        c1 = (0b001 << 4) | (es << 3) | mant  # |E| 1, D=1, m=3
+        c0 = (0b0001 << 3) | mant  # E 0, D=0, m=3
+        cd = (e + 23).to(torch.int64)  # denormal 2**(M-23), M = 1..7
+        low = torch.where(
+            ae >= 8, c4, torch.where(ae >= 4, c3, torch.where(ae >= 2, c2, torch.where(ae == 1, c1, c0)))
+        )
+        low = torch.where(e <= -16, cd, low)
+        code = (torch.signbit(q).to(torch.int64) << 7) | low
+        code = torch.where(a0 == 0, 0, code)
+        code = torch.where(torch.isinf(q), torch.where(q > 0, 0x6F, 0xEF), code)
+        code = torch.where(torch.isnan(q), 0x80, code)
+        return code.to(torch.uint8)
+
+    def decode_table(self) -> torch.Tensor:
+        values = []
+        for c in range(256):
+            sign = -1.0 if c & 0x80 else 1.0
+            low = c & 0x7F
+            if c == 0x80:
+                values.append(math.nan)
+                continue
+            if low == 0x6F:
+                values.append(sign * math.inf)
+                continue
+            if low >> 5 == 0b11:
+                d, m, ebits, mant = 4, 1, (low >> 1) & 0xF, low & 0x1
+            elif low >> 5 == 0b10:
+                d, m, ebits, mant = 3, 2, (low >> 2) & 0x7, low & 0x3
+            elif low >> 5 == 0b01:
+                d, m, ebits, mant = 2, 3, (low >> 3) & 0x3, low & 0x7
+            elif low >> 4 == 0b001:
+                d, m, ebits, mant = 1, 3, (low >> 3) & 0x1, low & 0x7
+            elif low >> 3 == 0b0001:
+                d, m, ebits, mant = 0, 3, 0, low & 0x7
+            else:  # Dot 0000: denormal 2**(M-23), M = 0 is zero
+                mm = low & 0x7
+                values.append(0.0 if mm == 0 else sign * 2.0 ** (mm - 23))
+                continue
+            if d == 0:
+                exp = 0
+            else:
+                e_sign = -1 if (ebits >> (d - 1)) & 1 else 1
+                exp = e_sign * ((1 << (d - 1)) + (ebits & ((1 << (d - 1)) - 1)))
+            values.append(sign * (1 + mant / 2**m) * 2.0**exp)
+        return torch.tensor(values, dtype=torch.float32)
+
+
+@dataclass(frozen=True)
+class FixedPoint(ElementSpec):
+    """MXINT8: two's complement int8 times 2**-6, symmetric (-128 unused)."""
+
+    def encode(self, q: torch.Tensor) -> torch.Tensor:
+        n = torch.where(torch.isfinite(q), q, 0.0) * (2**self.mbits)
+        return n.to(torch.int64).to(torch.int8).view(torch.uint8)
+
+    def decode_table(self) -> torch.Tensor:
+        ints = torch.arange(256, dtype=torch.int64)
+        ints = torch.where(ints >= 128, ints - 256, ints)
+        return ints.to(torch.float32) * 2.0**-self.mbits
+
+
+def _minifloat(name: str, ebits: int, mbits: int, nan_style: str, max_normal: float) -> MiniFloat:
+    bias = (1 << (ebits - 1)) - 1
+    emin = 1 - bias
+    emax = int(math.floor(math.log2(max_normal)))  # exact: max_normal is a short dyadic literal
+    return MiniFloat(
+        name=name,
+        bits=1 + ebits + mbits,
+        mbits=mbits,
+        emin=emin,
+        emax=emax,
+        max_normal=max_normal,
+        min_normal=2.0**emin,
+        min_subnormal=2.0 ** (emin - mbits),
+        has_inf=nan_style == "ieee",
+        has_nan=nan_style != "none",
+        signed_zero=True,
+        default_rounding="rne",
+        ebits=ebits,
+        bias=bias,
+        nan_style=nan_style,
+    )
+
+
+E4M3 = _minifloat("e4m3", 4, 3, "fn", 448.0)  # bias 7, min normal 2**-6, min subnormal 2**-9
+E5M2 = _minifloat("e5m2", 5, 2, "ieee", 57344.0)  # bias 15, min normal 2**-14, min subnormal 2**-16
+E3M2 = _minifloat("e3m2", 3, 2, "none", 28.0)  # bias 3, min normal 2**-2, min subnormal 2**-4
+E2M3 = _minifloat("e2m3", 2, 3, "none", 7.5)  # bias 1, min normal 1, min subnormal 2**-3
+E2M1 = _minifloat("e2m1", 2, 1, "none", 6.0)  # bias 1, min normal 1, min subnormal 0.5
+FP16 = _minifloat("fp16", 5, 10, "ieee", 65504.0)
+BF16 = _minifloat("bf16", 8, 7, "ieee", (2 - 2.0**-7) * 2.0**127)
+INT8 = FixedPoint(
+    name="int8",
+    bits=8,
+    mbits=6,
+    emin=0,
+    emax=0,
+    max_normal=127 / 64,
+    min_normal=1 / 64,
+    min_subnormal=1 / 64,
+    has_inf=False,
+    has_nan=False,
+    signed_zero=False,
+    default_rounding="rne",
+)
+HIF8 = HiF8(
+    name="hif8",
+    bits=8,
+    mbits=3,
+    emin=-22,
+    emax=15,
+    max_normal=32768.0,  # 2**15, code 0x6E
+    min_normal=2.0**-15,
+    min_subnormal=2.0**-22,  # code 0x01
+    has_inf=True,
+    has_nan=True,
+    signed_zero=False,
+    default_rounding="ta",
+)

@@ -1,0 +1,119 @@
+"""OCP Microscaling (MX v1.0) block formats: 32 elements along ``dim`` share one E8M0 scale 2**s.
+
+FORMATS.md "MX block formats". Scale rules (amax = max |x| over the block, emax = the element's
+exponent of max normal):
+  floor: s = floor(log2 amax) - emax          ceil: s = ceil(log2 amax) - emax
+  rceil: s = ceil(log2(amax / max_normal)), the division in float32, the ceiling from d's bits
+  even:  amax rounded (RNE) to the element's mantissa width, then floor
+s < -127 is clamped to -127; s > 127, or a NaN/Inf in the block, gives the NaN scale 0xFF and the
+whole block decodes to NaN. A short last block is treated as padded with zeros.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fxquant.formats._bits import frexp_bits, mul_pow2
+from fxquant.formats.base import Format, draw_uniforms
+from fxquant.formats.element import ElementSpec
+from fxquant.formats.options import QuantOptions, ScaleMode, parse_enum
+
+E8M0_NAN = 0xFF
+E8M0_BIAS = 127
+
+
+def e8m0_decode(codes: torch.Tensor) -> torch.Tensor:
+    """All 256 E8M0 codes: 2**(c - 127) for c in 0..254, NaN for 0xFF (2**-127 is a float32 subnormal)."""
+    c = codes.to(torch.int32)
+    s = c - E8M0_BIAS
+    v = mul_pow2(torch.ones(c.shape, dtype=torch.float32, device=c.device), s)
+    return torch.where(c == E8M0_NAN, float("nan"), v)
+
+
+def blocks(x2: torch.Tensor, block: int) -> torch.Tensor:
+    """``[rows, L]`` -> ``[rows, nblocks, block]``, the last block zero-padded."""
+    rows, length = x2.shape
+    pad = (-length) % block
+    if pad:
+        x2 = F.pad(x2, (0, pad))
+    return x2.reshape(rows, (length + pad) // block, block)
+
+
+def unblock(xb: torch.Tensor, length: int) -> torch.Tensor:
+    return xb.reshape(xb.shape[0], -1)[:, :length]
+
+
+def mx_scale_exponent(amax: torch.Tensor, elem: ElementSpec, mode: ScaleMode) -> torch.Tensor:
+    """The unclamped shared exponent s (int32) of each block, for finite ``amax >= 0``."""
+    e, m = frexp_bits(amax)
+    if mode is ScaleMode.FLOOR:
+        return e - elem.emax
+    if mode is ScaleMode.CEIL:
+        return e + (m != 1.0).to(torch.int32) - elem.emax
+    if mode is ScaleMode.EVEN:
+        n = torch.round(m * (2**elem.mbits))  # m * 2**mbits < 2**24 is exact; torch.round is RNE
+        return e + (n == 2 ** (elem.mbits + 1)).to(torch.int32) - elem.emax
+    if mode is ScaleMode.RCEIL:
+        d = amax / elem.max_normal  # float32, correctly rounded
+        ed, md = frexp_bits(d)
+        return ed + (md != 1.0).to(torch.int32)
+    raise ValueError(f"unknown scale_mode {mode!r}")  # pragma: no cover - guarded by parse_enum
+
+
+@dataclass(frozen=True)
+class MXFormat(Format):
+    """An MX block format: element spec + 32-element blocks + E8M0 scale."""
+
+    name: str
+    element: ElementSpec
+    description: str
+    block_size: int = 32
+
+    def resolve(self, *, rounding=None, scale_mode=None, saturate=None) -> QuantOptions:
+        rnd = self._rounding(rounding, "rne")
+        mode = parse_enum(ScaleMode, "floor" if scale_mode is None else scale_mode, "scale_mode")
+        if saturate is not None and saturate is not True:
+            raise ValueError(f"saturate={saturate!r}: MX elements always saturate (OCP MX rule); allowed: True")
+        return QuantOptions(rounding=rnd, saturate=True, scale_mode=mode)
+
+    def _scales_and_scaled(self, x2: torch.Tensor, opts: QuantOptions):
+        xb = blocks(x2, self.block_size)
+        amax = xb.abs().amax(dim=-1)  # NaN propagates
+        bad = ~torch.isfinite(amax)
+        s = mx_scale_exponent(torch.where(bad, 0.0, amax), self.element, opts.scale_mode)
+        bad = bad | (s > 127)
+        s = torch.clamp(s, -127, 127)
+        scaled = mul_pow2(xb, -s.unsqueeze(-1))
+        scaled = torch.where(bad.unsqueeze(-1), 0.0, scaled)
+        return xb, s, bad, scaled
+
+    def _elements(self, scaled: torch.Tensor, opts: QuantOptions, seed: int, length: int) -> torch.Tensor:
+        rows, nb, blk = scaled.shape
+        u = draw_uniforms(opts.rounding, seed, torch.Size((rows, length)), scaled.device)
+        if u is not None:
+            u = blocks(u, blk)
+        return self.element.quantize(scaled, opts.rounding.value, True, u)
+
+    def _quantize_canonical(self, x2, opts, seed):
+        _, s, bad, scaled = self._scales_and_scaled(x2, opts)
+        p = self._elements(scaled, opts, seed, x2.shape[1])
+        y = mul_pow2(p, s.unsqueeze(-1))
+        y = torch.where(bad.unsqueeze(-1), float("nan"), y)
+        return unblock(y, x2.shape[1])
+
+    def _encode_canonical(self, x2, opts, seed):
+        _, s, bad, scaled = self._scales_and_scaled(x2, opts)
+        p = self._elements(scaled, opts, seed, x2.shape[1])
+        codes = unblock(self.element.encode(p), x2.shape[1])
+        scales = torch.where(bad, E8M0_NAN, s + E8M0_BIAS).to(torch.uint8)
+        return codes, scales, None
+
+    def _decode_canonical(self, codes, scales, tensor_scale, opts):
+        length = codes.shape[1]
+        p = blocks(self.element.decode(codes), self.block_size)
+        c = scales.to(torch.int32)
+        y = mul_pow2(p, (c - E8M0_BIAS).unsqueeze(-1))
+        y = torch.where((c == E8M0_NAN).unsqueeze(-1), float("nan"), y)
+        return unblock(y, length)

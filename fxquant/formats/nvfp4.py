@@ -1,0 +1,78 @@
+"""NVFP4: E2M1 elements in blocks of 16, an E4M3 scale per block, a float32 scale per tensor.
+
+FORMATS.md "NVFP4", in float32 and in this order (matching NVIDIA's and torchao's kernels to the bit):
+  g = amax_tensor / (448 * 6)
+  b = e4m3_rne(clamp(amax_block / 6 / g, 2**-9, 448))
+  P = e2m1(clamp(x * ((1 / g) / b), -6, 6))           value = P * (g * b)
+amax_tensor == 0 gives all zeros, and so does a g that underflows to 0 (amax_tensor < 2688 * 2**-149);
+a NaN or Inf anywhere makes the whole tensor NaN (the per-tensor scale is then undefined).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fxquant.formats.base import Format, draw_uniforms
+from fxquant.formats.element import E2M1, E4M3
+from fxquant.formats.mx import blocks, unblock
+from fxquant.formats.options import QuantOptions
+
+NVFP4_BLOCK = 16
+GLOBAL_DIVISOR = 448.0 * 6.0  # 2688
+
+
+@dataclass(frozen=True)
+class NVFP4Format(Format):
+    name: str
+    description: str
+    block_size: int = NVFP4_BLOCK
+
+    def resolve(self, *, rounding=None, scale_mode=None, saturate=None) -> QuantOptions:
+        if scale_mode is not None:
+            raise ValueError(f"scale_mode={scale_mode!r} applies to MX formats; NVFP4's scales are fixed by its recipe")
+        if saturate is not None and saturate is not True:
+            raise ValueError(f"saturate={saturate!r}: NVFP4 elements always saturate; allowed: True")
+        return QuantOptions(rounding=self._rounding(rounding, "rne"), saturate=True)
+
+    def _scales(self, x2: torch.Tensor):
+        """(blocked x, g, b, inv = (1/g)/b, zero, bad) per the recipe."""
+        xb = blocks(x2, self.block_size)
+        amax_t = x2.abs().amax() if x2.numel() else torch.zeros((), device=x2.device)
+        bad = ~torch.isfinite(amax_t)
+        g = torch.where(bad, 1.0, amax_t) / GLOBAL_DIVISOR
+        zero = g == 0
+        g = torch.where(zero, 1.0, g)
+        amax_b = torch.where(bad, 0.0, xb.abs().amax(dim=-1))
+        b = E4M3.quantize(torch.clamp(amax_b / 6.0 / g, 2.0**-9, 448.0), "rne", True, None)
+        inv = (1.0 / g) / b
+        return xb, g, b, inv, zero, bad
+
+    def _elements(self, xb, inv, opts, seed, length):
+        u = draw_uniforms(opts.rounding, seed, torch.Size((xb.shape[0], length)), xb.device)
+        if u is not None:
+            u = blocks(u, self.block_size)
+        v = torch.clamp(xb * inv.unsqueeze(-1), -6.0, 6.0)
+        return E2M1.quantize(v, opts.rounding.value, True, u)
+
+    def _quantize_canonical(self, x2, opts, seed):
+        xb, g, b, inv, zero, bad = self._scales(x2)
+        p = self._elements(xb, inv, opts, seed, x2.shape[1])
+        y = p * (g * b).unsqueeze(-1)
+        y = torch.where(zero, 0.0, torch.where(bad, float("nan"), y))
+        return unblock(y, x2.shape[1])
+
+    def _encode_canonical(self, x2, opts, seed):
+        xb, g, b, inv, zero, bad = self._scales(x2)
+        p = self._elements(xb, inv, opts, seed, x2.shape[1])
+        p = torch.where(zero | bad, 0.0, p)
+        codes = unblock(E2M1.encode(p), x2.shape[1])
+        tensor_scale = torch.where(zero, 0.0, torch.where(bad, float("nan"), g))
+        return codes, E4M3.encode(b), tensor_scale
+
+    def _decode_canonical(self, codes, scales, tensor_scale, opts):
+        p = blocks(E2M1.decode(codes), self.block_size)
+        b = E4M3.decode(scales)
+        g = tensor_scale.to(torch.float32)
+        y = p * (g * b).unsqueeze(-1)
+        return unblock(torch.where(g == 0, 0.0, y), codes.shape[1])
