@@ -1,0 +1,49 @@
+"""torch.library custom ops of fxquant.
+
+``fxquant::quantize(Tensor x, str qspec, int dim, int? seed) -> Tensor``
+    Fake-quantize ``x`` along ``dim`` per ``qspec`` (a ``TensorQuant.spec()`` string). The default
+    implementation is the pure-torch reference (any device); ``fxquant.kernels`` registers the Triton
+    implementation for CUDA when Triton is importable. ``seed=None`` with stochastic rounding draws a
+    seed from torch's default generator when the op runs (not when it is traced). Its autograd is the
+    straight-through estimator: the gradient passes unchanged. The output is always contiguous.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from fxquant.formats.tensor_quant import TensorQuant
+
+
+@functools.lru_cache(maxsize=512)
+def parse_qspec(qspec: str) -> TensorQuant:
+    return TensorQuant.from_spec(qspec)
+
+
+@torch.library.custom_op("fxquant::quantize", mutates_args=())
+def quantize(x: torch.Tensor, qspec: str, dim: int, seed: int | None = None) -> torch.Tensor:
+    return parse_qspec(qspec).quantize(x, dim, seed=seed)
+
+
+@quantize.register_fake
+def _quantize_fake(x: torch.Tensor, qspec: str, dim: int, seed: int | None = None) -> torch.Tensor:
+    return x.new_empty(x.shape)
+
+
+def _quantize_setup_context(ctx, inputs, output) -> None:
+    return None
+
+
+def _quantize_backward(ctx, grad: torch.Tensor):
+    return grad, None, None, None
+
+
+quantize.register_autograd(_quantize_backward, setup_context=_quantize_setup_context)
+
+
+def quantize_tensor(x: torch.Tensor, tq: TensorQuant | None, dim: int = -1, seed: int | None = None) -> torch.Tensor:
+    """Quantize through the custom op (dispatching to Triton on CUDA); ``tq=None`` returns ``x``."""
+    if tq is None:
+        return x
+    return torch.ops.fxquant.quantize(x, tq.spec(), dim, seed)

@@ -1,0 +1,41 @@
+"""Shared pytest configuration: hardware/dependency gates (each skip states its reason) and paths."""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+def _gate(item: pytest.Item, marker: str, ok: bool, reason: str) -> None:
+    if item.get_closest_marker(marker) is not None and not ok:
+        item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    has_cuda = torch.cuda.is_available()
+    has_triton = importlib.util.find_spec("triton") is not None
+    has_megatron = importlib.util.find_spec("megatron.core") is not None if importlib.util.find_spec("megatron") else False
+    for item in items:
+        _gate(item, "gpu", has_cuda, "needs a CUDA device; none is present")
+        _gate(item, "triton", has_triton, "needs Triton (pip install triton); not importable")
+        _gate(item, "megatron", has_megatron, "needs megatron-core (pip install megatron-core); not importable")
+
+
+@pytest.fixture(scope="session")
+def wikitext_dir() -> Path:
+    path = SHARED_DATA / "wikitext-2"
+    if not (path / "valid.txt").is_file():
+        pytest.skip(f"shared WikiText-2 data not found at {path} (expected ../shared/data beside the repo)")
+    return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _inductor_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """One Inductor cache per test session unless the caller chose one (scripts/run_tests.sh does)."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor-cache")))
