@@ -178,7 +178,7 @@ class Format(abc.ABC):
         scales2 = None
         if enc.scales is not None:
             s = enc.scales.reshape(1) if enc.scales.dim() == 0 else enc.scales
-            scales2 = s.movedim(enc.dim, -1).contiguous().reshape(codes2.shape[0], -1)
+            scales2 = s.movedim(enc.dim, -1).contiguous().reshape(codes2.shape[0], s.shape[enc.dim])
         y = self._decode_canonical(codes2, scales2, enc.tensor_scale, enc.options)
         return restore_layout(y, enc.codes.shape, enc.dim).to(enc.dtype)
 

@@ -42,7 +42,8 @@ def blocks(x2: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def unblock(xb: torch.Tensor, length: int) -> torch.Tensor:
-    return xb.reshape(xb.shape[0], -1)[:, :length]
+    """Inverse of ``blocks``: ``[rows, nblocks, block]`` -> ``[rows, length]``."""
+    return xb.reshape(xb.shape[0], xb.shape[1] * xb.shape[2])[:, :length]
 
 
 def mx_scale_exponent(amax: torch.Tensor, elem: ElementSpec, mode: ScaleMode) -> torch.Tensor:
@@ -70,6 +71,7 @@ class MXFormat(Format):
     element: ElementSpec
     description: str
     block_size: int = 32
+    scale_layout = "E8M0 per 32"
 
     def resolve(self, *, rounding=None, scale_mode=None, saturate=None) -> QuantOptions:
         rnd = self._rounding(rounding, "rne")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from fxquant.formats.base import Format, draw_uniforms
-from fxquant.formats.element import E2M1, E4M3
+from fxquant.formats.element import E2M1, E4M3, ElementSpec
 from fxquant.formats.mx import blocks, unblock
 from fxquant.formats.options import QuantOptions
 
@@ -27,6 +27,8 @@ class NVFP4Format(Format):
     name: str
     description: str
     block_size: int = NVFP4_BLOCK
+    element: ElementSpec = E2M1
+    scale_layout = "E4M3 per 16 + fp32 per tensor"
 
     def resolve(self, *, rounding=None, scale_mode=None, saturate=None) -> QuantOptions:
         if scale_mode is not None:

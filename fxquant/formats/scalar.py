@@ -38,6 +38,10 @@ class ElementFormat(Format):
     allow_tensor_scaling: bool = True
     default_saturate: bool = True
 
+    @property
+    def scale_layout(self) -> str:
+        return "optional 2^k per tensor" if self.allow_tensor_scaling else "none"
+
     def resolve(self, *, rounding=None, scale_mode=None, saturate=None, scaling=None, scale_target=None) -> QuantOptions:
         if scale_mode is not None:
             raise ValueError(f"scale_mode={scale_mode!r} applies to MX block formats only, not {self.name!r}")

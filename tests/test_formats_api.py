@@ -1,0 +1,159 @@
+"""The public API of fxquant.formats: names, lookup, shapes, dtypes, layouts and bad input."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fxquant import formats
+from fxquant.cli import main as cli_main
+from fxquant.formats.tensor_quant import TensorQuant
+from tests.bitwise import assert_bitwise_equal
+
+ALL = formats.names()
+
+
+def test_names_and_aliases():
+    assert ALL == [
+        "mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e3m2", "mxfp6_e2m3", "mxfp4_e2m1", "mxint8",
+        "nvfp4", "hifp8", "fp8_e4m3", "fp8_e5m2", "bf16", "fp16",
+    ]  # fmt: skip
+    assert formats.get("mxfp8") is formats.get("mxfp8_e4m3")
+    assert formats.get("mxfp4") is formats.get("mxfp4_e2m1")
+    assert formats.get("hif8") is formats.get("hifp8")
+    assert formats.get(" MXFP8 ") is formats.get("mxfp8_e4m3")
+
+
+def test_unknown_name_did_you_mean():
+    with pytest.raises(ValueError, match=r"unknown format 'mxfp8_e4m4'.*did you mean 'mxfp8_e4m3'.*known formats: mxfp8_e4m3"):
+        formats.get("mxfp8_e4m4")
+    with pytest.raises(TypeError):
+        formats.get(8)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int8, torch.complex64, torch.float64, torch.bool])
+def test_rejects_non_float_dtypes(dtype):
+    x = torch.zeros(4, dtype=dtype)
+    with pytest.raises(ValueError, match=r"dtype .* quantize takes floating tensors"):
+        formats.get("hifp8").quantize(x)
+
+
+def test_rejects_bad_dim_and_options():
+    x = torch.randn(2, 3)
+    with pytest.raises(ValueError, match=r"dim=2 is out of range .* allowed \[-2, 1\]"):
+        formats.get("mxfp8").quantize(x, dim=2)
+    with pytest.raises(TypeError, match="dim must be an int"):
+        formats.get("mxfp8").quantize(x, dim=1.0)
+    with pytest.raises(ValueError, match=r"rounding='nearest' is not allowed; choose one of \['rne', 'ta', 'sr', 'rz'\]"):
+        formats.get("mxfp8").quantize(x, rounding="nearest")
+    with pytest.raises(ValueError, match=r"scale_mode='flor'.*did you mean 'floor'"):
+        formats.get("mxfp8").quantize(x, scale_mode="flor")
+    with pytest.raises(ValueError, match="scale_mode=.* applies to MX"):
+        formats.get("hifp8").quantize(x, scale_mode="floor")
+    with pytest.raises(ValueError, match="scaling='tensor' is not offered for 'bf16'"):
+        formats.get("bf16").quantize(x, scaling="tensor")
+    with pytest.raises(ValueError, match=r"scale_target=1000.0 must lie in \(0, 448\]"):
+        formats.get("fp8_e4m3").quantize(x, scaling="tensor", scale_target=1000.0)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        formats.get("mxfp8").quantize(x, blocksize=16)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        formats.get("mxfp8").quantize([1.0, 2.0])
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_zero_dim_and_empty(name):
+    fmt = formats.get(name)
+    s = torch.tensor(1.3)
+    out = fmt.quantize(s)
+    assert out.shape == () and out.dtype == s.dtype
+    assert_bitwise_equal(fmt.decode(fmt.encode(s)), out)
+    for shape, dim in [((0,), 0), ((3, 0), 1), ((0, 40), 1), ((0, 40), 0)]:
+        e = torch.empty(shape)
+        assert fmt.quantize(e, dim).shape == shape
+        enc = fmt.encode(e, dim)
+        assert enc.codes.shape == shape
+        assert fmt.decode(enc).shape == shape
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_non_finite_never_crash(name):
+    x = torch.tensor([[math.nan, math.inf, -math.inf, 0.0, -0.0, 1.0, 3e38, 1e-45] * 5])
+    out = formats.get(name).quantize(x)
+    assert out.shape == x.shape and torch.isnan(out[0, 0])
+
+
+@pytest.mark.parametrize("name", ALL)
+@settings(max_examples=15, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 37), min_size=1, max_size=3),
+    dim_seed=st.integers(0, 100),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    rounding=st.sampled_from(["rne", "ta", "rz", "sr"]),
+    transpose=st.booleans(),
+)
+def test_quantize_contract(name, shape, dim_seed, dtype, rounding, transpose):
+    """Same shape/dtype, input untouched, layout-independent, decode(encode(x)) == quantize(x)."""
+    fmt = formats.get(name)
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(dim_seed)) * 3).to(dtype)
+    if transpose and x.dim() >= 2:
+        x = x.transpose(0, -1)  # non-contiguous
+    dim = dim_seed % x.dim()
+    before = x.clone()
+    out = fmt.quantize(x, dim, rounding=rounding, seed=11)
+    assert torch.equal(x, before)
+    assert out.shape == x.shape and out.dtype == x.dtype and out.device == x.device
+    assert_bitwise_equal(fmt.quantize(x.contiguous(), dim, rounding=rounding, seed=11), out)
+    enc = fmt.encode(x, dim, rounding=rounding, seed=11)
+    assert enc.codes.shape == x.shape
+    if fmt.block_size:
+        assert enc.scales.dtype == torch.uint8
+        assert enc.scales.shape[dim] == -(-x.shape[dim] // fmt.block_size)
+    assert_bitwise_equal(fmt.decode(enc), out)
+
+
+def test_blocked_dim_matters():
+    x = torch.randn(32, 32)
+    x[0, 0] = 1000.0  # one huge value: its block is coarse; which block depends on dim
+    fmt = formats.get("mxfp8")
+    rows, cols = fmt.quantize(x, dim=1), fmt.quantize(x, dim=0)
+    assert not torch.equal(rows, cols)
+    assert torch.equal(rows, fmt.quantize(x.t().contiguous(), dim=0).t())
+
+
+def test_tensor_quant_roundtrip_and_equality():
+    tq = TensorQuant("mxfp8", rounding="sr")
+    assert tq.spec() == "mxfp8_e4m3:rounding=sr,scale_mode=floor,saturate=1"
+    assert TensorQuant.from_spec(tq.spec()) == tq
+    assert TensorQuant("hif8") == TensorQuant("hifp8", rounding="ta", saturate=True)
+    assert TensorQuant.from_spec("hifp8:scaling=tensor,scale_target=224.0").options.scale_target == 224.0
+    with pytest.raises(ValueError, match="bad option 'roundng=rne'.*did you mean 'rounding'"):
+        TensorQuant.from_spec("mxfp8:roundng=rne")
+    with pytest.raises(ValueError, match="unknown format"):
+        TensorQuant("mxfp9")
+
+
+def test_quantize_op_matches_reference_and_passes_opcheck():
+    from fxquant import ops
+
+    x = torch.randn(5, 70)
+    for spec in ("mxfp4_e2m1:rounding=rne,scale_mode=even,saturate=1", "hifp8:rounding=sr,saturate=0"):
+        tq = TensorQuant.from_spec(spec)
+        assert_bitwise_equal(ops.quantize_tensor(x, tq, 1, 3), tq.quantize(x, 1, seed=3))
+        torch.library.opcheck(torch.ops.fxquant.quantize.default, (x, spec, 1, 3))
+        torch.library.opcheck(torch.ops.fxquant.quantize.default, (x.t(), spec, 0, 3))
+
+
+def test_cli_formats_table(capsys):
+    assert cli_main(["formats"]) == 0
+    out = capsys.readouterr().out
+    for name in ALL:
+        assert name in out
+    assert "mxfp8_e4m3 (mxfp8)" in out and "0x6F/0xEF +-Inf" in out and "127/64" in out
+    assert cli_main(["formats", "--json"]) == 0
+    import json
+
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["format"].split(" ")[0] for r in rows} == set(ALL)
