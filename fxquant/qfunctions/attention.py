@@ -1,0 +1,99 @@
+"""``quantized_sdpa``: ``F.scaled_dot_product_attention`` semantics in explicit math, with the QK^T and PV
+matmuls (forward and their backward GEMMs dQ, dK, dP, dV) quantized per an ``AttentionQuant``.
+
+The reference, step by step (q [.., Hq, Lq, d], k [.., Hk, Lk, d], v [.., Hk, Lk, dv]):
+
+    enable_gqa: k, v heads repeated (``repeat_interleave``) Hq / Hk times; their gradients sum back
+    S = quantized_matmul(q, k^T, aq.qk)                 GEMM in the input dtype
+    S' = S.float() * scale  (+ additive mask | -inf where a bool mask is False | causal: -inf above diagonal)
+    P = softmax(S') in float32, rows that are masked everywhere give 0 (as ``aten._safe_softmax``), cast back
+        to the input dtype
+    dropout: keep = torch.empty_like(P).bernoulli_(1 - dropout_p) drawn once in the forward from torch's
+        default generator; P = P * keep / (1 - dropout_p); autograd reuses the same mask in the backward
+    O = quantized_matmul(P, v, aq.pv)
+
+Softmax runs in float32 whatever the input dtype (stable: torch subtracts the row max), so bf16 inputs
+lose precision only in the two GEMMs and the final cast of P. The causal mask is SDPA's: top-left
+aligned, ``tril`` of an [Lq, Lk] matrix of ones. Autograd through the scale, mask, softmax and dropout is
+torch's; the four backward GEMMs run inside ``quantized_matmul``'s backward.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fxquant.qfunctions.matmul import quantized_matmul
+from fxquant.schemes.model import AttentionQuant
+
+
+def _softmax_f32(s: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim (float32 in, float32 out); rows that are -inf everywhere give 0, not NaN,
+    in the forward and the backward (as SDPA's math backend, ``aten._safe_softmax``)."""
+    dead = torch.isneginf(s).all(-1, keepdim=True)
+    p = torch.softmax(torch.where(dead, 0.0, s), -1)
+    return torch.where(dead, 0.0, p)
+
+
+def _check(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa, aq) -> None:
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"quantized_sdpa: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() < 2:
+            raise ValueError(f"quantized_sdpa: {name} needs at least 2 dims [.., L, E], got shape {tuple(t.shape)}")
+    if not isinstance(aq, AttentionQuant):
+        raise TypeError(f"quantized_sdpa: aq must be a fxquant.schemes.AttentionQuant, got {type(aq).__name__}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"quantized_sdpa: query and key need the same last dim, got {q.shape[-1]} and {k.shape[-1]}")
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"quantized_sdpa: key and value need the same length, got {k.shape[-2]} and {v.shape[-2]}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"quantized_sdpa: dropout_p={dropout_p!r} must lie in [0, 1)")
+    if is_causal and attn_mask is not None:
+        raise ValueError("quantized_sdpa: pass either attn_mask or is_causal=True, not both (as F.scaled_dot_product_attention)")
+    if q.dim() >= 3 and q.shape[-3] != k.shape[-3]:
+        if not enable_gqa:
+            raise ValueError(
+                f"quantized_sdpa: query has {q.shape[-3]} heads and key {k.shape[-3]}; pass enable_gqa=True for GQA"
+            )
+        if q.shape[-3] % k.shape[-3] != 0 or k.shape[-3] != v.shape[-3]:
+            raise ValueError(
+                f"quantized_sdpa: enable_gqa needs query heads ({q.shape[-3]}) to be a multiple of key/value heads "
+                f"({k.shape[-3]}, {v.shape[-3]})"
+            )
+
+
+def quantized_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    aq: AttentionQuant,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention(...)`` with QK^T and PV quantized per ``aq`` (module docstring)."""
+    _check(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, aq)
+    if enable_gqa and query.dim() >= 3 and query.shape[-3] != key.shape[-3]:
+        rep = query.shape[-3] // key.shape[-3]
+        key = key.repeat_interleave(rep, dim=-3)
+        value = value.repeat_interleave(rep, dim=-3)
+    lq, lk = query.shape[-2], key.shape[-2]
+    scale_ = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    s = quantized_matmul(query, key.transpose(-2, -1), aq.qk).float() * scale_
+    if is_causal:
+        causal = torch.ones(lq, lk, dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~causal, float("-inf"))
+    elif attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            s = s.masked_fill(~attn_mask, float("-inf"))
+        else:
+            s = s + attn_mask.float()
+    p = _softmax_f32(s).to(query.dtype)
+    if dropout_p > 0.0:
+        keep = torch.empty_like(p).bernoulli_(1.0 - dropout_p)
+        p = p * keep / (1.0 - dropout_p)
+    return quantized_matmul(p, value, aq.pv)

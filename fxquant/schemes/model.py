@@ -1,0 +1,256 @@
+"""What a scheme resolves to at one site: frozen dataclasses naming every GEMM operand's TensorQuant.
+
+FORMATS.md "Which dimension is blocked" fixes the axes. A generic ``C = A @ B`` (A [.., M, K], B [.., K, N])
+has three GEMMs, each with two operands, each blocked along that GEMM's reduction dimension:
+
+    forward  C  = A @ B      (A, B)   along K      A dim -1, B dim -2
+    grad_a   dA = dC @ B^T   (dC, B)  along N      dC dim -1, B dim -1
+    grad_b   dB = A^T @ dC   (A, dC)  along M      A dim -2, dC dim -2
+
+A linear ``Y = X W^T`` is that matmul with A = X and B = W^T; its GEMMs keep the names of FORMATS.md
+(fprop (X, W), dgrad (dY, W), wgrad (dY, X)). Attention is two matmuls: ``qk`` (S = Q K^T) and ``pv``
+(O = P V). ``None`` anywhere means "high precision" (the operand is not quantized).
+"""
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+
+from fxquant.formats.tensor_quant import TensorQuant
+
+
+class SiteKind(str, enum.Enum):
+    """What a matched site is; the selector ``kinds:`` of a scheme rule uses these values."""
+
+    QKV = "qkv"  # query/key/value projection(s)
+    PROJ = "proj"  # attention output projection
+    FC1 = "fc1"  # MLP up (and gate) projection
+    FC2 = "fc2"  # MLP down projection
+    LM_HEAD = "lm_head"  # output layer (excluded unless selected explicitly)
+    EMBEDDING = "embedding"  # embedding used as a GEMM operand (excluded unless selected explicitly)
+    LINEAR = "linear"  # any other linear
+    ATTENTION = "attention"  # core attention (SDPA or unfused)
+
+    @property
+    def component(self) -> "Component":
+        return Component.ATTENTION if self is SiteKind.ATTENTION else Component.LINEAR
+
+
+class Component(str, enum.Enum):
+    """The two kinds of quantized op a rule can configure."""
+
+    LINEAR = "linear"
+    ATTENTION = "attention"
+
+
+EXPLICIT_ONLY_KINDS = frozenset({SiteKind.LM_HEAD, SiteKind.EMBEDDING})
+
+_LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)")
+
+
+@dataclass(frozen=True)
+class Site:
+    """One matched op in a model: its module path (``decoder.layers.0.self_attention.linear_qkv``), kind,
+    layer index (None outside the layer stack) and the number of layers of the stack (for ``last_layers``
+    and negative layer indices)."""
+
+    module_path: str
+    kind: SiteKind
+    layer: int | None = None
+    num_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.module_path, str):
+            raise TypeError(f"Site.module_path must be a str, got {type(self.module_path).__name__}")
+        if not isinstance(self.kind, SiteKind):
+            object.__setattr__(self, "kind", _parse_kind(self.kind))
+        for name in ("layer", "num_layers"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ValueError(f"Site.{name} must be a non-negative int or None, got {v!r}")
+
+    @classmethod
+    def from_path(cls, module_path: str, kind: SiteKind | str | None = None, num_layers: int | None = None) -> "Site":
+        """A site whose layer index is read from ``layers.N`` (also ``h.N``, ``blocks.N``) in the path and whose
+        kind, when not given, is guessed from the module name (``site_kind_for``)."""
+        m = None
+        for m in _LAYER_RE.finditer(module_path):
+            pass
+        layer = int(m.group(1)) if m else None
+        k = site_kind_for(module_path) if kind is None else _parse_kind(kind)
+        return cls(module_path, k, layer, num_layers)
+
+
+def _parse_kind(kind: object) -> SiteKind:
+    from fxquant.formats.options import parse_enum
+
+    return parse_enum(SiteKind, kind, "kind")
+
+
+# Last path component -> kind, for Megatron-core, Hugging Face (Llama, Mistral, Qwen, GPT-2) and nanoGPT names.
+_KIND_BY_NAME = {
+    "linear_qkv": SiteKind.QKV, "q_proj": SiteKind.QKV, "k_proj": SiteKind.QKV, "v_proj": SiteKind.QKV,
+    "qkv_proj": SiteKind.QKV, "qkv": SiteKind.QKV, "wq": SiteKind.QKV, "wk": SiteKind.QKV, "wv": SiteKind.QKV,
+    "c_attn": SiteKind.QKV, "linear_q": SiteKind.QKV, "linear_kv": SiteKind.QKV,
+    "linear_q_proj": SiteKind.QKV, "linear_kv_down_proj": SiteKind.QKV, "linear_kv_up_proj": SiteKind.QKV,
+    "linear_q_down_proj": SiteKind.QKV, "linear_q_up_proj": SiteKind.QKV,
+    "linear_proj": SiteKind.PROJ, "o_proj": SiteKind.PROJ, "out_proj": SiteKind.PROJ, "wo": SiteKind.PROJ,
+    "linear_fc1": SiteKind.FC1, "gate_proj": SiteKind.FC1, "up_proj": SiteKind.FC1, "c_fc": SiteKind.FC1,
+    "w1": SiteKind.FC1, "w3": SiteKind.FC1, "gate_up_proj": SiteKind.FC1, "fc1": SiteKind.FC1,
+    "linear_fc2": SiteKind.FC2, "down_proj": SiteKind.FC2, "w2": SiteKind.FC2, "fc2": SiteKind.FC2,
+    "output_layer": SiteKind.LM_HEAD, "lm_head": SiteKind.LM_HEAD,
+    "word_embeddings": SiteKind.EMBEDDING, "embed_tokens": SiteKind.EMBEDDING, "wte": SiteKind.EMBEDDING,
+    "embedding": SiteKind.EMBEDDING, "tok_embeddings": SiteKind.EMBEDDING,
+    "core_attention": SiteKind.ATTENTION,
+}
+_ATTN_PARENTS = ("attn", "attention", "self_attn", "self_attention")
+
+
+def site_kind_for(module_path: str) -> SiteKind:
+    """Guess a linear site's kind from its module path; ``LINEAR`` when the name is not a known one.
+
+    GPT-2's ``c_proj`` is the attention projection under ``attn`` and FC2 under ``mlp``.
+    """
+    parts = module_path.split(".")
+    last = parts[-1] if parts else ""
+    if last == "c_proj":
+        return SiteKind.PROJ if len(parts) > 1 and parts[-2] in _ATTN_PARENTS else SiteKind.FC2
+    return _KIND_BY_NAME.get(last, SiteKind.LINEAR)
+
+
+# -- what one site resolves to ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GemmQuant:
+    """The two operands of one GEMM, each quantized per its TensorQuant or kept in high precision (None)."""
+
+    a: TensorQuant | None = None
+    b: TensorQuant | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("a", "b"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, TensorQuant):
+                raise TypeError(f"GemmQuant.{name} must be a TensorQuant or None, got {type(v).__name__}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.a is not None or self.b is not None
+
+    def swapped(self) -> "GemmQuant":
+        return GemmQuant(self.b, self.a)
+
+
+HIGH = GemmQuant()
+
+
+@dataclass(frozen=True)
+class MatmulQuant:
+    """``C = A @ B`` with its three GEMMs: forward (A, B), grad_a (dC, B), grad_b (A, dC)."""
+
+    forward: GemmQuant = HIGH
+    grad_a: GemmQuant = HIGH
+    grad_b: GemmQuant = HIGH
+
+    def __post_init__(self) -> None:
+        for name in ("forward", "grad_a", "grad_b"):
+            if not isinstance(getattr(self, name), GemmQuant):
+                raise TypeError(f"MatmulQuant.{name} must be a GemmQuant, got {type(getattr(self, name)).__name__}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.forward.quantized or self.grad_a.quantized or self.grad_b.quantized
+
+    def transposed(self) -> "MatmulQuant":
+        """The MatmulQuant of ``C^T = B^T @ A^T`` that quantizes exactly the same operands along the same axes."""
+        return MatmulQuant(self.forward.swapped(), self.grad_b.swapped(), self.grad_a.swapped())
+
+
+@dataclass(frozen=True)
+class LinearQuant:
+    """``Y = X W^T`` (+ bias in high precision), named as FORMATS.md does:
+    fprop (a=X, b=W) along K; dgrad ``dX = dY W`` (a=dY, b=W) along N; wgrad ``dW = dY^T X`` (a=dY, b=X) along M."""
+
+    fprop: GemmQuant = HIGH
+    dgrad: GemmQuant = HIGH
+    wgrad: GemmQuant = HIGH
+
+    def __post_init__(self) -> None:
+        for name in ("fprop", "dgrad", "wgrad"):
+            if not isinstance(getattr(self, name), GemmQuant):
+                raise TypeError(f"LinearQuant.{name} must be a GemmQuant, got {type(getattr(self, name)).__name__}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.fprop.quantized or self.dgrad.quantized or self.wgrad.quantized
+
+    def as_matmul(self) -> MatmulQuant:
+        """As ``C = A @ B`` with A = X, B = W^T: grad_a is dgrad; grad_b (dB = dW^T = X^T dY) is wgrad swapped."""
+        return MatmulQuant(self.fprop, self.dgrad, self.wgrad.swapped())
+
+
+@dataclass(frozen=True)
+class AttentionQuant:
+    """Attention's two matmuls. ``qk``: S = Q K^T (forward (Q, K) along d; grad_a dQ = dS K (dS, K) along Lk;
+    grad_b dK = dS^T Q (Q, dS) along Lq). ``pv``: O = P V (forward (P, V) along Lk; grad_a dP = dO V^T (dO, V)
+    along d; grad_b dV = P^T dO (P, dO) along Lq)."""
+
+    qk: MatmulQuant = MatmulQuant()
+    pv: MatmulQuant = MatmulQuant()
+
+    def __post_init__(self) -> None:
+        for name in ("qk", "pv"):
+            if not isinstance(getattr(self, name), MatmulQuant):
+                raise TypeError(f"AttentionQuant.{name} must be a MatmulQuant, got {type(getattr(self, name)).__name__}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.qk.quantized or self.pv.quantized
+
+
+# -- operand tables: (gemm, operand) names as the YAML and describe() spell them ------------------------------
+# Linear GEMMs -> (field, operand names (a, b)).
+LINEAR_GEMMS: dict[str, tuple[str, str]] = {"fprop": ("x", "w"), "dgrad": ("dy", "w"), "wgrad": ("dy", "x")}
+# Attention GEMMs -> (matmul, GEMM of that matmul, operand names in the order (a, b) of that GemmQuant).
+ATTENTION_GEMMS: dict[str, tuple[str, str, tuple[str, str]]] = {
+    "qk": ("qk", "forward", ("q", "k")),
+    "dq": ("qk", "grad_a", ("ds", "k")),
+    "dk": ("qk", "grad_b", ("q", "ds")),
+    "pv": ("pv", "forward", ("p", "v")),
+    "dp": ("pv", "grad_a", ("do", "v")),
+    "dv": ("pv", "grad_b", ("p", "do")),
+}
+
+
+def linear_operands(lq: LinearQuant) -> dict[str, dict[str, TensorQuant | None]]:
+    """``{"fprop": {"x": tq, "w": tq}, ...}``: the operand table of a LinearQuant."""
+    out = {}
+    for gemm, (an, bn) in LINEAR_GEMMS.items():
+        g = getattr(lq, gemm)
+        out[gemm] = {an: g.a, bn: g.b}
+    return out
+
+
+def attention_operands(aq: AttentionQuant) -> dict[str, dict[str, TensorQuant | None]]:
+    """``{"qk": {"q": tq, "k": tq}, "dq": {"ds": .., "k": ..}, ...}``: the operand table of an AttentionQuant."""
+    out = {}
+    for gemm, (mm, field_, (an, bn)) in ATTENTION_GEMMS.items():
+        g = getattr(getattr(aq, mm), field_)
+        out[gemm] = {an: g.a, bn: g.b}
+    return out
+
+
+def linear_from_operands(table: dict[str, dict[str, TensorQuant | None]]) -> LinearQuant:
+    kw = {}
+    for gemm, (an, bn) in LINEAR_GEMMS.items():
+        ops = table.get(gemm, {})
+        kw[gemm] = GemmQuant(ops.get(an), ops.get(bn))
+    return LinearQuant(**kw)
+
+
+def attention_from_operands(table: dict[str, dict[str, TensorQuant | None]]) -> AttentionQuant:
+    mms: dict[str, dict[str, GemmQuant]] = {"qk": {}, "pv": {}}
+    for gemm, (mm, field_, (an, bn)) in ATTENTION_GEMMS.items():
+        ops = table.get(gemm, {})
+        mms[mm][field_] = GemmQuant(ops.get(an), ops.get(bn))
+    return AttentionQuant(MatmulQuant(**mms["qk"]), MatmulQuant(**mms["pv"]))
