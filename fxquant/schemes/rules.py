@@ -28,6 +28,13 @@ class LayerSpan:
     start: int
     stop: int
 
+    def __post_init__(self) -> None:
+        for v in (self.start, self.stop):
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise TypeError(f"LayerSpan bounds must be ints, got {v!r}")
+        if (self.start >= 0) == (self.stop >= 0) and self.start > self.stop:
+            raise ValueError(f"LayerSpan({self.start}, {self.stop}) is empty: start must not exceed stop")
+
     def contains(self, layer: int, num_layers: int | None) -> bool:
         lo, hi = self.start, self.stop
         if lo < 0 or hi < 0:
@@ -129,6 +136,12 @@ class Rule:
             raise TypeError(f"Rule.linear must be a LinearQuant or None, got {type(self.linear).__name__}")
         if self.attention is not None and not isinstance(self.attention, AttentionQuant):
             raise TypeError(f"Rule.attention must be an AttentionQuant or None, got {type(self.attention).__name__}")
+        kinds = self.selector.kinds
+        if kinds and not any(self.configures(k.component) for k in kinds):
+            raise ValueError(
+                f"a rule selecting kinds {[k.value for k in kinds]} must configure "
+                f"{' or '.join(sorted({k.component.value for k in kinds}))}: otherwise it could never apply"
+            )
 
     def configures(self, component: Component) -> bool:
         return (self.linear if component is Component.LINEAR else self.attention) is not None

@@ -48,6 +48,11 @@ _ATTN_TREE = {g: ops for g, (_, _, ops) in ATTENTION_GEMMS.items()}
 _RANGE_RE = re.compile(r"^\s*(-?\d+)\s*\.\.\s*(-?\d+)\s*$|^\s*(\d+)\s*-\s*(\d+)\s*$")
 
 
+def _is_none(v: object) -> bool:
+    """``none``, ``null``/``~``, ``off``/``false``/``no`` (YAML 1.1 booleans) all mean high precision."""
+    return v is None or v is False or (isinstance(v, str) and v.strip().lower() in NONE_WORDS)
+
+
 class SchemeError(ValueError):
     """Every problem of one scheme file, one ``file:line: path: message`` per line."""
 
@@ -262,7 +267,7 @@ class _Parser:
             return None
         if isinstance(node, yaml.ScalarNode):
             v = self.value(node)
-            if v is None or (isinstance(v, str) and v.strip().lower() in NONE_WORDS):
+            if _is_none(v):
                 return {**parent, "format": None}
             if not isinstance(v, str):
                 self.error(node, path, f"expected a format (e.g. 'mxfp8'), 'none' or a mapping, got {v!r}")
@@ -277,12 +282,10 @@ class _Parser:
         m = self.mapping(node, path, allowed)
         if m is None:
             return None
-        if len(m) != len(node.value):  # unknown or duplicate keys were reported
-            return None
-        new = dict(parent)
+        new = dict(parent)  # unknown or duplicate keys were reported; the known ones are still checked
         if "format" in m:
             v = self.value(m["format"][1])
-            if v is None or (isinstance(v, str) and v.strip().lower() in NONE_WORDS):
+            if _is_none(v):
                 new["format"] = None
             else:
                 try:

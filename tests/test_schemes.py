@@ -1,0 +1,248 @@
+"""fxquant.schemes: presets (what each name quantizes), rule resolution, selectors, unmatched rules."""
+from __future__ import annotations
+
+import pytest
+
+from fxquant import formats, schemes
+from fxquant.formats.tensor_quant import TensorQuant
+from fxquant.schemes import (
+    AttentionQuant,
+    GemmQuant,
+    LayerSpan,
+    LinearQuant,
+    MatmulQuant,
+    Rule,
+    Scheme,
+    Selector,
+    Site,
+    SiteKind,
+)
+from fxquant.schemes.model import attention_operands, linear_operands
+from fxquant.schemes.presets import PREDECESSOR_NAMES, generate
+
+N_LAYERS = 4
+LINEAR_SITES = [
+    Site.from_path(f"decoder.layers.{i}.{p}", num_layers=N_LAYERS)
+    for i in range(N_LAYERS)
+    for p in ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+]
+ATTN_SITES = [Site(f"decoder.layers.{i}.self_attention.core_attention", SiteKind.ATTENTION, i, N_LAYERS) for i in range(N_LAYERS)]
+HEAD = Site.from_path("output_layer", num_layers=N_LAYERS)
+EMB = Site.from_path("embedding.word_embeddings", num_layers=N_LAYERS)
+SITES = LINEAR_SITES + ATTN_SITES + [HEAD, EMB]
+
+LINEAR_OPERANDS = {("fprop", "x"), ("fprop", "w"), ("dgrad", "dy"), ("dgrad", "w"), ("wgrad", "dy"), ("wgrad", "x")}
+QK_OPERANDS = {("qk", "q"), ("qk", "k"), ("dq", "ds"), ("dq", "k"), ("dk", "ds"), ("dk", "q")}
+PV_OPERANDS = {("pv", "p"), ("pv", "v"), ("dp", "do"), ("dp", "v"), ("dv", "p"), ("dv", "do")}
+
+
+def quantized_operands(table: dict) -> dict[tuple[str, str], TensorQuant]:
+    return {(g, o): tq for g, ops in table.items() for o, tq in ops.items() if tq is not None}
+
+
+def expected_from_name(name: str) -> tuple[set, set, str | None]:
+    """(linear operands, attention operands, format) that a preset's name promises, derived from the name."""
+    for prefix, lin, att in (
+        ("FA_linear_", LINEAR_OPERANDS, QK_OPERANDS),
+        ("FA_QKPV_", set(), QK_OPERANDS | PV_OPERANDS),
+        ("FA_QK_", set(), QK_OPERANDS),
+        ("FA_PV_", set(), PV_OPERANDS),
+        ("FA_", set(), QK_OPERANDS),
+        ("linear_", LINEAR_OPERANDS, set()),
+    ):
+        if name.startswith(prefix):
+            return lin, att, name[len(prefix):]
+    assert name == "bf16", name
+    return set(), set(), None
+
+
+def test_site_parsing() -> None:
+    s = Site.from_path("decoder.layers.3.mlp.linear_fc2", num_layers=8)
+    assert (s.kind, s.layer, s.num_layers) == (SiteKind.FC2, 3, 8)
+    assert Site.from_path("model.layers.0.self_attn.q_proj").kind is SiteKind.QKV
+    assert Site.from_path("transformer.h.5.attn.c_proj").kind is SiteKind.PROJ
+    assert Site.from_path("transformer.h.5.mlp.c_proj").kind is SiteKind.FC2
+    assert Site.from_path("lm_head").kind is SiteKind.LM_HEAD
+    assert Site.from_path("lm_head").layer is None
+    assert Site.from_path("encoder.my_linear").kind is SiteKind.LINEAR
+    with pytest.raises(ValueError, match=r"kind='fc3'.*did you mean 'fc\d'"):
+        Site("x", "fc3")
+
+
+def test_names_cover_every_format_and_family() -> None:
+    names = schemes.names()
+    assert len(names) == len(set(names))
+    for x in formats.names() + list(formats.aliases()):
+        for p in ("linear", "FA", "FA_QK", "FA_PV", "FA_QKPV", "FA_linear"):
+            assert f"{p}_{x}" in names
+    for n in PREDECESSOR_NAMES:
+        assert n in names and f"legacy_{n}" in names
+
+
+@pytest.mark.parametrize("name", [n for n in schemes.names() if not n.startswith("legacy_")])
+def test_preset_quantizes_exactly_what_its_name_says(name: str) -> None:
+    scheme = schemes.get(name)
+    lin_exp, att_exp, x = expected_from_name(name)
+    tq = None if x is None else TensorQuant(x)
+    for site in LINEAR_SITES:
+        lq = scheme.linear_for(site)
+        got = {} if lq is None else quantized_operands(linear_operands(lq))
+        assert set(got) == lin_exp, (name, site)
+        assert all(v == tq for v in got.values())
+    for site in ATTN_SITES:
+        aq = scheme.attention_for(site)
+        got = {} if aq is None else quantized_operands(attention_operands(aq))
+        assert set(got) == att_exp, (name, site)
+        assert all(v == tq for v in got.values())
+    # LM head and embeddings are never selected by a preset
+    assert scheme.linear_for(HEAD) is None and scheme.linear_for(EMB) is None
+
+
+def test_mxfp8_is_e4m3_everywhere_and_aliases_agree() -> None:
+    s = schemes.get("linear_mxfp8")
+    lq = s.linear_for(LINEAR_SITES[0])
+    assert {tq.format for tq in quantized_operands(linear_operands(lq)).values()} == {"mxfp8_e4m3"}
+    assert s.rules == schemes.get("linear_mxfp8_e4m3").rules
+    assert schemes.get("FA_hif8").rules == schemes.get("FA_hifp8").rules
+    assert schemes.get("FA_QK_mxfp4").rules == schemes.get("FA_mxfp4").rules
+
+
+def test_shipped_yaml_equals_generated() -> None:
+    files = sorted(p.stem for p in schemes.preset_dir().glob("*.yaml"))
+    assert files == sorted(PREDECESSOR_NAMES)
+    for n in PREDECESSOR_NAMES:
+        from_file = Scheme.from_yaml(schemes.preset_dir() / f"{n}.yaml")
+        assert from_file == generate(n), n
+        assert schemes.get(n) == from_file and schemes.get(n).source is not None
+
+
+@pytest.mark.parametrize("x", ["mxfp8", "mxfp4", "hifp8"])
+def test_legacy_presets(x: str) -> None:
+    schemes_ = [schemes.get(f"legacy_{p}_{x}") for p in ("FA", "linear", "FA_linear")]
+    # the predecessor's quant type was one edited literal: all three names computed the same thing
+    assert schemes_[0].rules == schemes_[1].rules == schemes_[2].rules
+    lq = schemes_[0].linear_for(LINEAR_SITES[5])
+    aq = schemes_[0].attention_for(ATTN_SITES[1])
+    elem = TensorQuant(x, rounding="ta") if x == "hifp8" else TensorQuant(x, rounding="ta", scale_mode="floor")
+    e5m2 = TensorQuant("mxfp8_e5m2", rounding="ta", scale_mode="floor")
+    assert lq == LinearQuant(fprop=GemmQuant(elem, elem), dgrad=GemmQuant(e5m2, None))
+    qk = elem if x == "hifp8" else e5m2
+    assert aq == AttentionQuant(qk=MatmulQuant(GemmQuant(qk, qk)), pv=MatmulQuant(GemmQuant(elem, elem)))
+    assert all(tq.options.rounding.value == "ta" for tq in quantized_operands(linear_operands(lq)).values())
+    assert schemes.get("legacy_bf16").rules == ()
+    assert "forward GEMMs only" in schemes_[0].description
+
+
+def test_get_errors_and_case() -> None:
+    assert schemes.get("fa_linear_MXFP8").name == "FA_linear_mxfp8"
+    with pytest.raises(ValueError, match=r"unknown scheme 'FA_mxfp9' \(did you mean 'FA_mxfp8'\?\)"):
+        schemes.get("FA_mxfp9")
+    with pytest.raises(ValueError, match="linear_hifp8"):  # the message lists the predecessor's names
+        schemes.get("nonsense")
+    with pytest.raises(FileNotFoundError, match="missing.yaml"):
+        schemes.get("/no/such/dir/missing.yaml")
+    with pytest.raises(TypeError, match="preset name"):
+        schemes.get(3)  # type: ignore[arg-type]
+
+
+# -- resolution --------------------------------------------------------------------------------------------
+M8, M4, HI = TensorQuant("mxfp8"), TensorQuant("mxfp4"), TensorQuant("hifp8")
+
+
+def lin(tq):
+    return LinearQuant(GemmQuant(tq, tq), GemmQuant(tq, tq), GemmQuant(tq, tq))
+
+
+def test_specificity_order_and_ties() -> None:
+    rules = (
+        Rule(Selector(), linear=lin(M8)),
+        Rule(Selector(kinds=(SiteKind.FC1,)), linear=lin(M4)),
+        Rule(Selector(first_layers=1, last_layers=1), linear=LinearQuant()),
+        Rule(Selector(modules=r"decoder\.layers\.0\.mlp\.linear_fc1"), linear=lin(HI)),
+        Rule(Selector(kinds=(SiteKind.QKV,)), linear=lin(HI)),  # later among equals wins over rule 1? no: other kind
+    )
+    s = Scheme("t", rules=rules)
+    site = {(x.layer, x.kind): x for x in LINEAR_SITES}
+    assert s.linear_for(site[1, SiteKind.FC2]) == lin(M8)  # only the catch-all
+    assert s.linear_for(site[1, SiteKind.FC1]) == lin(M4)  # kinds beats no selector
+    assert s.linear_for(site[0, SiteKind.FC2]) is None  # layers beats kinds and catch-all: high precision
+    assert s.linear_for(site[3, SiteKind.FC1]) is None  # last layer
+    assert s.linear_for(site[0, SiteKind.FC1]) == lin(HI)  # modules beats layers
+    assert s.rule_for(site[0, SiteKind.FC2]) is rules[2]
+    # ties go to the later rule; priority overrides specificity
+    tie = Scheme("t", rules=(Rule(Selector(kinds=(SiteKind.FC1,)), linear=lin(M8)), Rule(Selector(kinds=(SiteKind.FC1,)), linear=lin(M4))))
+    assert tie.linear_for(site[1, SiteKind.FC1]) == lin(M4)
+    prio = Scheme("t", rules=(Rule(Selector(), linear=lin(M8), priority=1), Rule(Selector(modules=".*"), linear=lin(M4))))
+    assert prio.linear_for(site[2, SiteKind.QKV]) == lin(M8)
+
+
+def test_layer_spans_and_negative_indices() -> None:
+    sel = Selector(layers=(LayerSpan(1, 2), LayerSpan(-1, -1)))
+    assert [sel.matches(Site("a.layers.0.b", SiteKind.FC1, i, 4)) for i in range(4)] == [False, True, True, True]
+    assert not sel.matches(Site("a", SiteKind.FC1, 3, None))  # -1 needs num_layers
+    assert not sel.matches(Site("a", SiteKind.FC1, None, 4))  # no layer: layer selectors do not match
+    last2 = Selector(last_layers=2)
+    assert [last2.matches(Site("a", SiteKind.FC1, i, 4)) for i in range(4)] == [False, False, True, True]
+
+
+def test_lm_head_and_embedding_need_explicit_selection() -> None:
+    base = (Rule(Selector(), linear=lin(M8)),)
+    assert Scheme("a", rules=base).linear_for(HEAD) is None
+    by_kind = Scheme("b", rules=base + (Rule(Selector(kinds=(SiteKind.LM_HEAD,)), linear=lin(HI)),))
+    assert by_kind.linear_for(HEAD) == lin(HI) and by_kind.linear_for(EMB) is None
+    by_path = Scheme("c", rules=base + (Rule(Selector(modules="embedding.*"), linear=lin(M4)),))
+    assert by_path.linear_for(EMB) == lin(M4) and by_path.linear_for(HEAD) is None
+
+
+def test_component_mismatch_raises() -> None:
+    s = schemes.get("FA_linear_mxfp8")
+    with pytest.raises(ValueError, match="not a linear kind"):
+        s.linear_for(ATTN_SITES[0])
+    with pytest.raises(ValueError, match="not 'attention'"):
+        s.attention_for(LINEAR_SITES[0])
+
+
+def test_unmatched_rules_with_suggestions() -> None:
+    s = Scheme(
+        "t",
+        rules=(
+            Rule(Selector(), linear=lin(M8)),
+            Rule(Selector(modules=r"decoder\.layer\.0\.mlp\.linear_fc1"), linear=lin(M4)),  # typo: layer
+            Rule(Selector(modules=r"linear_fc2"), linear=lin(M4)),  # needs .* to match the whole path
+            Rule(Selector(layers=(LayerSpan(7, 9),)), linear=lin(HI)),
+            Rule(Selector(kinds=(SiteKind.LM_HEAD,)), linear=lin(HI)),
+        ),
+    )
+    bad = s.unmatched_rules(LINEAR_SITES + ATTN_SITES)
+    assert [u.index for u in bad] == [1, 2, 3, 4]
+    assert bad[0].nearest[0] == "decoder.layers.0.mlp.linear_fc1"
+    assert "whole path" in bad[1].reason and all(p.endswith("linear_fc2") for p in bad[1].nearest)
+    assert "layers are 0..3" in bad[2].reason
+    assert "no site of kind lm_head" in str(bad[3])
+    assert s.unmatched_rules(SITES)[-1].index == 3  # with the output layer present rule 4 matches
+    attn_only = Scheme("a", rules=(Rule(attention=AttentionQuant(qk=MatmulQuant(GemmQuant(M8, M8)))),))
+    assert "no attention sites" in attn_only.unmatched_rules(LINEAR_SITES)[0].reason
+    assert schemes.get("FA_linear_hifp8").unmatched_rules(SITES) == []
+
+
+def test_dataclass_validation() -> None:
+    with pytest.raises(TypeError, match="GemmQuant.a must be a TensorQuant"):
+        GemmQuant("mxfp8")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="must configure"):
+        Rule(Selector())
+    with pytest.raises(ValueError, match="not a valid regular expression"):
+        Selector(modules="layers.(")
+    with pytest.raises(ValueError, match="first_layers=0"):
+        Selector(first_layers=0)
+    mq = MatmulQuant(GemmQuant(M8, HI), GemmQuant(M4, None), GemmQuant(None, HI))
+    assert mq.transposed().transposed() == mq
+    lq = LinearQuant(GemmQuant(M8, HI), GemmQuant(M4, None), GemmQuant(None, HI))
+    assert lq.as_matmul().grad_b == GemmQuant(HI, None)  # dW^T = X^T dY: (x, dy)
+
+
+def test_describe_lists_every_gemm() -> None:
+    text = schemes.get("FA_linear_hifp8").describe()
+    for gemm in ("fprop", "dgrad", "wgrad", "qk", "dq", "dk", "pv", "dp", "dv"):
+        assert f" {gemm} " in text
+    assert "ds=hifp8" in text and "p=-" in text
+    assert "no rules" in schemes.get("bf16").describe()

@@ -1,0 +1,195 @@
+"""Scheme YAML: the reference grammar (cascade of format and options), every error reported at once with
+file:line, dotted path and did-you-mean, and the YAML round trip (hypothesis)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from fxquant import schemes
+from fxquant.formats.tensor_quant import TensorQuant
+from fxquant.schemes import (
+    AttentionQuant,
+    GemmQuant,
+    LayerSpan,
+    LinearQuant,
+    MatmulQuant,
+    Rule,
+    Scheme,
+    SchemeError,
+    Selector,
+    Site,
+    SiteKind,
+)
+
+GOOD = """\
+name: my_scheme
+description: mixed formats
+rules:
+  - linear:
+      format: mxfp8
+      rounding: ta
+      dgrad: {dy: mxfp8_e5m2}
+      wgrad: none
+  - match: {kinds: [fc2], layers: ["1..2", -1]}
+    linear: hifp8:saturate=0
+  - match: {first_layers: 1}
+    priority: 5
+    linear: none
+    attention: none
+  - attention:
+      qk: {q: nvfp4, k: {format: mxfp4, scale_mode: rceil}}
+      pv: mxint8
+"""
+
+
+def test_good_scheme_parses_with_cascade(tmp_path: Path) -> None:
+    path = tmp_path / "good.yaml"
+    path.write_text(GOOD)
+    s = schemes.get(str(path))
+    assert (s.name, s.description, len(s.rules)) == ("my_scheme", "mixed formats", 4)
+    m8ta = TensorQuant("mxfp8", rounding="ta")
+    e5ta = TensorQuant("mxfp8_e5m2", rounding="ta")
+    assert s.rules[0].linear == LinearQuant(GemmQuant(m8ta, m8ta), GemmQuant(e5ta, m8ta), GemmQuant())
+    assert s.rules[0].where == f"{path}:4"
+    assert s.rules[1].selector == Selector(kinds=(SiteKind.FC2,), layers=(LayerSpan(1, 2), LayerSpan(-1, -1)))
+    hi = TensorQuant("hifp8", saturate=False)
+    assert s.rules[1].linear == LinearQuant(GemmQuant(hi, hi), GemmQuant(hi, hi), GemmQuant(hi, hi))
+    assert s.rules[2].priority == 5 and not s.rules[2].linear.quantized and not s.rules[2].attention.quantized
+    mi = TensorQuant("mxint8")
+    assert s.rules[3].attention == AttentionQuant(
+        qk=MatmulQuant(GemmQuant(TensorQuant("nvfp4"), TensorQuant("mxfp4", scale_mode="rceil"))),
+        pv=MatmulQuant(GemmQuant(mi, mi)),  # 'pv' is the forward GEMM only; dp, dv are its backward GEMMs
+    )
+    fc2_l3 = Site.from_path("decoder.layers.3.mlp.linear_fc2", num_layers=4)
+    fc2_l0 = Site.from_path("decoder.layers.0.mlp.linear_fc2", num_layers=4)
+    assert s.linear_for(fc2_l3) == s.rules[1].linear
+    assert s.linear_for(fc2_l0) is None  # priority 5 beats the more specific kinds+layers rule
+    assert Scheme.from_yaml_text(s.to_yaml()) == s
+    assert Path(path).stem == Scheme.from_yaml_text(GOOD.replace("name: my_scheme\n", ""), str(path)).name
+
+
+BAD = """\
+name: broken
+rule: []
+rules:
+  - linear:
+      fprop: {x: mxfp9, w: mxfp8}
+      dgrad: {dy: hifp8, w: {format: hifp8, scale_mode: floor}}
+  - match: {kinds: [fc3, qkv], layers: ["5..2"], modulez: foo}
+    linear: mxfp8
+  - match: {modules: "layers.("}
+    attention: {qk: {q: mxfp8, q: mxfp4}, pvv: mxfp8}
+  - priority: 1
+  - match: {kinds: [qkv]}
+    attention: mxfp8
+    linear: {format: mxfp4, rounding: ner}
+"""
+
+
+def test_every_problem_reported_at_once_with_line_and_path(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(BAD)
+    with pytest.raises(SchemeError) as info:
+        Scheme.from_yaml(path)
+    problems = info.value.problems
+    text = str(info.value)
+    f = str(path)
+    expected = [
+        (f"{f}:2: (top): unknown key 'rule' (did you mean 'rules'?)",),
+        (f"{f}:5: rules[0].linear.fprop.x:", "unknown format 'mxfp9'", "did you mean 'mxfp8'"),
+        (f"{f}:6: rules[0].linear.dgrad.w:", "scale_mode"),
+        (f"{f}:7: rules[1].match: unknown key 'modulez' (did you mean 'modules'?)",),
+        (f"{f}:7: rules[1].match.kinds[0]: unknown kind 'fc3'",),
+        (f"{f}:7: rules[1].match.layers[0]:", "'5..2'"),
+        (f"{f}:9: rules[2].match.modules:", "not a valid regular expression"),
+        (f"{f}:10: rules[2].attention.qk.q: duplicate key 'q'",),
+        (f"{f}:10: rules[2].attention: unknown key 'pvv' (did you mean 'pv'?)",),
+        (f"{f}:11: rules[3]: a rule must configure 'linear', 'attention' or both",),
+        (f"{f}:14: rules[4].linear:", "rounding='ner'", "did you mean 'rne'"),
+    ]
+    for parts in expected:
+        assert any(all(p in line for p in parts) for line in problems), (parts, text)
+    assert len(problems) == len(expected), text
+    assert text.startswith(f"{len(expected)} problems in scheme {f}")
+
+
+def test_rule_that_can_never_apply_is_an_error() -> None:
+    with pytest.raises(SchemeError, match=r"<string>:2: rules\[0\]: kinds \['qkv'\] are linear sites but the rule configures only attention"):
+        Scheme.from_yaml_text("- match: {kinds: [qkv]}\n  attention: mxfp8\n".join(["rules:\n", ""]))
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("rules: [\n  - linear: mxfp8\n", "<string>:2: invalid YAML"),
+        ("", "the file is empty"),
+        ("- 1\n", "expected a mapping"),
+        ("name: x\n", "rules: missing"),
+        ("rules: {linear: mxfp8}\n", "rules: expected a list of rules"),
+        ("rules:\n  - linear: 3\n", "rules[0].linear: expected a format"),
+        ("rules:\n  - linear: mxfp8\n    priority: high\n", "rules[0].priority: must be an int"),
+        ("rules:\n  - match: {first_layers: 0}\n    linear: mxfp8\n", "rules[0].match.first_layers: must be a positive int"),
+        ("rules:\n  - linear: {fprop: {x: {format: hifp8, w: mxfp8}}}\n", "unknown key 'w'"),
+        ("rules:\n  - linear: 'mxfp8:roundin=ta'\n", "did you mean 'rounding'"),
+    ],
+)
+def test_bad_documents(text: str, needle: str) -> None:
+    with pytest.raises(SchemeError) as info:
+        Scheme.from_yaml_text(text)
+    assert needle in str(info.value)
+
+
+def test_missing_file() -> None:
+    with pytest.raises(FileNotFoundError, match="nope.yaml"):
+        Scheme.from_yaml("nope.yaml")
+
+
+def test_none_words_and_format_none_cascade() -> None:
+    s = Scheme.from_yaml_text("rules:\n  - linear: {format: mxfp8, fprop: {x: none, w: off}, dgrad: {format: null}}\n")
+    m8 = TensorQuant("mxfp8")
+    assert s.rules[0].linear == LinearQuant(GemmQuant(), GemmQuant(), GemmQuant(m8, m8))
+    empty = Scheme.from_yaml_text("rules:\n")
+    assert empty.rules == () and not empty.quantizes_anything
+
+
+# -- round trip ----------------------------------------------------------------------------------------
+TQS = [None, TensorQuant("mxfp8"), TensorQuant("mxfp4", rounding="sr", scale_mode="rceil"), TensorQuant("hifp8", saturate=False),
+       TensorQuant("fp8_e4m3", scaling="tensor", scale_target=224.0), TensorQuant("nvfp4")]
+tq_st = st.sampled_from(TQS)
+gemm_st = st.builds(GemmQuant, tq_st, tq_st)
+mm_st = st.builds(MatmulQuant, gemm_st, gemm_st, gemm_st)
+selector_st = st.builds(
+    Selector,
+    modules=st.sampled_from([None, r"decoder\.layers\.\d+\.mlp\..*", ".*qkv"]),
+    kinds=st.lists(st.sampled_from(list(SiteKind)), unique=True, max_size=3).map(tuple),
+    layers=st.lists(st.tuples(st.integers(-3, 3), st.integers(0, 3)).map(lambda t: LayerSpan(*(sorted(t) if t[0] >= 0 else t))), max_size=2).map(tuple),
+    first_layers=st.sampled_from([None, 1, 2]),
+    last_layers=st.sampled_from([None, 1]),
+)
+
+
+@st.composite
+def rule_st(draw) -> Rule:
+    lin = draw(st.one_of(st.none(), st.builds(LinearQuant, gemm_st, gemm_st, gemm_st)))
+    att = draw(st.builds(AttentionQuant, mm_st, mm_st)) if lin is None else draw(st.one_of(st.none(), st.builds(AttentionQuant, mm_st, mm_st)))
+    sel = draw(selector_st)
+    comps = {k.component.value for k in sel.kinds}
+    configured = {"linear": lin is not None, "attention": att is not None}
+    assume(not comps or any(configured[c] for c in comps))  # else Rule() rejects it: it could never apply
+    return Rule(sel, lin, att, draw(st.integers(-2, 2)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(rule_st(), max_size=4), st.text("abc_", min_size=1, max_size=8))
+def test_yaml_round_trip(rules: list[Rule], name: str) -> None:
+    s = Scheme(name, "d", tuple(rules))
+    assert Scheme.from_yaml_text(s.to_yaml()) == s
+
+
+@pytest.mark.parametrize("name", schemes.names())
+def test_every_preset_round_trips(name: str) -> None:
+    s = schemes.get(name)
+    assert Scheme.from_yaml_text(s.to_yaml()) == s
