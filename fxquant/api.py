@@ -1,0 +1,180 @@
+"""The public entry points ``fxquant.compile`` and ``fxquant.explain`` (issue 3, items 1 and 5).
+
+``compile`` wraps ``torch.compile(model, backend=FxquantBackend(...))`` and adds, around each call of the
+compiled module (forward pre-hook and an always-called forward hook, outside Dynamo):
+
+- strict mode: Dynamo's ``fail_on_recompile_limit_hit`` for the duration of the call, so a frame that
+  would fall back to eager raises instead;
+- after a call that compiled new graphs: the checks of ``fxquant.passes.strict`` (coverage of selected
+  modules, recompile-limit fallbacks; bad input: no site at all, rules matching nothing).
+
+The state lives on the returned module as ``compiled._fxquant`` (a ``CompileState``); ``compile_state``
+reads it, ``fxquant.counters`` uses it for the expected-vs-executed quantize counts.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fxquant.backend import FxquantBackend, Inner
+from fxquant.formats.options import did_you_mean
+from fxquant.passes import SiteMeta, UnmatchedOp, strict as checks
+from fxquant.schemes.scheme import Scheme
+
+log = logging.getLogger(__name__)
+
+STATE_ATTR = "_fxquant"
+
+
+def _scheme(scheme: object) -> Scheme:
+    from fxquant import schemes
+
+    if not isinstance(scheme, (str, Path, Scheme)):
+        raise TypeError(f"scheme must be a preset name, a scheme YAML path or a Scheme, got {type(scheme).__name__}")
+    return schemes.get(scheme)
+
+
+def _inner(backend: object) -> Inner:
+    allowed = [b.value for b in Inner]
+    if isinstance(backend, Inner):
+        return backend
+    if not isinstance(backend, str) or backend not in allowed:
+        hint = did_you_mean(backend, allowed) if isinstance(backend, str) else ""
+        raise ValueError(f"backend={backend!r}{hint}; allowed: {', '.join(allowed)}")
+    return Inner(backend)
+
+
+def _graph_break_counts() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return dict(counters["graph_break"])
+
+
+def _unimplemented_counts() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return dict(counters["unimplemented"])
+
+
+@dataclass
+class CompileState:
+    """What ``fxquant.compile`` knows about one compiled module."""
+
+    backend: FxquantBackend
+    model: nn.Module
+    strict: bool
+    checked_reports: int = 0
+    _patch: object = field(default=None, repr=False)
+    _breaks: dict = field(default_factory=dict, repr=False)
+    _unimpl: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def scheme(self) -> Scheme:
+        return self.backend.scheme
+
+    def sites(self) -> list[SiteMeta]:
+        return self.backend.current_sites()
+
+    def unmatched(self) -> list[UnmatchedOp]:
+        return self.backend.unmatched_ops()
+
+    def expected_quantize_calls(self) -> tuple[int, int]:
+        """(forward, backward) ``fxquant::quantize`` calls per step that the rewritten graphs make."""
+        fwd = sum(s.quantize_calls[0] for s in self.sites())
+        bwd = sum(s.quantize_calls[1] for s in self.sites())
+        return fwd, bwd
+
+    # -- hooks -------------------------------------------------------------------------------------------
+    def before_call(self, module: nn.Module, args: tuple) -> None:
+        self._breaks, self._unimpl = _graph_break_counts(), _unimplemented_counts()
+        if self.strict:
+            self._patch = torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
+            self._patch.__enter__()
+
+    def after_call(self, module: nn.Module, args: tuple, output: object) -> None:
+        if self._patch is not None:
+            patch, self._patch = self._patch, None
+            patch.__exit__(None, None, None)
+        issues = checks.recompile_limit_hits(self._unimpl, _unimplemented_counts())
+        if len(self.backend.reports) > self.checked_reports:
+            self.checked_reports = len(self.backend.reports)
+            issues += self._check_new_graphs()
+        checks.report(issues, self.strict)
+
+    def _check_new_graphs(self) -> list[str]:
+        sites = self.sites()
+        checks.check_model_has_sites(sites, self.unmatched(), type(self.model).__name__)
+        checks.check_rules_match(self.scheme, sites)
+        new_breaks = [
+            reason.splitlines()[0] for reason, n in _graph_break_counts().items() if n > self._breaks.get(reason, 0)
+        ]
+        expected = checks.model_sites(self.model, self.backend.num_layers)
+        return checks.coverage(expected, self.scheme, sites, new_breaks)
+
+
+def compile(
+    model: nn.Module,
+    scheme: str | Path | Scheme,
+    *,
+    capture: object = None,
+    backend: str = "inductor",
+    strict: bool = False,
+    dynamic: bool | None = None,
+) -> nn.Module:
+    """``torch.compile(model)`` with every GEMM operand the scheme selects quantized, forward and backward.
+
+    scheme: a preset name (``fxquant.schemes.names()``), a scheme YAML path, or a Scheme.
+    backend: "inductor" (default), "aot_eager" (quick), or "eager" (the rewritten graph interpreted: the
+        reference compiled runs are checked against).
+    strict: raise ``QuantizationError`` when a selected site was not rewritten, a graph break split one,
+        or a frame fell back to eager; otherwise the same is logged at WARNING.
+    dynamic: passed to ``torch.compile``.
+    capture: tensor-capture placement spec; not available in this version (must be None).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if capture is not None:
+        raise ValueError(f"capture={capture!r}: tensor capture is not available in this version of fxquant; pass None")
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
+    if dynamic not in (None, True, False):
+        raise ValueError(f"dynamic={dynamic!r}; allowed: None, True, False")
+    resolved = _scheme(scheme)
+    fx_backend = FxquantBackend(resolved, inner=_inner(backend), strict=strict, root=model)
+    compiled = torch.compile(model, backend=fx_backend, dynamic=dynamic)
+    state = CompileState(fx_backend, model, strict)
+    object.__setattr__(compiled, STATE_ATTR, state)
+    compiled.register_forward_pre_hook(state.before_call)
+    compiled.register_forward_hook(state.after_call, always_call=True)
+    return compiled
+
+
+def compile_state(compiled: nn.Module) -> CompileState:
+    """The CompileState of a module returned by ``fxquant.compile``."""
+    state = getattr(compiled, STATE_ATTR, None)
+    if not isinstance(state, CompileState):
+        raise TypeError(f"expected a module returned by fxquant.compile, got {type(compiled).__name__}")
+    return state
+
+
+def explain(model: nn.Module, *example_args: object, scheme: str | Path | Scheme, **example_kwargs: object):
+    """Trace ``model(*example_args, **example_kwargs)`` once (forward, no grad) and return an ``Explanation``:
+    every matched site with its resolved per-operand formats, and every matmul-like op left unmatched.
+    The model is not modified and nothing is quantized; ``print(explanation)`` shows the table."""
+    from fxquant.passes.explanation import Explanation
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    resolved = _scheme(scheme)
+    fx_backend = FxquantBackend(resolved, inner=Inner.EAGER, root=model, dry_run=True)
+    with torch.no_grad():
+        torch.compile(model, backend=fx_backend)(*example_args, **example_kwargs)
+    sites, unmatched = fx_backend.current_sites(), fx_backend.unmatched_ops()
+    checks.check_model_has_sites(sites, unmatched, type(model).__name__)
+    graphs = len(fx_backend.reports)
+    return Explanation(resolved, copy.copy(sites), unmatched, graphs, resolved.unmatched_rules([s.site for s in sites]))

@@ -1,0 +1,106 @@
+"""The fxquant torch.compile backend: fxquant's passes on the Dynamo graph, then Inductor or aot_eager.
+
+``FxquantBackend(scheme, inner=Inner.INDUCTOR, ...)`` is what ``fxquant.compile`` hands to
+``torch.compile(backend=...)``. Per Dynamo graph it runs ``fxquant.passes.run_passes`` (match, resolve,
+rewrite), records a ``GraphReport``, reports sites it could not rewrite (``passes.strict``), and compiles
+the rewritten graph with the inner backend:
+
+    Inner.INDUCTOR   compile_fx with config_patches keying the caches on fxquant (passes.cache_key, trap 5)
+    Inner.AOT_EAGER  AOT autograd without codegen (quick; what most tests use, trap 11)
+    Inner.EAGER      the rewritten graph run as it is, by the Python interpreter: the eager reference
+                     that compiled runs are compared with bit for bit
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import re
+
+import torch
+from torch import fx, nn
+
+from fxquant.passes import GraphReport, ModuleNames, run_passes
+from fxquant.passes.strict import failed_sites, report
+from fxquant.schemes.model import Site
+from fxquant.schemes.scheme import Scheme
+
+log = logging.getLogger(__name__)
+
+
+class Inner(str, enum.Enum):
+    INDUCTOR = "inductor"
+    AOT_EAGER = "aot_eager"
+    EAGER = "eager"
+
+
+def num_layers_of(model: nn.Module | None) -> int | None:
+    """1 + the largest ``layers.N`` index among the model's module paths (None if it has no layer stack)."""
+    if model is None:
+        return None
+    layers = [Site.from_path(name).layer for name, _ in model.named_modules()]
+    found = [n for n in layers if n is not None]
+    return max(found) + 1 if found else None
+
+
+def scheme_text(scheme: Scheme) -> str:
+    try:
+        return scheme.to_yaml()
+    except (ValueError, TypeError):
+        return repr(scheme)
+
+
+class FxquantBackend:
+    """A torch.compile backend; ``reports`` holds one GraphReport per Dynamo graph it compiled."""
+
+    def __init__(self, scheme: Scheme, *, inner: Inner = Inner.INDUCTOR, strict: bool = False,
+                 root: nn.Module | None = None, dry_run: bool = False) -> None:
+        self.scheme = scheme
+        self.inner = Inner(inner)
+        self.strict = strict
+        self.dry_run = dry_run
+        self.names = ModuleNames(root)
+        self.num_layers = num_layers_of(root)
+        self.reports: list[GraphReport] = []
+        self._scheme_text = scheme_text(scheme)
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list) -> object:
+        graph_report = run_passes(
+            gm, self.scheme, self.names, num_layers=self.num_layers, index=len(self.reports), dry_run=self.dry_run
+        )
+        self.reports.append(graph_report)
+        n_rewritten = sum(s.status.value == "rewritten" for s in graph_report.sites)
+        log.info("fxquant: graph %d: %d sites matched, %d rewritten, %d matmul-like ops unmatched",
+                 graph_report.index, len(graph_report.sites), n_rewritten, len(graph_report.unmatched))
+        report(failed_sites(graph_report.sites), self.strict)
+        return self.compile_inner(gm, example_inputs)
+
+    def compile_inner(self, gm: fx.GraphModule, example_inputs: list) -> object:
+        if self.inner is Inner.EAGER or self.dry_run:
+            return gm.forward
+        if self.inner is Inner.AOT_EAGER:
+            return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+        from torch._inductor.compile_fx import compile_fx
+
+        from fxquant.passes.cache_key import inductor_config_patches
+
+        return compile_fx(gm, example_inputs, config_patches=inductor_config_patches(self._scheme_text))
+
+    # -- what was seen, across graphs (recompiles replace earlier graphs of the same sites) ----------------
+    def current_sites(self) -> list:
+        """The latest SiteMeta per (module path, op, occurrence): a recompiled graph replaces the old one."""
+        latest: dict[tuple, object] = {}
+        for rep in self.reports:
+            seen: dict[tuple, int] = {}
+            for s in rep.sites:
+                base = (s.site.module_path, s.op)
+                k = seen.get(base, 0)
+                seen[base] = k + 1
+                latest[base + (k,)] = s
+        return list(latest.values())
+
+    def unmatched_ops(self) -> list:
+        latest: dict[tuple, object] = {}
+        for rep in self.reports:
+            for u in rep.unmatched:
+                latest[(u.module_path, re.sub(r"_\d+$", "", u.node_name), u.target, u.stack_line)] = u
+        return list(latest.values())

@@ -1,0 +1,70 @@
+"""fxquant.passes: FX passes over the Dynamo graph (torch IR) that turn GEMM sites into quantized ops.
+
+One pass per file, run in this order by ``run_passes`` (ARCHITECTURE.md "Where to rewrite"):
+
+    sites.find_sites                    match F.linear, SDPA, Megatron linears, unfused attention GEMMs
+    resolve.resolve_sites               the scheme's LinearQuant / AttentionQuant per site -> node.meta["fxquant"]
+    rewrite_linear                      F.linear           -> wrappers.fxquant_linear
+    rewrite_sdpa                        SDPA               -> wrappers.fxquant_sdpa
+    rewrite_unfused_attention           baddbmm / bmm      -> wrappers.fxquant_baddbmm / fxquant_bmm
+    rewrite_megatron_linear             quantize nodes inside autograd_function_apply's fwd/bwd bodies
+    strict (checks)                     sites selected but not rewritten, coverage, graph breaks
+
+``node.meta["fxquant"]`` (a ``sites.SiteMeta``) is the contract with later passes (capture taps): see
+docs/compile.md. The passes never call ``graph.eliminate_dead_code()`` (trap 2).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from torch import fx
+
+from fxquant.passes.module_paths import ModuleNames
+from fxquant.passes.resolve import resolve_sites
+from fxquant.passes.rewrite_linear import rewrite_linear
+from fxquant.passes.rewrite_megatron_linear import rewrite_megatron_linear
+from fxquant.passes.rewrite_sdpa import rewrite_sdpa
+from fxquant.passes.rewrite_unfused_attention import rewrite_unfused_attention
+from fxquant.passes.sites import META_KEY, OpKind, SiteMeta, Status, UnmatchedOp, find_sites
+from fxquant.schemes.scheme import Scheme
+
+__all__ = ["GraphReport", "META_KEY", "ModuleNames", "OpKind", "SiteMeta", "Status", "UnmatchedOp", "run_passes"]
+
+
+@dataclass
+class GraphReport:
+    """What the passes found and did in one Dynamo graph."""
+
+    index: int
+    sites: list[SiteMeta] = field(default_factory=list)
+    unmatched: list[UnmatchedOp] = field(default_factory=list)
+
+    @property
+    def failed(self) -> list[SiteMeta]:
+        return [s for s in self.sites if s.status is Status.FAILED]
+
+
+def run_passes(
+    gm: fx.GraphModule, scheme: Scheme, names: ModuleNames, *, num_layers: int | None = None,
+    index: int = 0, dry_run: bool = False,
+) -> GraphReport:
+    """Match, resolve and (unless ``dry_run``) rewrite ``gm`` in place; returns the report."""
+    found = find_sites(gm, names, num_layers)
+    metas = resolve_sites(found, scheme)
+    if dry_run:
+        metas = [dataclasses.replace(m, status=Status.DRY_RUN) if m.selected else m for m in metas]
+        return GraphReport(index, metas, found.unmatched)
+    done = []
+    for match in found.matches:
+        if match.op is OpKind.LINEAR:
+            done.append(rewrite_linear(gm.graph, match.node))
+        elif match.op is OpKind.SDPA:
+            done.append(rewrite_sdpa(gm.graph, match.node))
+        elif match.op is OpKind.MEGATRON_LINEAR:
+            done.append(rewrite_megatron_linear(gm, match.node))
+        else:
+            done.append(rewrite_unfused_attention(gm.graph, match.node))
+    gm.graph.lint()
+    gm.recompile()
+    return GraphReport(index, done, found.unmatched)

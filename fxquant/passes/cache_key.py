@@ -1,0 +1,60 @@
+"""The compile-cache key of fxquant (ARCHITECTURE.md trap 5).
+
+Inductor's FX-graph and AOT-autograd caches hash the graph and Inductor's config, not the Python bodies
+of the functions a graph calls or the autograd formulas registered for custom ops: a changed quantized
+backward would silently load stale compiled code. ``FxquantCacheKey`` is an Inductor ``CustomGraphPass``
+that changes nothing in the graph; its ``uuid()`` hashes every source file of the ``fxquant`` package
+(``.py`` and preset ``.yaml``) plus the resolved scheme's YAML, so either changing invalidates the
+entries. ``inductor_config_patches`` installs it as ``post_grad_custom_post_pass`` (keeping, and
+calling, a pass the user set there already).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+from pathlib import Path
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+_PACKAGE = Path(__file__).resolve().parents[1]
+
+
+@functools.lru_cache(maxsize=1)
+def sources_hash() -> str:
+    """sha256 over (relative path, bytes) of every fxquant source file, in sorted order."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in _PACKAGE.rglob("*") if p.suffix in (".py", ".yaml") and p.is_file()):
+        h.update(str(path.relative_to(_PACKAGE)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+class FxquantCacheKey(CustomGraphPass):
+    """A no-op post-grad pass whose uuid keys Inductor's caches on fxquant's code and the scheme."""
+
+    def __init__(self, scheme_text: str, inner: CustomGraphPass | None = None) -> None:
+        self.scheme_text = scheme_text
+        self.inner = inner
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if self.inner is not None:
+            self.inner(graph)
+
+    def uuid(self) -> str:
+        h = hashlib.sha256(sources_hash().encode())
+        h.update(self.scheme_text.encode())
+        if self.inner is not None:
+            inner = self.inner.uuid()
+            if inner is None:  # the user's pass opts out of caching: keep that
+                return None  # type: ignore[return-value]
+            h.update(repr(inner).encode())
+        return h.hexdigest()
+
+
+def inductor_config_patches(scheme_text: str) -> dict[str, object]:
+    """``config_patches`` for ``compile_fx`` that key the caches on fxquant (see module docstring)."""
+    from torch._inductor import config
+
+    existing = config.post_grad_custom_post_pass
+    return {"post_grad_custom_post_pass": FxquantCacheKey(scheme_text, existing)}

@@ -1,0 +1,74 @@
+"""Module paths of Dynamo graph nodes, read from ``node.meta["nn_module_stack"]`` (ARCHITECTURE.md).
+
+Dynamo names a module by how the compiled frame reached it: ``L['self'].layers.0.mlp`` (newer releases
+also spell it ``L['self']._modules['layers']._modules['0']``), ``L['fn'].``, ``G['m'].``. After a graph
+break the resumed frame's root is the inner module, so the spelled path loses its prefix
+(``L['self'].q_proj`` inside ``layers.0.self_attn``). The stack's keys, however, identify the module
+object (``str(id(module))`` on torch 2.11-2.13), so with the root model's ``named_modules()`` the full
+path is recovered exactly; the spelled path is the fallback.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import fx
+
+_ROOT_RE = re.compile(r"^(?:[LG]\[['\"][^'\"]*['\"]\])\.?")
+_ITEM_RE = re.compile(r"(?:\._modules)?\[['\"]?([^'\"\]]+)['\"]?\]")
+
+
+def normalize(dynamo_path: str) -> str:
+    """``L['self'].layers.0.mlp`` / ``L['self']._modules['layers']._modules['0']`` -> ``layers.0.mlp``."""
+    path = _ROOT_RE.sub("", dynamo_path, count=1)
+    path = _ITEM_RE.sub(lambda m: "." + m.group(1), path)
+    return path.strip(".")
+
+
+class ModuleNames:
+    """Maps the modules of one root model to their qualified names (``named_modules()``)."""
+
+    def __init__(self, root: torch.nn.Module | None) -> None:
+        self._by_id: dict[str, str] = {}
+        if root is not None:
+            for name, mod in root.named_modules(remove_duplicate=False):
+                self._by_id.setdefault(str(id(mod)), name)
+
+    def path_of_entry(self, key: str, dynamo_path: str) -> str:
+        """The qualified name of one ``nn_module_stack`` entry: exact by module identity, else spelled."""
+        return self._by_id.get(str(key), normalize(dynamo_path))
+
+    def node_path(self, node: fx.Node) -> str | None:
+        """The innermost module path of ``node``; None when the node has no module stack."""
+        stack = node.meta.get("nn_module_stack")
+        if not stack:
+            return None
+        key, (dynamo_path, _cls) = list(stack.items())[-1]
+        return self.path_of_entry(key, dynamo_path)
+
+    def node_stack(self, node: fx.Node) -> list[tuple[str, type]]:
+        """The whole module stack of ``node``, outermost first, as (qualified path, module class)."""
+        stack = node.meta.get("nn_module_stack") or {}
+        return [(self.path_of_entry(k, p), cls) for k, (p, cls) in stack.items()]
+
+    def frame_root(self, graph: fx.Graph) -> str | None:
+        """The module path the compiled frame started from (``""`` for the root model), inferred from any
+        node whose identity-resolved path ends with its spelled path; None when no node tells."""
+        for node in graph.nodes:
+            stack = node.meta.get("nn_module_stack")
+            if not stack:
+                continue
+            for key, (dynamo_path, _cls) in stack.items():
+                full = self._by_id.get(str(key))
+                spelled = normalize(dynamo_path)
+                if full is None:
+                    continue
+                if full == spelled:
+                    return ""
+                if full.endswith("." + spelled):
+                    return full[: -len(spelled) - 1]
+        return None
+
+
+def class_name(cls: object) -> str:
+    return getattr(cls, "__name__", str(cls))

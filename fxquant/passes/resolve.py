@@ -1,0 +1,58 @@
+"""Pass: resolve the scheme at every matched site and record it as ``node.meta["fxquant"]`` (a SiteMeta).
+
+Pre: ``sites.find_sites`` matched the nodes. Post: every matched node carries a SiteMeta whose ``config``
+is the scheme's LinearQuant / AttentionQuant for that site (None = high precision). The graph is not
+edited. A block format (MX, NVFP4) asked to block along a dimension of static length 0 is a user error
+(ValueError naming the site, the GEMM operand and the dimension); symbolic lengths are not checked here.
+"""
+from __future__ import annotations
+
+from torch import fx
+
+from fxquant.passes.sites import META_KEY, FoundSites, Match, OpKind, SiteMeta, Status, example_value, stack_line
+from fxquant.schemes.model import LinearQuant
+from fxquant.schemes.scheme import Scheme
+
+
+def resolve_sites(found: FoundSites, scheme: Scheme) -> list[SiteMeta]:
+    metas = []
+    for m in found.matches:
+        config = scheme.attention_for(m.site) if m.op.is_attention else scheme.linear_for(m.site)
+        if isinstance(config, LinearQuant):
+            check_blockable_linear(m, config)
+        meta = SiteMeta(m.site, m.op, m.node.name, config, Status.HIGH_PRECISION, stack_line=stack_line(m.node))
+        m.node.meta[META_KEY] = meta
+        metas.append(meta)
+    return metas
+
+
+def _static_len(value: object, dim: int) -> int | None:
+    shape = getattr(value, "shape", None)
+    if shape is None or len(shape) <= abs(dim) - (dim < 0):
+        return None
+    n = shape[dim]
+    return n if isinstance(n, int) else None
+
+
+def check_blockable_linear(m: Match, lq: LinearQuant) -> None:
+    """Raise ValueError when a block format of ``lq`` would block the weight's K or N of length 0."""
+    weight = _weight_node(m)
+    w = example_value(weight)
+    lengths = {"K": _static_len(w, 1), "N": _static_len(w, 0)}
+    operands = (("fprop", "x", lq.fprop.a, "K"), ("fprop", "w", lq.fprop.b, "K"), ("dgrad", "dy", lq.dgrad.a, "N"),
+                ("dgrad", "w", lq.dgrad.b, "N"))
+    for gemm, operand, tq, axis in operands:
+        if tq is not None and tq.fmt.block_size is not None and lengths[axis] == 0:
+            raise ValueError(
+                f"site {m.site.module_path!r}: {gemm} operand {operand} is blocked along {axis}, which has length 0 "
+                f"(weight shape {tuple(w.shape)}); block format {tq.format!r} needs blocks of "
+                f"{tq.fmt.block_size} elements along a non-empty dimension"
+            )
+
+
+def _weight_node(m: Match) -> fx.Node | None:
+    if m.op is OpKind.LINEAR:
+        return m.node.kwargs.get("weight", m.node.args[1] if len(m.node.args) > 1 else None)
+    if m.op is OpKind.MEGATRON_LINEAR:
+        return next((a for a in m.node.args[2:] if isinstance(a, fx.Node) and "weight" in a.name), None)
+    return None

@@ -1,0 +1,206 @@
+"""Site records and the matcher of GEMM-bearing ops in a Dynamo graph (torch IR, ARCHITECTURE.md).
+
+What each op looks like in the graph Dynamo hands the backend, and the ``OpKind`` it is matched as:
+
+    F.linear (nn.Linear)                                    LINEAR
+    F.scaled_dot_product_attention                          SDPA
+    higher_order.autograd_function_apply whose fwd_body     MEGATRON_LINEAR  (Column/RowParallelLinear)
+        holds exactly one matmul
+    torch.baddbmm inside a core-attention module            UNFUSED_QK       (Megatron's unfused attention)
+    torch.bmm inside a core-attention module                UNFUSED_PV
+
+Every other matmul-like op (matmul, mm, bmm, baddbmm, addmm, einsum, @, ...) is reported as unmatched.
+This module only reads the graph; ``resolve`` attaches the scheme and the ``rewrite_*`` passes edit it.
+"""
+from __future__ import annotations
+
+import enum
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from fxquant.passes.module_paths import ModuleNames
+from fxquant.schemes.model import AttentionQuant, LinearQuant, Site, SiteKind, site_kind_for
+
+META_KEY = "fxquant"  # node.meta[META_KEY] is a SiteMeta (docs/compile.md)
+
+
+class OpKind(str, enum.Enum):
+    LINEAR = "linear"
+    SDPA = "sdpa"
+    MEGATRON_LINEAR = "megatron_linear"
+    UNFUSED_QK = "unfused_qk"
+    UNFUSED_PV = "unfused_pv"
+
+    @property
+    def is_attention(self) -> bool:
+        return self in (OpKind.SDPA, OpKind.UNFUSED_QK, OpKind.UNFUSED_PV)
+
+
+class Status(str, enum.Enum):
+    REWRITTEN = "rewritten"  # quantized ops inserted
+    HIGH_PRECISION = "high"  # the scheme keeps every operand of this site in high precision
+    FAILED = "failed"  # selected by the scheme but the rewrite could not be applied (see SiteMeta.note)
+    DRY_RUN = "dry_run"  # explain(): matched and resolved, graph left unchanged
+
+
+@dataclass(frozen=True)
+class SiteMeta:
+    """What fxquant knows about one matched node; stored as ``node.meta["fxquant"]``.
+
+    ``config`` is the resolved LinearQuant / AttentionQuant (None: high precision); ``quantize_calls`` the
+    number of ``fxquant::quantize`` calls this node's rewrite makes per forward+backward (fwd, bwd).
+    """
+
+    site: Site
+    op: OpKind
+    node_name: str
+    config: LinearQuant | AttentionQuant | None = None
+    status: Status = Status.HIGH_PRECISION
+    quantize_calls: tuple[int, int] = (0, 0)
+    note: str = ""
+    stack_line: str = ""
+
+    @property
+    def selected(self) -> bool:
+        return self.config is not None
+
+
+@dataclass(frozen=True)
+class UnmatchedOp:
+    """A matmul-like op that no pattern matched (it runs in high precision)."""
+
+    node_name: str
+    target: str
+    module_path: str
+    shapes: tuple[str, ...]
+    stack_line: str = ""
+
+
+_SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
+_LINEAR_TARGETS = {F.linear, torch._C._nn.linear}
+_MATMUL_FUNCTIONS = {
+    torch.matmul: "matmul", torch.mm: "mm", torch.bmm: "bmm", torch.baddbmm: "baddbmm", torch.addmm: "addmm",
+    torch.addbmm: "addbmm", torch.einsum: "einsum", torch.functional.einsum: "einsum", torch.tensordot: "tensordot",
+    torch.functional.tensordot: "tensordot", torch.mv: "mv", torch.addmv: "addmv", torch.inner: "inner",
+    torch.chain_matmul: "chain_matmul", torch.linalg.multi_dot: "multi_dot", torch.linalg.matmul: "matmul",
+    torch.linalg.vecdot: "vecdot", operator.matmul: "@", F.bilinear: "bilinear", torch.bilinear: "bilinear",
+}
+_MATMUL_METHODS = {"matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "mv", "addmv", "__matmul__", "__rmatmul__"}
+AUTOGRAD_FUNCTION_APPLY = torch.ops.higher_order.autograd_function_apply
+
+
+def matmul_name(node: fx.Node) -> str | None:
+    """The name of the matmul-like op ``node`` calls (``"bmm"``, ``"@"``, ``"linear"``...), else None."""
+    if node.op == "call_function":
+        if node.target in _LINEAR_TARGETS:
+            return "linear"
+        if node.target in _SDPA_TARGETS:
+            return "scaled_dot_product_attention"
+        return _MATMUL_FUNCTIONS.get(node.target)
+    if node.op == "call_method" and node.target in _MATMUL_METHODS:
+        return str(node.target)
+    return None
+
+
+def is_matmul(node: fx.Node) -> bool:
+    name = matmul_name(node)
+    return name is not None and name not in ("linear", "scaled_dot_product_attention")
+
+
+def stack_line(node: fx.Node) -> str:
+    """The innermost ``File "...", line N, in f`` of the node's user stack trace ('' if none)."""
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File ")]
+    return lines[-1] if lines else ""
+
+
+def shape_str(value: object) -> str:
+    shape = getattr(value, "shape", None)
+    if shape is None:
+        return "?"
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def example_value(node: object) -> object:
+    if not isinstance(node, fx.Node):
+        return node
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def body_modules(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.GraphModule, fx.GraphModule] | None:
+    """(fwd_body, bwd_body) of an ``autograd_function_apply`` node, or None."""
+    if node.op != "call_function" or node.target is not AUTOGRAD_FUNCTION_APPLY:
+        return None
+    fwd, bwd = node.args[0], node.args[1]
+    if not (isinstance(fwd, fx.Node) and isinstance(bwd, fx.Node) and fwd.op == bwd.op == "get_attr"):
+        return None
+    return getattr(gm, fwd.target), getattr(gm, bwd.target)
+
+
+def _is_linear_apply(gm: fx.GraphModule, node: fx.Node) -> bool:
+    bodies = body_modules(gm, node)
+    if bodies is None:
+        return False
+    mms = [n for n in bodies[0].graph.nodes if is_matmul(n) or matmul_name(n) == "linear"]
+    return len(mms) == 1
+
+
+@dataclass(frozen=True)
+class Match:
+    node: fx.Node
+    op: OpKind
+    site: Site
+
+
+@dataclass
+class FoundSites:
+    matches: list[Match]
+    unmatched: list[UnmatchedOp]
+
+
+def _site_path(names: ModuleNames, node: fx.Node, root: str | None) -> str:
+    path = names.node_path(node)
+    if path is not None:
+        return path
+    return root or ""
+
+
+def find_sites(gm: fx.GraphModule, names: ModuleNames, num_layers: int | None) -> FoundSites:
+    """Match the GEMM-bearing ops of a Dynamo graph (module docstring); nothing is modified."""
+    root = names.frame_root(gm.graph)
+    matches: list[Match] = []
+    unmatched: list[UnmatchedOp] = []
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        path = _site_path(names, node, root)
+        name = matmul_name(node)
+        if name == "linear":
+            matches.append(Match(node, OpKind.LINEAR, Site.from_path(path, num_layers=num_layers)))
+        elif name == "scaled_dot_product_attention":
+            matches.append(Match(node, OpKind.SDPA, Site.from_path(path, SiteKind.ATTENTION, num_layers)))
+        elif node.op == "call_function" and node.target is AUTOGRAD_FUNCTION_APPLY:
+            bodies = body_modules(gm, node)
+            if _is_linear_apply(gm, node) and site_kind_for(path) is not SiteKind.ATTENTION:
+                matches.append(Match(node, OpKind.MEGATRON_LINEAR, Site.from_path(path, num_layers=num_layers)))
+            elif bodies is not None:
+                for body in bodies:
+                    for sub in body.graph.nodes:
+                        if matmul_name(sub) is not None:
+                            unmatched.append(_unmatched(sub, _site_path(names, sub, root) or path))
+        elif name in ("baddbmm", "bmm") and site_kind_for(path) is SiteKind.ATTENTION:
+            op = OpKind.UNFUSED_QK if name == "baddbmm" else OpKind.UNFUSED_PV
+            matches.append(Match(node, op, Site.from_path(path, SiteKind.ATTENTION, num_layers)))
+        elif name is not None:
+            unmatched.append(_unmatched(node, path))
+    return FoundSites(matches, unmatched)
+
+
+def _unmatched(node: fx.Node, path: str) -> UnmatchedOp:
+    name = matmul_name(node) or str(node.target)
+    shapes = tuple(shape_str(example_value(a)) for a in node.args if isinstance(a, fx.Node))
+    return UnmatchedOp(node.name, name, path, shapes, stack_line(node))

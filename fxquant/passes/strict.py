@@ -1,0 +1,118 @@
+"""Checks that no selected GEMM silently stays in high precision (issue item 5), and bad-input errors.
+
+``QuantizationError`` is raised in strict mode; otherwise the same text is logged at WARNING. Checked:
+
+- per graph: a site the scheme selects whose rewrite could not be applied (``Status.FAILED``);
+- per call that compiled something (``coverage``): every nn.Linear / Megatron Column/RowParallelLinear and
+  every ``core_attention`` module that the scheme selects must have been rewritten in some graph; one that
+  was not ran outside the compiled graphs (a graph break split it, or its frame was skipped / fell back
+  to eager), and the graph-break reasons Dynamo reported during the call are listed with it;
+- a frame that hit Dynamo's recompile limit and therefore runs eagerly from then on.
+
+Bad input (``ValueError`` in both modes): a model in which no linear or attention op was found, and a
+scheme rule with a module or layer selector that matches no site (the error lists the nearest paths).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from torch import nn
+
+from fxquant.passes.sites import SiteMeta, Status, UnmatchedOp
+from fxquant.schemes.model import Component, Site, SiteKind, site_kind_for
+from fxquant.schemes.scheme import Scheme
+
+log = logging.getLogger(__name__)
+
+LINEAR_MODULE_CLASSES = ("ColumnParallelLinear", "RowParallelLinear")
+RECOMPILE_LIMIT_KEY = "Dynamo recompile limit exceeded"
+
+
+class QuantizationError(RuntimeError):
+    """A site the scheme selects would run (or ran) unquantized; raised by ``fxquant.compile(strict=True)``."""
+
+
+def report(issues: list[str], strict: bool) -> None:
+    if not issues:
+        return
+    text = "fxquant: " + "\n  ".join(issues)
+    if strict:
+        raise QuantizationError(text)
+    log.warning("%s", text)
+
+
+def failed_sites(sites: Iterable[SiteMeta]) -> list[str]:
+    return [
+        f"selected {s.site.kind.value} site {s.site.module_path!r} ({s.op.value}, {s.node_name}) was not rewritten: "
+        f"{s.note}" + (f" [{s.stack_line}]" if s.stack_line else "")
+        for s in sites
+        if s.status is Status.FAILED
+    ]
+
+
+def model_sites(model: nn.Module, num_layers: int | None) -> list[Site]:
+    """The sites the model's module structure implies: linear modules and ``core_attention`` modules."""
+    out = []
+    for name, mod in model.named_modules():
+        if not name:
+            continue
+        if isinstance(mod, nn.Linear) or type(mod).__name__ in LINEAR_MODULE_CLASSES:
+            out.append(Site.from_path(name, num_layers=num_layers))
+        elif site_kind_for(name) is SiteKind.ATTENTION:
+            out.append(Site.from_path(name, SiteKind.ATTENTION, num_layers))
+    return out
+
+
+def selected(scheme: Scheme, site: Site) -> bool:
+    if site.kind.component is Component.ATTENTION:
+        return scheme.attention_for(site) is not None
+    return scheme.linear_for(site) is not None
+
+
+def coverage(expected: list[Site], scheme: Scheme, seen: list[SiteMeta], graph_breaks: list[str]) -> list[str]:
+    """Selected modules of the model that no compiled graph rewrote."""
+    done = {s.site.module_path for s in seen if s.status in (Status.REWRITTEN, Status.DRY_RUN)}
+    missing = [s for s in expected if selected(scheme, s) and s.module_path not in done]
+    if not missing:
+        return []
+    why = "; graph breaks during this call: " + " | ".join(graph_breaks) if graph_breaks else ""
+    return [
+        f"selected {s.kind.value} site {s.module_path!r} was not rewritten in any compiled graph: it ran outside "
+        f"torch.compile (graph break, skipped frame or eager fallback) or its op was not recognised{why}"
+        for s in missing
+    ]
+
+
+def check_model_has_sites(sites: list[SiteMeta], unmatched: list[UnmatchedOp], model_name: str) -> None:
+    if sites:
+        return
+    other = (
+        "; matmul-like ops left unmatched: " + ", ".join(f"{u.target} in {u.module_path or '<root>'}" for u in unmatched[:8])
+        if unmatched else ""
+    )
+    raise ValueError(
+        f"model {model_name}: no linear (F.linear / nn.Linear, Megatron Column/RowParallelLinear) or attention "
+        f"(F.scaled_dot_product_attention, Megatron core attention) op was found in the compiled graphs, so "
+        f"there is nothing to quantize{other}"
+    )
+
+
+def check_rules_match(scheme: Scheme, sites: list[SiteMeta]) -> None:
+    """ValueError for rules whose module/layer selector matches none of the model's sites."""
+    unmatched = [
+        u for u in scheme.unmatched_rules([s.site for s in sites])
+        if u.rule.selector.modules is not None or u.rule.selector.has_layers
+    ]
+    if unmatched:
+        where = f" (scheme {scheme.name}" + (f", {scheme.source}" if scheme.source else "") + ")"
+        raise ValueError(f"scheme rules match no site of the model{where}:\n  " + "\n  ".join(map(str, unmatched)))
+
+
+def recompile_limit_hits(before: dict[str, int], after: dict[str, int]) -> list[str]:
+    return [
+        "a frame hit Dynamo's recompile limit and now runs eagerly, unquantized (raise "
+        "torch._dynamo.config.recompile_limit, or mark the varying dimension dynamic): " + key.splitlines()[0]
+        for key, n in after.items()
+        if key.startswith(RECOMPILE_LIMIT_KEY) and n > before.get(key, 0)
+    ]

@@ -1,0 +1,91 @@
+"""Module-level functions the rewrite passes put into Dynamo graphs as ``call_function`` targets.
+
+ARCHITECTURE.md trap 1: ``Fn.apply`` as an FX target generates broken code, and FX writes a frozen
+dataclass constant as ``LinearQuant(...)``, a name the generated code cannot resolve. So each target
+here is a plain module-level function taking only tensors, numbers and a tuple of spec strings (one per
+GEMM operand, None = high precision, in the order of ``fxquant.qfunctions.matmul.gemm_specs``); it
+rebuilds the LinearQuant / MatmulQuant / AttentionQuant (cached) and calls ``fxquant.qfunctions``.
+AOT autograd traces through them, so their forward and backward both reach the compiled graphs.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from fxquant.formats.tensor_quant import TensorQuant
+from fxquant.qfunctions import quantized_baddbmm, quantized_bmm, quantized_linear, quantized_sdpa
+from fxquant.qfunctions.matmul import gemm_specs
+from fxquant.schemes.model import AttentionQuant, GemmQuant, LinearQuant, MatmulQuant
+
+Specs = tuple  # of str | None
+
+
+@functools.lru_cache(maxsize=None)
+def _tq(spec: str | None) -> TensorQuant | None:
+    return None if spec is None else TensorQuant.from_spec(spec)
+
+
+def _gemms(specs: Specs) -> list[GemmQuant]:
+    return [GemmQuant(_tq(specs[i]), _tq(specs[i + 1])) for i in range(0, len(specs), 2)]
+
+
+@functools.lru_cache(maxsize=None)
+def linear_quant(specs: Specs) -> LinearQuant:
+    return LinearQuant(*_gemms(specs))
+
+
+@functools.lru_cache(maxsize=None)
+def matmul_quant(specs: Specs) -> MatmulQuant:
+    return MatmulQuant(*_gemms(specs))
+
+
+@functools.lru_cache(maxsize=None)
+def attention_quant(specs: Specs) -> AttentionQuant:
+    return AttentionQuant(matmul_quant(specs[:6]), matmul_quant(specs[6:]))
+
+
+def linear_specs(lq: LinearQuant) -> Specs:
+    return gemm_specs(lq.fprop, lq.dgrad, lq.wgrad)
+
+
+def matmul_specs(mq: MatmulQuant) -> Specs:
+    return gemm_specs(mq.forward, mq.grad_a, mq.grad_b)
+
+
+def attention_specs(aq: AttentionQuant) -> Specs:
+    return matmul_specs(aq.qk) + matmul_specs(aq.pv)
+
+
+def fxquant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, specs: Specs) -> torch.Tensor:
+    """``F.linear`` rewritten: ``quantized_linear`` with the LinearQuant of ``specs``."""
+    return quantized_linear(x, weight, bias, linear_quant(specs))
+
+
+def fxquant_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    specs: Specs,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` rewritten: ``quantized_sdpa`` with the AttentionQuant of ``specs``."""
+    return quantized_sdpa(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, aq=attention_quant(specs)
+    )
+
+
+def fxquant_baddbmm(
+    input: torch.Tensor, batch1: torch.Tensor, batch2: torch.Tensor, beta: float, alpha: float, specs: Specs
+) -> torch.Tensor:
+    """Megatron's ``torch.baddbmm`` (Q K^T) rewritten: ``quantized_baddbmm`` with the qk MatmulQuant."""
+    return quantized_baddbmm(input, batch1, batch2, beta=beta, alpha=alpha, mq=matmul_quant(specs))
+
+
+def fxquant_bmm(input: torch.Tensor, mat2: torch.Tensor, specs: Specs) -> torch.Tensor:
+    """Megatron's ``torch.bmm`` (P V) rewritten: ``quantized_bmm`` with the pv MatmulQuant."""
+    return quantized_bmm(input, mat2, mq=matmul_quant(specs))
