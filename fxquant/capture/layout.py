@@ -1,0 +1,159 @@
+"""On-disk layout of a capture set, and the only code that writes its files.
+
+    ROOT/
+      rank-00000/                     one directory per global rank (several ranks share one ROOT)
+        run.json                      run id, scheme, spec text, rank coordinates (written at open)
+        shards/shard-000001.safetensors   tensors, keys "t000000042" (never user-supplied names)
+        manifest.jsonl                one JSON record per tensor, appended only after its shard is durable
+        COMMITTED                     written at clean close: counts and the stop reason, if any
+      rank-00001/ ...
+
+Every final name is reached by rename from a ``.tmp`` file that was fsync'ed first, and the directory
+is fsync'ed after the rename. A manifest line is written (and fsync'ed) only after its shard is final,
+so a crashed run's manifest names only complete shards; a torn last line is ignored by the reader.
+Shards are safetensors files written in a streaming fashion (header, then each tensor's bytes), read
+back by the ``safetensors`` library; each tensor carries a CRC-32 of its stored bytes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import zlib
+from pathlib import Path
+
+import torch
+
+MANIFEST = "manifest.jsonl"
+COMMITTED = "COMMITTED"
+RUN_INFO = "run.json"
+SHARDS = "shards"
+FORMAT_VERSION = 1
+
+# torch dtype <-> safetensors dtype code
+ST_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+
+
+def rank_dir(root: Path, rank: int) -> Path:
+    return Path(root) / f"rank-{int(rank):05d}"
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:06d}.safetensors"
+
+
+def tensor_key(seq: int) -> str:
+    return f"t{seq:09d}"
+
+
+_SAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def sanitize(name: object, max_len: int = 120) -> str:
+    """A single, safe path component from any string: no separators, no ``..``, bounded length.
+
+    Characters outside ``[A-Za-z0-9._-]`` become ``_``; leading dots are stripped; an over-long or
+    altered name keeps a short hash of the original so distinct names stay distinct.
+    """
+    raw = str(name)
+    s = _SAFE.sub("_", raw).lstrip(".")
+    s = re.sub(r"\.{2,}", "_", s) or "_"
+    if len(s) > max_len or s != raw:
+        digest = hashlib.sha1(raw.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+        if len(s) > max_len or s == "_":
+            s = s[: max_len - 9] + "-" + digest
+    return s
+
+
+def checksum(t: torch.Tensor) -> str:
+    """CRC-32 of the tensor's bytes as stored (contiguous, little-endian)."""
+    return f"crc32:{zlib.crc32(tensor_bytes(t)):08x}"
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> int:
+    """Write ``tensors`` (CPU, contiguous) to ``path.tmp``, fsync, rename to ``path``; return bytes written.
+
+    On any error the temporary file is removed and the error propagates: nothing appears under the
+    final name unless it is complete.
+    """
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for key, t in tensors:
+        if t.dtype not in ST_DTYPES:
+            raise TypeError(f"cannot store dtype {t.dtype} in safetensors; allowed {list(ST_DTYPES)}")
+        n = t.numel() * t.element_size()
+        header[key] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    hbytes = json.dumps(header, separators=(",", ":")).encode()
+    hbytes += b" " * ((-len(hbytes)) % 8)  # align the data section to 8 bytes
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        try:
+            _write_all(fd, len(hbytes).to_bytes(8, "little"))
+            _write_all(fd, hbytes)
+            for _, t in tensors:
+                _write_all(fd, tensor_bytes(t))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return 8 + len(hbytes) + offset
+
+
+def _write_all(fd: int, data) -> None:
+    view = memoryview(data)
+    while view.nbytes:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def write_json_atomic(path: Path, obj: object) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=1, sort_keys=True, allow_nan=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def append_lines(path: Path, records: list[dict]) -> None:
+    """Append one JSON line per record and fsync (a crash can leave at most one torn last line)."""
+    if not records:
+        return
+    data = "".join(json.dumps(r, separators=(",", ":"), sort_keys=True) + "\n" for r in records).encode()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        _write_all(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)

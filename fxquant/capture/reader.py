@@ -1,0 +1,221 @@
+"""Reading a capture set: ``fxquant.capture.open(dir)`` (issue 4, deliverable 5).
+
+``CaptureSet`` holds every manifest record of every rank directory (a committed run, or the committed
+part of a crashed one). ``query(**fields)`` filters by any record field (a value, a collection of
+values, or a predicate); iteration yields ``Record``s; ``load(record)`` reads one tensor lazily through
+``safetensors.safe_open`` (memory-mapped). ``verify()`` re-reads every tensor and checks its checksum,
+and lists missing, partial (``.tmp``) and unreferenced shards.
+
+Only safetensors shards and JSON are ever read: a shard that is not a valid safetensors file (a pickle,
+a truncated file) raises ``CaptureReadError``; nothing is unpickled, ever.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from fxquant.capture import layout
+
+log = logging.getLogger(__name__)
+
+_PICKLE_MAGIC = (b"\x80", b"PK\x03\x04")  # pickle protocol 2+, zip (torch.save)
+
+
+class CaptureReadError(ValueError):
+    """A capture set or one of its shards is missing, corrupt, or not what fxquant writes."""
+
+
+@dataclass(frozen=True)
+class Record:
+    """One manifest record; ``fields`` holds everything, the common ones are attributes too."""
+
+    fields: dict
+    rank_dir: Path
+
+    def __getattr__(self, name: str):
+        try:
+            return self.__dict__["fields"][name]
+        except KeyError:
+            raise AttributeError(f"record has no field {name!r}; fields: {sorted(self.__dict__['fields'])}") from None
+
+    def __getitem__(self, name: str):
+        return self.fields[name]
+
+    @property
+    def has_tensor(self) -> bool:
+        return self.fields.get("key") is not None
+
+    @property
+    def path(self) -> Path | None:
+        return None if self.fields.get("file") is None else self.rank_dir / self.fields["file"]
+
+
+def _read_manifest(path: Path) -> tuple[list[dict], int]:
+    """Records of a manifest; a torn last line (a crash mid-append) is skipped and counted."""
+    records, torn = [], 0
+    if not path.is_file():
+        return records, torn
+    lines = path.read_bytes().split(b"\n")
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i >= len(lines) - 2:  # only the last line may be torn
+                torn += 1
+                continue
+            raise CaptureReadError(f"{path}:{i + 1}: corrupt manifest line (not JSON)") from None
+    return records, torn
+
+
+def _check_shard(path: Path) -> None:
+    """Refuse anything that is not a safetensors file before the library sees it."""
+    if not path.is_file():
+        raise CaptureReadError(f"shard {path} is missing")
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if any(head.startswith(m) for m in _PICKLE_MAGIC):
+        raise CaptureReadError(f"{path} is a pickle/torch.save file, not safetensors; fxquant never loads pickles")
+    if len(head) < 8 or int.from_bytes(head, "little") > path.stat().st_size:
+        raise CaptureReadError(f"{path} is not a valid safetensors file (truncated or corrupt header)")
+
+
+class CaptureSet:
+    """Every record of a capture directory (all ranks), filterable; tensors load lazily."""
+
+    def __init__(self, root: str | Path, records: list[Record] | None = None, _meta: dict | None = None):
+        self.root = Path(root)
+        if records is not None:
+            self._records, self.meta = records, _meta or {}
+            return
+        if not self.root.is_dir():
+            raise CaptureReadError(f"capture directory {self.root} does not exist")
+        dirs = sorted(p for p in self.root.iterdir() if p.is_dir() and p.name.startswith("rank-"))
+        if not dirs:
+            raise CaptureReadError(f"{self.root} holds no rank-NNNNN directories: not an fxquant capture set")
+        self._records, self.meta = [], {}
+        for d in dirs:
+            recs, torn = _read_manifest(d / layout.MANIFEST)
+            committed = d / layout.COMMITTED
+            info = json.loads((d / layout.RUN_INFO).read_text()) if (d / layout.RUN_INFO).is_file() else {}
+            self.meta[d.name] = {
+                "run": info, "committed": json.loads(committed.read_text()) if committed.is_file() else None,
+                "torn_lines": torn,
+            }
+            self._records.extend(Record(r, d) for r in recs)
+        self._handles: dict[Path, object] = {}
+
+    # -- records -------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __iter__(self) -> Iterator[Record]:
+        return iter(self._records)
+
+    def __getitem__(self, i: int) -> Record:
+        return self._records[i]
+
+    @property
+    def committed(self) -> bool:
+        """Every rank closed cleanly (its COMMITTED marker exists)."""
+        return all(m["committed"] is not None for m in self.meta.values())
+
+    def query(self, **conditions) -> "CaptureSet":
+        """Records whose fields match: ``role="input"``, ``layer=[0, 1]``, ``iteration=lambda i: i < 5``."""
+        def ok(rec: Record) -> bool:
+            for key, want in conditions.items():
+                if key not in rec.fields:
+                    raise ValueError(f"unknown record field {key!r}; fields: {sorted(rec.fields)}")
+                have = rec.fields[key]
+                if callable(want):
+                    if not want(have):
+                        return False
+                elif isinstance(want, (list, tuple, set, frozenset)):
+                    if have not in want:
+                        return False
+                elif have != getattr(want, "value", want):
+                    return False
+            return True
+
+        out = CaptureSet(self.root, [r for r in self._records if ok(r)], self.meta)
+        out._handles = self._handles
+        return out
+
+    def values(self, field_name: str) -> list:
+        """Distinct values of one field, sorted where possible."""
+        vals = {json.dumps(r.fields.get(field_name), sort_keys=True) for r in self._records}
+        return sorted((json.loads(v) for v in vals), key=lambda v: (v is None, str(type(v)), v if v is not None else 0))
+
+    # -- tensors ---------------------------------------------------------------------------------------
+    def _handle(self, path: Path):
+        h = self._handles.get(path)
+        if h is None:
+            _check_shard(path)
+            try:
+                h = safe_open(str(path), framework="pt", device="cpu")
+            except (SafetensorError, OSError, ValueError) as exc:
+                raise CaptureReadError(f"{path}: cannot open as safetensors: {exc}") from None
+            self._handles[path] = h
+        return h
+
+    def load(self, record: Record, *, check: bool = False) -> torch.Tensor:
+        """The stored tensor of ``record`` (memory-mapped read); ``check=True`` verifies its checksum."""
+        if not record.has_tensor:
+            raise ValueError(f"record seq={record.fields.get('seq')} holds statistics only (what: stats)")
+        path = record.path
+        try:
+            t = self._handle(path).get_tensor(record.key)
+        except SafetensorError as exc:
+            raise CaptureReadError(f"{path}: cannot read tensor {record.key}: {exc}") from None
+        if check and layout.checksum(t) != record.checksum:
+            raise CaptureReadError(f"{path}: tensor {record.key} fails its checksum (file corrupted)")
+        return t
+
+    def tensors(self) -> Iterator[tuple[Record, torch.Tensor]]:
+        for rec in self._records:
+            if rec.has_tensor:
+                yield rec, self.load(rec)
+
+    def verify(self) -> list[str]:
+        """Every problem found: checksums, missing/corrupt/partial/unreferenced shards, uncommitted ranks."""
+        problems: list[str] = []
+        referenced: set[Path] = set()
+        for name, meta in self.meta.items():
+            if meta["committed"] is None:
+                problems.append(f"{name}: no {layout.COMMITTED} marker (run crashed or still running); "
+                                "only its committed part is readable")
+            if meta["torn_lines"]:
+                problems.append(f"{name}: {meta['torn_lines']} torn manifest line(s) skipped")
+            shard_dir = self.root / name / layout.SHARDS
+            for tmp in sorted(shard_dir.glob("*.tmp")) if shard_dir.is_dir() else []:
+                problems.append(f"{name}/{layout.SHARDS}/{tmp.name}: partial shard (never committed)")
+        for rec in self._records:
+            if not rec.has_tensor:
+                continue
+            referenced.add(rec.path)
+            try:
+                t = self.load(rec)
+                if f"crc32:{zlib.crc32(layout.tensor_bytes(t)):08x}" != rec.checksum:
+                    problems.append(f"{rec.path.relative_to(self.root)}: {rec.key}: checksum mismatch")
+            except CaptureReadError as exc:
+                problems.append(str(exc))
+        for name in self.meta:
+            shard_dir = self.root / name / layout.SHARDS
+            for shard in sorted(shard_dir.glob("*.safetensors")) if shard_dir.is_dir() else []:
+                if shard not in referenced:
+                    problems.append(f"{name}/{layout.SHARDS}/{shard.name}: not referenced by the manifest "
+                                    "(written just before a crash?)")
+        return sorted(set(problems), key=problems.index)
+
+
+def open_capture(root: str | Path) -> CaptureSet:
+    return CaptureSet(root)
+

@@ -1,0 +1,88 @@
+"""`fxquant capture ls|verify|export-pt DIR`: inspect, check and export capture sets."""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+
+from tabulate import tabulate
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("capture", help="inspect (ls), check (verify) or export (export-pt) a capture directory")
+    verbs = p.add_subparsers(dest="capture_verb", metavar="ACTION")
+    verbs.required = True
+    ls = verbs.add_parser("ls", help="summarise a capture set: runs, ranks, counts per role and module")
+    ls.add_argument("dir")
+    ls.add_argument("--records", action="store_true", help="one line per record")
+    ls.add_argument("--where", action="append", default=[], metavar="FIELD=VALUE",
+                    help="filter records (repeatable; integers are compared as integers)")
+    ls.add_argument("--json", action="store_true", help="print the selected records as JSON lines")
+    ls.set_defaults(func=run_ls)
+    v = verbs.add_parser("verify", help="check every checksum; report partial, missing or unreferenced shards")
+    v.add_argument("dir")
+    v.set_defaults(func=run_verify)
+    e = verbs.add_parser("export-pt", help="write the predecessor's .pt files (torch.load(weights_only=True))")
+    e.add_argument("dir")
+    e.add_argument("out", help="output directory (files go to OUT/{quant_type}/)")
+    e.add_argument("--quant-type", default=None, help="quant type in names and directory (default: the run's scheme)")
+    e.add_argument("--where", action="append", default=[], metavar="FIELD=VALUE", help="export only matching records")
+    e.set_defaults(func=run_export)
+
+
+def _filtered(args):
+    from fxquant import capture
+
+    cs = capture.open(args.dir)
+    cond = {}
+    for item in args.where:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"--where {item!r}: expected FIELD=VALUE")
+        cond[key] = int(value) if value.lstrip("-").isdigit() else (None if value == "None" else value)
+    return cs.query(**cond) if cond else cs
+
+
+def run_ls(args: argparse.Namespace) -> int:
+    cs = _filtered(args)
+    if args.json:
+        for r in cs:
+            print(json.dumps(r.fields, sort_keys=True))
+        return 0
+    for name, m in cs.meta.items():
+        c = m["committed"]
+        state = "committed" if c else "NOT committed (crashed or running)"
+        extra = f", stop reason: {c['stop_reason']}" if c and c.get("stop_reason") else ""
+        print(f"{name}: run {m['run'].get('run_id')} scheme {m['run'].get('scheme')}: {state}{extra}")
+    if args.records:
+        rows = [[r.seq, r.rank, r.iteration, r.micro_batch, r.module, r.layer, r.role, r.copy, r.direction,
+                 r.phase, "x".join(map(str, r.shape)), r.dtype, r.key or "stats"] for r in cs]
+        print(tabulate(rows, headers=["seq", "rank", "it", "mb", "module", "layer", "role", "copy", "dir", "phase",
+                                      "shape", "dtype", "key"]))
+    counts = collections.Counter((r.component, r.role, r.copy, r.direction) for r in cs)
+    print(tabulate([[*k, n] for k, n in sorted(counts.items())], headers=["component", "role", "copy", "dir", "records"]))
+    nbytes = sum(r.fields.get("stored_shape") is not None and 1 for r in cs)
+    print(f"{len(cs)} records ({nbytes} with tensors), iterations {cs.values('iteration')}, "
+          f"ranks {cs.values('rank')}, modules {len(cs.values('module'))}")
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from fxquant import capture
+
+    cs = capture.open(args.dir)
+    problems = cs.verify()
+    for p in problems:
+        print(p, file=sys.stderr)
+    n = sum(1 for r in cs if r.has_tensor)
+    print(f"{args.dir}: {len(cs)} records, {n} tensors checked, {len(problems)} problem(s)")
+    return 1 if problems else 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from fxquant.capture.export import export_pt
+
+    paths = export_pt(_filtered(args), args.out, args.quant_type)
+    print(f"wrote {len(paths)} .pt files under {args.out}")
+    return 0

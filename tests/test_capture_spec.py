@@ -1,0 +1,140 @@
+"""Capture placement spec: parsing, validation (all problems at once, file:line, did-you-mean), shipped specs, CLI."""
+from __future__ import annotations
+
+import pytest
+
+from fxquant.capture import spec as S
+from fxquant.cli import main
+
+GOOD = """\
+version: 1
+name: t
+sections:
+  - name: mlp
+    layers: {module: 'layers\\.\\d+\\.mlp', kinds: [fc1, fc2], indices: [0, '2-4']}
+    points:
+      - component: linear
+        direction: backward
+        copies: [hp, quantized]
+    when: {iterations: {start: 10, end: 20, every: 5}, micro_batches: [0, 1], ranks: '0-1'}
+    what: full
+    sampling: {random_rows: 8, seed: 3}
+budget: {bytes: 1.5GiB, files: 10, tensors: 100}
+on_error: abort
+"""
+
+
+def test_parse_full_spec():
+    sp = S.load_spec("good.yaml", text=GOOD)
+    (sec,) = sp.sections
+    assert sec.layers.kinds == {S.ModuleKind.FC1, S.ModuleKind.FC2}
+    assert sec.layers.layers == {0, 2, 3, 4}
+    assert sec.layers.matches("decoder.layers.3.mlp.linear_fc1", S.ModuleKind.FC1, 3)
+    assert not sec.layers.matches("decoder.layers.1.mlp.linear_fc1", S.ModuleKind.FC1, 1)
+    assert not sec.layers.matches("decoder.layers.3.self_attention.linear_qkv", S.ModuleKind.FC1, 3)
+    roles = {(p.role, p.copy) for p in sec.points}
+    assert roles == {(S.Role.GRAD_OUTPUT, S.Copy.HP), (S.Role.GRAD_INPUT, S.Copy.HP), (S.Role.GRAD_WEIGHT, S.Copy.HP),
+                     (S.Role.GRAD_OUTPUT, S.Copy.QUANTIZED)}
+    assert all(p.direction is S.Direction.BACKWARD for p in sec.points)
+    assert [i for i in range(30) if i in sec.when.iterations] == [10, 15]
+    assert sec.when.contains(15, 1, 1) and not sec.when.contains(15, 2, 1) and not sec.when.contains(15, 0, 2)
+    assert sec.sampling == S.Sampling(S.SamplingMode.RANDOM_ROWS, 8, 3)
+    assert sp.budget == S.Budget(int(1.5 * 2**30), 10, 100)
+    assert sp.on_error is S.ErrorPolicy.ABORT and sec.what is S.What.FULL
+
+
+BAD = """\
+version: 1
+sections:
+  - name: a
+    layers: {modul: x, kinds: [qvk], indices: ['3-1']}
+    points:
+      - component: linear
+        phase: pre
+        roles: [input, grad_ouput, output]
+        copies: [quantised]
+    when: {iterations: {start: 5, end: 2}, ranks: [0, x]}
+    what: ful
+  - name: a
+    points: [{component: atention}]
+budget: {bytes: lots, files: 0}
+on_eror: stop
+"""
+
+
+def test_all_problems_reported_at_once_with_lines_and_suggestions():
+    with pytest.raises(S.SpecError) as err:
+        S.load_spec("bad.yaml", text=BAD)
+    got = err.value.problems
+    expected = [
+        ("bad.yaml:4: sections[0].layers.modul:", "did you mean 'module'"),
+        ("bad.yaml:4: sections[0].layers.kinds[0]:", "did you mean 'qkv'"),
+        ("bad.yaml:4: sections[0].layers.indices[0]:", "'3-1'"),
+        ("bad.yaml:8: sections[0].points[0].roles[1]:", "did you mean 'grad_output'"),
+        ("bad.yaml:8: sections[0].points[0].roles[2]:", "excluded by this point's phase"),
+        ("bad.yaml:9: sections[0].points[0].copies[0]:", "did you mean 'quantized'"),
+        ("bad.yaml:10: sections[0].when.iterations.end:", "must be greater than start"),
+        ("bad.yaml:10: sections[0].when.ranks[1]:", "'x'"),
+        ("bad.yaml:11: sections[0].what:", "did you mean 'full'"),
+        ("bad.yaml:13: sections[1].points[0].component:", "did you mean 'attention'"),
+        ("bad.yaml:14: budget.bytes:", "'lots'"),
+        ("bad.yaml:14: budget.files:", ">= 1"),
+        ("bad.yaml:15: on_eror:", "did you mean 'on_error'"),
+    ]
+    for prefix, fragment in expected:
+        assert any(p.startswith(prefix) and fragment in p for p in got), (prefix, fragment, got)
+    assert len(got) == len(expected)
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("sections: [\n  - {points: [", "bad.yaml:2: invalid YAML"),
+    ("sections:\n  - points: [{component: linear}]\n    what: full\n    what: stats\n", "bad.yaml:4: sections[0].what: duplicate key"),
+    ("sections: []\n", "expected a non-empty list 'sections'"),
+    ("sections:\n  - points: [{component: linear, roles: [output], copies: [quantized]}]\n", "none of roles ['output'] is a GEMM operand"),
+    ("sections:\n  - points: [{component: linear}]\n    what: stats\n    sampling: {first_rows: 3}\n", "nothing is stored"),
+    ("sections:\n  - points: [{component: linear}]\n    sampling: {first_rows: 3, random_rows: 2}\n", "give exactly one of"),
+    ("sections:\n  - layers: {module: '(unclosed'}\n    points: [{component: linear}]\n", "invalid regular expression"),
+])
+def test_single_problems(text, fragment):
+    with pytest.raises(ValueError, match=None) as err:
+        S.load_spec("bad.yaml", text=text)
+    assert fragment in str(err.value), str(err.value)
+
+
+def test_shipped_specs_load_and_predecessor_names():
+    for name, path in S.shipped_specs().items():
+        assert S.load_spec(path).sections, name
+    pred = S.load_spec("predecessor")
+    got = {(p.component.value, p.role.value, p.copy.value) for s in pred.sections for p in s.points}
+    for role in ("query", "key", "value", "probs", "output", "grad_query", "grad_key", "grad_value", "grad_probs",
+                 "grad_output"):
+        assert ("attention", role, "hp") in got
+    for role in ("input", "weight", "output", "grad_output", "grad_input", "grad_weight"):
+        assert ("linear", role, "hp") in got
+    for role in ("input", "weight", "grad_output"):
+        assert ("linear", role, "quantized") in got
+    kinds = set().union(*(s.layers.kinds for s in pred.sections))
+    assert S.ModuleKind.LM_HEAD not in kinds  # the predecessor kept the LM head out
+
+
+def test_unknown_spec_name_did_you_mean():
+    with pytest.raises(FileNotFoundError, match="did you mean 'predecessor'"):
+        S.load_spec("predecesor")
+
+
+def test_capture_point_rejects_role_of_other_component():
+    with pytest.raises(ValueError, match="not a linear role"):
+        S.CapturePoint(S.Component.LINEAR, S.Role.QUERY)
+    with pytest.raises(ValueError, match="no GEMM operand"):
+        S.CapturePoint(S.Component.LINEAR, S.Role.OUTPUT, S.Copy.QUANTIZED)
+
+
+def test_check_spec_cli(tmp_path, capsys):
+    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    good.write_text(GOOD)
+    bad.write_text(BAD)
+    assert main(["check-spec", str(good), "predecessor"]) == 0
+    assert "ok: spec 't'" in capsys.readouterr().out
+    assert main(["check-spec", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert f"{bad}:15: on_eror" in err and err.count("\n") == 13
