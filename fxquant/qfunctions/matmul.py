@@ -102,9 +102,10 @@ def quantized_baddbmm(
 ) -> torch.Tensor:
     """``torch.baddbmm(input, batch1, batch2, beta=, alpha=)`` = ``beta * input + alpha * (batch1 @ batch2)``
     with the GEMM quantized per ``mq``; Megatron's ``Q @ K^T``. As in torch, ``beta == 0`` ignores ``input``
-    (NaN or uninitialised memory in it does not propagate). ``alpha`` scales the GEMM's result (and, in the
-    backward, the GEMMs' results: the quantized operand is the raw incoming gradient, as torch computes
-    ``alpha * (dC @ B^T)``)."""
+    (NaN or uninitialised memory in it does not propagate). ``alpha`` scales the GEMM's result; in the
+    backward the quantized ``dC`` is the gradient of the GEMM's own output ``C = batch1 @ batch2``, i.e.
+    ``alpha`` times the incoming gradient, as in ``quantized_sdpa`` (where dS is the gradient of Q K^T
+    before the softmax scale)."""
     if batch1.dim() != 3 or batch2.dim() != 3:
         raise ValueError(
             f"quantized_baddbmm: batch1 and batch2 must be 3-D, got {tuple(batch1.shape)} and {tuple(batch2.shape)}"
