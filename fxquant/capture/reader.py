@@ -113,6 +113,16 @@ class CaptureSet:
             self._records.extend(Record(r, d) for r in recs)
         self._handles: dict[Path, object] = {}
 
+    def close(self) -> None:
+        """Drop the open shard handles (their memory maps)."""
+        self._handles.clear()
+
+    def __enter__(self) -> "CaptureSet":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     # -- records -------------------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self._records)

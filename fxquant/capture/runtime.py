@@ -27,10 +27,11 @@ from pathlib import Path
 import torch
 
 from fxquant.capture import layout
-from fxquant.capture.spec import CaptureSpec, Copy, ErrorPolicy, SamplingMode, Section, What
+from fxquant.capture.spec import CaptureSpec, Component, Copy, ErrorPolicy, SamplingMode, Section, What
 from fxquant.capture.stats import pack_quantized_stats, pack_tensor_stats
 from fxquant.capture.tap import Tap, decode_tap
 from fxquant.capture.writer import Item, ShardWriter
+from fxquant.ops import parse_qspec
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,16 @@ def _sample(x: torch.Tensor, section: Section) -> tuple[torch.Tensor, dict | Non
     return x2.index_select(0, idx), info
 
 
+def _requantize(x: torch.Tensor, tap: Tap) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the operand as the GEMM consumed it, its high-precision source): fxquant::quantize with the GEMM's
+    format and blocked dim, linear operands in the [M, K] view the GEMMs use. Deterministic roundings
+    reproduce the GEMM's bits exactly (the tap pass never asks for stochastic ones)."""
+    x = x.detach()
+    if tap.component is Component.LINEAR:
+        x = x.reshape(-1, x.shape[-1])
+    return torch.ops.fxquant.quantize(x, tap.qspec, tap.dim, None), x
+
+
 class CaptureSession:
     """Counters, window checks, budget, and the writer of one process's capture."""
 
@@ -178,6 +189,8 @@ class CaptureSession:
         live = [i for i in tap.sections if i in self._active]
         if not live:
             return
+        if tap.copy is Copy.QUANTIZED and reference is None:
+            x, reference = _requantize(x, tap)
         sections = [self.spec.sections[i] for i in live]
         store = next((s for s in sections if s.what.tensors), None)
         want_stats = any(s.what.stats for s in sections)
@@ -193,8 +206,6 @@ class CaptureSession:
         if want_stats:
             vec = pack_tensor_stats(x)
             if quantized:
-                from fxquant.ops import parse_qspec
-
                 vec = torch.cat([vec, pack_quantized_stats(x, reference, parse_qspec(tap.qspec), tap.dim)])
         host, host_stats, event = self._to_host(payload, vec)
         record = self._record(tap, x, payload, seq, sample, sections[0].name)
@@ -347,19 +358,21 @@ _register_effect()
 
 class _GradTap(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, tap: str) -> torch.Tensor:
-        ctx.tap = tap
+    def forward(ctx, x: torch.Tensor, taps: tuple) -> torch.Tensor:
+        ctx.taps = taps
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        torch.ops.fxquant.capture(grad, ctx.tap)
+        for tap in ctx.taps:
+            torch.ops.fxquant.capture(grad, tap)
         return grad, None
 
 
-def capture_grad(x: torch.Tensor, tap: str) -> torch.Tensor:
-    """Identity whose backward captures the gradient arriving at ``x`` (a module-level wrapper, trap 1)."""
-    return _GradTap.apply(x, tap)
+def capture_grad(x: torch.Tensor, taps: tuple) -> torch.Tensor:
+    """Identity whose backward captures the gradient arriving at ``x`` once per tap string in ``taps``
+    (a module-level wrapper the tap pass inserts, ARCHITECTURE.md trap 1)."""
+    return _GradTap.apply(x, tuple(taps))
 
 
 def capture_operand(q: torch.Tensor, hp: torch.Tensor, tap: str) -> None:

@@ -1,0 +1,331 @@
+"""Capture runtime, writer and reader: round trips, statistics, budget, sampling, and injected faults
+(disk full, SIGKILL mid-capture, truncated/corrupted shards, hostile names, untrusted pickles)."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fxquant import capture
+from fxquant.capture import layout
+from fxquant.capture.export import export_pt, load_pt
+from fxquant.capture.reader import CaptureReadError
+from fxquant.cli import main
+
+from tests.capture_helpers import emit, spec_text, tap
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_round_trip_values_records_and_real_safetensors(tmp_path):
+    with capture.start(spec_text(end=3), tmp_path, scheme="bf16", shard_bytes=1000) as s:
+        sent = emit(5)
+        assert not s.active  # iterations 3, 4 lie outside the window
+    cs = capture.open(tmp_path)
+    assert cs.committed and len(cs) == 3 and cs.verify() == []
+    for rec, want in zip(cs, sent):
+        assert torch.equal(cs.load(rec, check=True), want)
+        assert (rec.component, rec.role, rec.phase, rec.direction, rec.kind, rec.layer) == (
+            "linear", "input", "pre", "forward", "fc2", 0)
+        assert rec.shape == [8, 16] and rec.dtype == "float32" and rec.rank == 0 and rec.tp_size == 1
+        st = rec.stats
+        assert st["max"] == want.max().item() and st["min"] == want.min().item()
+        assert st["mean"] == pytest.approx(want.double().mean().item(), rel=1e-12)
+        assert st["std"] == pytest.approx(want.double().std().item(), rel=1e-9)
+        assert sum(st["exp_hist"].values()) == 128
+        # the shard is a real safetensors file: the library reads the same bytes
+        assert torch.equal(load_file(rec.path)[rec.key], want)
+    assert cs.query(iteration=[0, 2]).values("iteration") == [0, 2]
+    assert len(cs.query(iteration=lambda i: i > 0)) == 2
+    with pytest.raises(ValueError, match="unknown record field 'nope'"):
+        cs.query(nope=1)
+
+
+def test_stats_nan_inf_and_quantized_operand(tmp_path):
+    from fxquant.capture import stats
+    from fxquant.formats.tensor_quant import TensorQuant
+
+    x = torch.tensor([[0.0, 1.0, -3.0, float("nan")], [float("inf"), 2.0, 0.0, 1e-30]])
+    st = stats.compute(x)
+    assert (st["nan_count"], st["inf_count"], st["min"], st["max"], st["amax"]) == (1, 1, -3.0, 2.0, 3.0)
+    assert st["zero_fraction"] == 0.25 and st["exp_hist"] == {"-100": 1, "0": 1, "1": 2}
+    tq = TensorQuant("mxfp4")
+    x = torch.zeros(1, 32)
+    x[0, 0], x[0, 1], x[0, 2] = 7.5, 1e-3, 6.9  # floor scale: amax 7.5 -> s = 2 - 2 = 0; 7.5 > 6 saturates
+    q = tq.quantize(x, -1)
+    qs = stats.compute(q, x, tq, -1)
+    assert qs["saturated_pct"] == pytest.approx(200 / 32)  # 7.5 and 6.9 both beyond 6
+    assert qs["flushed_pct"] == pytest.approx(100 / 3)  # 1e-3 -> 0; 3 non-zero inputs
+    err = (q - x).double()
+    assert qs["mse"] == pytest.approx(err.square().mean().item())
+    assert qs["cosine"] == pytest.approx(torch.nn.functional.cosine_similarity(q.double(), x.double()).item())
+
+
+def test_budget_stops_cleanly_and_training_goes_on(tmp_path):
+    with capture.start(spec_text(budget="{bytes: 1500}"), tmp_path) as s:
+        emit(5)  # 512 bytes each: the 3rd would pass 1500
+        assert s.stop_reason.startswith("budget.bytes=1500")
+    cs = capture.open(tmp_path)
+    assert len(cs) == 2 and cs.verify() == []
+    assert cs.meta["rank-00000"]["committed"]["stop_reason"].startswith("budget.bytes")
+
+
+def test_budget_files_and_sampling(tmp_path):
+    text = """
+sections:
+  - points: [{component: linear, roles: input}]
+    sampling: {random_rows: 3, seed: 7}
+budget: {files: 2}
+"""
+    with capture.start(capture.load_spec("t.yaml", text=text), tmp_path, shard_bytes=1) as s:
+        sent = emit(4)
+    assert "budget.files=2" in s.stop_reason
+    cs = capture.open(tmp_path)
+    assert len(cs) == 2
+    rows = torch.randperm(8, generator=torch.Generator().manual_seed(7))[:3].sort().values
+    for rec, want in zip(cs, sent):
+        assert rec.sample == {"mode": "random_rows", "rows": 3, "of_rows": 8, "seed": 7}
+        assert torch.equal(cs.load(rec), want[rows]) and rec.stored_shape == [3, 16] and rec.shape == [8, 16]
+
+
+def _fail_after(monkeypatch, n_ok: int) -> None:
+    """Make the n_ok+1-th shard write fail with ENOSPC half-way through (an injected full disk)."""
+    real = layout._write_all
+    calls = {"n": 0}
+
+    def write_all(fd, data):
+        calls["n"] += 1
+        if calls["n"] > 4 * n_ok + 1:  # per one-tensor shard: size, header, data, then its manifest line
+            real(fd, bytes(memoryview(data)[: len(memoryview(data)) // 2]))
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd, data)
+
+    monkeypatch.setattr(layout, "_write_all", write_all)
+
+
+def _no_partial_finals(root: Path) -> None:
+    for p in root.rglob("*.safetensors"):
+        load_file(p)  # every file under a final name is complete
+    assert not list(root.rglob("*.tmp"))
+
+
+def test_disk_full_policy_stop(tmp_path, monkeypatch):
+    _fail_after(monkeypatch, 2)
+    with capture.start(spec_text(), tmp_path, shard_bytes=1) as s:
+        emit(3)
+        s.flush()
+        emit(2)  # after the failure: no error raised, nothing captured
+        assert "No space left on device" in s.stop_reason
+    _no_partial_finals(tmp_path)
+    cs = capture.open(tmp_path)
+    assert len(cs) == 2 and cs.verify() == []
+    assert "errno 28" in cs.meta["rank-00000"]["committed"]["error"]
+
+
+def test_disk_full_policy_abort(tmp_path, monkeypatch):
+    _fail_after(monkeypatch, 1)
+    s = capture.start(spec_text(policy="abort"), tmp_path, shard_bytes=1)
+    try:
+        emit(2)
+        s.flush()
+        with pytest.raises(capture.CaptureError, match="No space left on device") as err:
+            emit(1)
+        assert isinstance(err.value.__cause__, OSError) and err.value.__cause__.errno == errno.ENOSPC
+    finally:
+        s.close()
+    _no_partial_finals(tmp_path)
+    assert len(capture.open(tmp_path)) == 1
+
+
+def _tmpfs(path: Path, size: str) -> bool:
+    path.mkdir()
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def test_disk_full_real_tmpfs(tmp_path):
+    mnt = tmp_path / "small"
+    if not _tmpfs(mnt, "256k"):
+        pytest.skip("cannot mount a tmpfs here (needs root); the injected-ENOSPC tests cover the same path")
+    try:
+        with capture.start(spec_text(), mnt, shard_bytes=1) as s:
+            emit(40, shape=(64, 64))  # 16 KiB each: the 256 KiB tmpfs fills up part-way
+            s.flush()
+        assert s.stop_reason and "No space left" in s.stop_reason
+        _no_partial_finals(mnt)
+        with capture.open(mnt) as cs:
+            assert 0 < len(cs) < 40 and all(torch.isfinite(cs.load(r, check=True)).all() for r in cs)
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+_CHILD = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, {repo!r})
+    from fxquant import capture
+    from tests.capture_helpers import spec_text, tap
+    with capture.start(spec_text(end=10**9), {root!r}, shard_bytes=1) as s:
+        i = 0
+        while True:
+            s.set_iteration(i); i += 1
+            torch.ops.fxquant.capture(torch.full((256, 256), float(i)), tap())
+""")
+
+
+def test_sigkill_mid_capture_leaves_only_complete_shards(tmp_path):
+    root = tmp_path / "cap"
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD.format(repo=str(REPO), root=str(root))])
+    manifest = root / "rank-00000" / layout.MANIFEST
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (not manifest.is_file() or manifest.read_bytes().count(b"\n") < 5):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    cs = capture.open(root)
+    assert not cs.committed and len(cs) >= 5
+    for rec in cs:
+        t = cs.load(rec, check=True)
+        assert torch.equal(t, torch.full((256, 256), float(rec.iteration + 1)))
+    problems = capture.open(root).verify()
+    assert any("no COMMITTED marker" in p for p in problems)
+    assert all("checksum" not in p for p in problems)
+
+
+def _one_shard(tmp_path) -> tuple[capture.CaptureSet, Path]:
+    with capture.start(spec_text(), tmp_path):
+        emit(2)
+    cs = capture.open(tmp_path)
+    return cs, cs[0].path
+
+
+def test_truncated_shard_is_a_clear_error(tmp_path):
+    cs, shard = _one_shard(tmp_path)
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 100)
+    cs = capture.open(tmp_path)
+    with pytest.raises(CaptureReadError, match="shard-000001.safetensors"):
+        cs.load(cs[1])
+    assert main(["capture", "verify", str(tmp_path)]) == 1
+
+
+def test_corrupted_bytes_fail_checksum(tmp_path, capsys):
+    cs, shard = _one_shard(tmp_path)
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    cs = capture.open(tmp_path)
+    with pytest.raises(CaptureReadError, match="fails its checksum"):
+        cs.load(cs[1], check=True)
+    assert main(["capture", "verify", str(tmp_path)]) == 1
+    assert "checksum mismatch" in capsys.readouterr().err
+
+
+def test_missing_and_unreferenced_shards_reported(tmp_path):
+    cs, shard = _one_shard(tmp_path)
+    extra = shard.with_name("shard-000099.safetensors")
+    extra.write_bytes(shard.read_bytes())
+    (shard.parent / "shard-000100.safetensors.tmp").write_bytes(b"partial")
+    shard.unlink()
+    problems = capture.open(tmp_path).verify()
+    assert any("is missing" in p for p in problems)
+    assert any("shard-000099.safetensors: not referenced" in p for p in problems)
+    assert any("shard-000100.safetensors.tmp: partial shard" in p for p in problems)
+
+
+class _Evil:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_untrusted_pickle_is_refused_never_loaded(tmp_path):
+    cs, shard = _one_shard(tmp_path / "cap")
+    marker = tmp_path / "pwned"
+    evil = pickle.dumps(_Evil(marker))
+    shard.write_bytes(evil)
+    with pytest.raises(CaptureReadError, match="fxquant never loads pickles"):
+        capture.open(tmp_path / "cap").load(cs[0])
+    pt = tmp_path / "evil.pt"
+    torch.save({"tensor": torch.ones(1), "x": _Evil(marker)}, pt)
+    with pytest.raises(pickle.UnpicklingError):
+        load_pt(pt)
+    assert not marker.exists()
+
+
+def test_hostile_names_stay_inside_and_export_pt(tmp_path):
+    hostile = ["../../../../etc/evil", "a/b\\c:d", "x" * 5000, "..", "layers.0.mlp\n\x00name"]
+    root, out = tmp_path / "cap", tmp_path / "out"
+    with capture.start(spec_text(), root, scheme="../mx/../../fp8", run_id="../../run"):
+        for i, name in enumerate(hostile):
+            capture.active_session().set_iteration(i)
+            torch.ops.fxquant.capture(torch.full((2, 3), float(i)), tap(module=name))
+    cs = capture.open(root)
+    assert [r.module for r in cs] == hostile
+    paths = export_pt(cs, out)
+    assert len(paths) == 5 and len(set(paths)) == 5
+    for p, rec in zip(paths, cs):
+        assert p.resolve().is_relative_to(out.resolve()) and p.parent.parent == out and len(p.name) <= 255
+        d = load_pt(p)
+        assert torch.equal(d["tensor"], torch.full((2, 3), float(rec.iteration)))
+        assert d["metadata"]["extras"]["module"] == rec.module and d["metadata"]["tensor_name"] == "input"
+    assert {p.parent.name for p in paths} == {layout.sanitize("../mx/../../fp8", 60)}
+    assert [x.name for x in tmp_path.iterdir()] and not (tmp_path / "etc").exists()
+
+
+def test_export_pt_names_and_payload(tmp_path):
+    with capture.start(spec_text(), tmp_path / "cap", scheme="mxfp8"):
+        emit(1)
+    assert main(["capture", "export-pt", str(tmp_path / "cap"), str(tmp_path / "out")]) == 0
+    (p,) = (tmp_path / "out" / "mxfp8").iterdir()
+    parts = p.name.split("_")
+    assert parts[3:] == ["000000", "iter0", "fc2", "L0", "forward", "pre", "linear", "mxfp8", "rank0", "input.pt"]
+    d = torch.load(p, weights_only=True)
+    assert set(d) == {"tensor", "tensor_info", "metadata"}
+    assert d["tensor_info"]["shape"] == [8, 16] and d["metadata"]["operation"] == "forward"
+    assert d["metadata"]["component"] == "linear" and d["metadata"]["quant_type"] == "mxfp8"
+
+
+def test_cli_ls(tmp_path, capsys):
+    with capture.start(spec_text(), tmp_path):
+        emit(2)
+    assert main(["capture", "ls", str(tmp_path), "--records", "--where", "iteration=1"]) == 0
+    out = capsys.readouterr().out
+    assert "committed" in out and "1 records (1 with tensors)" in out
+    assert main(["capture", "ls", str(tmp_path), "--json"]) == 0
+    assert [json.loads(x)["iteration"] for x in capsys.readouterr().out.splitlines()] == [0, 1]
+    assert main(["capture", "ls", str(tmp_path / "nope")]) == 2
+
+
+def test_predecessor_flags_and_env(tmp_path):
+    import argparse
+
+    from fxquant.capture.compat import add_arguments, from_args, from_predecessor
+
+    assert from_predecessor(env={}) is None
+    assert from_predecessor(env={"TENSOR_SAVE_ENABLED": "false"}) is None
+    spec, cfg = from_predecessor(env={"TENSOR_SAVE_ENABLED": "true", "CUSTOM_QUANT_TYPE": "hifp8"})
+    assert cfg["root"] == Path("./enhanced_tensor_logs") and cfg["scheme"] == "hifp8"
+    assert all(s.when.contains(0, 3, 5) and not s.when.contains(1, 0, 0) for s in spec.sections)
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--save-tensors", "--tensor-save-dir", str(tmp_path), "--control-iter", "3"])
+    spec, cfg = from_args(args, start_iteration=10, env={"TENSOR_SAVE_DIR": "/elsewhere"})
+    assert cfg["root"] == tmp_path and cfg["start_iteration"] == 10
+    assert [i for i in range(20) if i in spec.sections[0].when.iterations] == [10, 11, 12]
+    spec, cfg = from_predecessor(True, None, 0, env={"TENSOR_SAVE_DIR": str(tmp_path)})
+    assert cfg["root"] == tmp_path and 10**6 in spec.sections[0].when.iterations
+    with pytest.raises(ValueError, match="TENSOR_SAVE_ENABLED='maybe'"):
+        from_predecessor(env={"TENSOR_SAVE_ENABLED": "maybe"})
