@@ -1,0 +1,82 @@
+"""fxquant.kernels: Triton kernels for ``fxquant::quantize``, bit-identical to the reference in fxquant.formats.
+
+    >>> from fxquant import kernels
+    >>> from fxquant.formats.tensor_quant import TensorQuant
+    >>> y = kernels.quantize(x_cuda, TensorQuant("mxfp8_e4m3"), dim=-1)   # == the reference, bit for bit
+
+Importing this package registers the Triton implementation of ``torch.ops.fxquant.quantize`` for CUDA
+when Triton is importable and a CUDA device is present (the op's default implementation stays the
+pure-torch reference). Triton itself is imported lazily, by the first launch or ``register``, so that a
+test can set ``TRITON_INTERPRET=1`` first; then ``register(device="cpu")`` routes the op's CPU
+implementation through Triton's interpreter (ARCHITECTURE.md trap 7). The kernels: ``_quantize.py``;
+their device functions: ``_primitives.py``; the wrappers: ``launch.py``. Contract: FORMATS.md.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+
+import torch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["available", "quantize", "register"]
+
+DEVICES = ("cuda", "cpu")
+
+
+def available() -> bool:
+    """Whether Triton is importable (the kernels also need a CUDA device, or TRITON_INTERPRET=1 on CPU)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def quantize(x: torch.Tensor, tq, dim: int = -1, seed: int | None = None) -> torch.Tensor:
+    """Fake-quantize ``x`` along ``dim`` per the TensorQuant ``tq`` with the Triton kernels.
+
+    Same contract and result as ``tq.quantize(x, dim, seed=seed)``; ``x`` must be a CUDA tensor, or a CPU
+    tensor when the kernels run in Triton's interpreter.
+    """
+    from fxquant.kernels import launch
+
+    return launch.quantize(x, tq, dim, seed)
+
+
+def _quantize_op_impl(x: torch.Tensor, qspec: str, dim: int, seed: int | None = None) -> torch.Tensor:
+    from fxquant.ops import parse_qspec
+
+    return quantize(x, parse_qspec(qspec), dim, seed)
+
+
+def register(device: str = "cuda") -> None:
+    """Register the Triton implementation of ``fxquant::quantize`` for ``device`` (idempotent).
+
+    ``device="cpu"`` is for tests only and needs ``TRITON_INTERPRET=1`` set before the kernels were first
+    imported; undo it with ``torch.ops.fxquant.quantize``'s ``set_kernel_enabled("cpu", False)`` or by
+    keeping the registration scoped (see tests/test_kernels_op.py).
+    """
+    if device not in DEVICES:
+        raise ValueError(f"device={device!r} is not supported; allowed: {list(DEVICES)}")
+    if not available():
+        raise RuntimeError("fxquant.kernels.register needs Triton: pip install 'fxquant[triton]'")
+    if device == "cpu":
+        if os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True"):
+            raise ValueError(
+                "device='cpu' runs the Triton kernels in Triton's interpreter and is meant for tests: "
+                f"set TRITON_INTERPRET=1 (got {os.environ.get('TRITON_INTERPRET')!r}) before the kernels are imported"
+            )
+        from fxquant.kernels import launch
+
+        if not launch.INTERPRETED:
+            raise RuntimeError(
+                "fxquant.kernels.launch was imported before TRITON_INTERPRET=1 was set, so its kernels are "
+                "compiled for the GPU and cannot run on CPU; set the variable before the first launch"
+            )
+    import fxquant.ops  # noqa: F401  (defines the op)
+
+    torch.library.register_kernel("fxquant::quantize", device, _quantize_op_impl)
+    log.debug("registered the Triton implementation of fxquant::quantize for %s", device)
+
+
+if available() and torch.cuda.is_available():
+    register("cuda")

@@ -1,0 +1,176 @@
+"""Checked Python wrappers that launch the Triton quantize kernels, exactly like the reference's public path.
+
+``quantize(x, tq, dim, seed)`` validates its input with the reference's own checks, puts ``x`` in the
+canonical layout (``dim`` last, contiguous, ``[rows, L]``, in x's own dtype: the kernels widen to float32
+on load and round back on store), runs the pre-pass a format needs (the tensor amax of per-tensor scaling
+and NVFP4), launches with keyword arguments and restores the layout. The result equals
+``tq.quantize(x, dim, seed=seed)`` bit for bit.
+
+Importing this module imports Triton and defines the kernels: under ``TRITON_INTERPRET=1`` they run on
+CPU tensors, otherwise they compile for the GPU.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from triton.runtime.interpreter import InterpretedFunction
+
+from fxquant.formats._bits import seed_key
+from fxquant.formats.base import check_tensor, resolve_seed, restore_layout
+from fxquant.formats.element import E2M1, E4M3, ElementSpec, HiF8
+from fxquant.formats.mx import MXFormat
+from fxquant.formats.nvfp4 import GLOBAL_DIVISOR, NVFP4Format
+from fxquant.formats.options import QuantOptions, Rounding, Scaling
+from fxquant.formats.scalar import ElementFormat, tensor_scale_exponent
+from fxquant.formats.tensor_quant import TensorQuant
+from fxquant.kernels._quantize import _quantize_element_kernel, _quantize_mx_kernel, _quantize_nvfp4_kernel
+
+# Fixed when the kernels were decorated: TRITON_INTERPRET=1 at that moment makes them CPU-interpreted.
+INTERPRETED = isinstance(_quantize_element_kernel, InterpretedFunction)
+
+
+def element_constexprs(spec: ElementSpec, prefix: str = "") -> dict[str, object]:
+    """The element format's data as kernel constexprs (``EMIN``, ``MBITS``, ``MAX_NORMAL``, ...)."""
+    return {
+        f"{prefix}EMIN": spec.emin,
+        f"{prefix}MBITS": spec.mbits,
+        f"{prefix}MAX_NORMAL": float(spec.max_normal),
+        f"{prefix}HAS_INF": spec.has_inf,
+        f"{prefix}SIGNED_ZERO": spec.signed_zero,
+    }
+
+
+def _overflow_to_inf(spec: ElementSpec, opts: QuantOptions) -> bool:
+    """``ElementSpec.quantize``'s overflow rule: Inf only with Inf in the format, saturate=False, not rz."""
+    return spec.has_inf and not opts.saturate and opts.rounding is not Rounding.RZ
+
+
+def _check_device(x: torch.Tensor) -> None:
+    if x.device.type == "cuda" and not INTERPRETED:
+        return
+    if x.device.type == "cpu" and INTERPRETED:
+        return
+    mode = "the Triton interpreter (TRITON_INTERPRET=1, CPU tensors)" if INTERPRETED else "CUDA tensors"
+    raise ValueError(
+        f"x is on device {x.device}; the Triton kernels were built for {mode}. "
+        "Set TRITON_INTERPRET=1 before fxquant.kernels launches anything to run them on CPU."
+    )
+
+
+def _canonical(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x in its own dtype, ``dim`` last, contiguous, as ``[rows, L]`` (``base.to_canonical`` minus the upcast)."""
+    xc = x.reshape(1) if x.dim() == 0 else x
+    xc = xc.movedim(dim, -1).contiguous()
+    return xc.reshape(-1, xc.shape[-1])
+
+
+def quantize(x: torch.Tensor, tq: TensorQuant, dim: int = -1, seed: int | None = None) -> torch.Tensor:
+    """Fake-quantize ``x`` along ``dim`` per ``tq`` with the Triton kernels; equals ``tq.quantize`` bitwise."""
+    if not isinstance(tq, TensorQuant):
+        raise TypeError(f"tq must be a TensorQuant, got {type(tq).__name__}")
+    d = check_tensor(x, dim)
+    opts = tq.options
+    seed_ = resolve_seed(opts.rounding, seed)
+    if x.numel() == 0:
+        return x.clone()
+    _check_device(x)
+    fmt = tq.fmt
+    key = seed_key(seed_)
+    if isinstance(fmt, ElementFormat):
+        if opts.rounding is Rounding.SR:  # the random stream follows the canonical layout
+            return restore_layout(_element(_canonical(x, d), fmt, opts, key), x.shape, d)
+        return _element(x.contiguous(), fmt, opts, key).reshape(x.shape)  # element-wise: layout is free
+    if isinstance(fmt, MXFormat):
+        return restore_layout(_mx(_canonical(x, d), fmt, opts, key), x.shape, d)
+    if isinstance(fmt, NVFP4Format):
+        return restore_layout(_nvfp4(_canonical(x, d), fmt, opts, key), x.shape, d)
+    raise TypeError(f"no Triton kernel for format {fmt.name!r} ({type(fmt).__name__})")  # pragma: no cover
+
+
+def _element(xc: torch.Tensor, fmt: ElementFormat, opts: QuantOptions, key: int) -> torch.Tensor:
+    spec = fmt.element
+    y = torch.empty_like(xc)
+    if opts.scaling is Scaling.TENSOR:
+        amax = xc.abs().amax().to(torch.float32)  # exact in any input dtype; NaN propagates
+        k_buf = tensor_scale_exponent(amax.reshape(1, 1), opts.scale_target).reshape(1)
+    else:
+        k_buf = xc  # unused by the kernel
+    n = xc.numel()
+    block = 1 << 16 if INTERPRETED else 2048
+    _quantize_element_kernel[(triton.cdiv(n, block),)](
+        x_ptr=xc,
+        y_ptr=y,
+        k_ptr=k_buf,
+        n_elements=n,
+        seed_key=key,
+        BLOCK=block,
+        HAS_SCALE=opts.scaling is Scaling.TENSOR,
+        ROUNDING=opts.rounding.value,
+        OVERFLOW_INF=_overflow_to_inf(spec, opts),
+        TAPERED=isinstance(spec, HiF8),
+        **element_constexprs(spec),
+        num_warps=8,
+        enable_fp_fusion=False,
+    )
+    return y
+
+
+def _block_launch(xc: torch.Tensor, block_size: int) -> tuple[dict[str, object], int]:
+    """Grid size and shape arguments shared by the block kernels."""
+    rows, cols = xc.shape
+    n_blocks_row = math.ceil(cols / block_size)
+    block_b = 4096 if INTERPRETED else max(1, 2048 // block_size)
+    args = dict(
+        n_rows=rows,
+        n_cols=cols,
+        n_blocks_row=n_blocks_row,
+        BLOCK_SIZE=block_size,
+        BLOCK_B=block_b,
+        EVEN_COLS=cols % block_size == 0,
+    )
+    return args, triton.cdiv(rows * n_blocks_row, block_b)
+
+
+def _mx(xc: torch.Tensor, fmt: MXFormat, opts: QuantOptions, key: int) -> torch.Tensor:
+    spec = fmt.element
+    y = torch.empty_like(xc)
+    args, grid = _block_launch(xc, fmt.block_size)
+    _quantize_mx_kernel[(grid,)](
+        x_ptr=xc,
+        y_ptr=y,
+        seed_key=key,
+        **args,
+        SCALE_MODE=opts.scale_mode.value,
+        ROUNDING=opts.rounding.value,
+        ELEM_EMAX=spec.emax,
+        MANT_SCALE=float(2**spec.mbits),
+        TAPERED=isinstance(spec, HiF8),
+        **element_constexprs(spec),
+        num_warps=4,
+        enable_fp_fusion=False,
+    )
+    return y
+
+
+def _nvfp4(xc: torch.Tensor, fmt: NVFP4Format, opts: QuantOptions, key: int) -> torch.Tensor:
+    y = torch.empty_like(xc)
+    amax = xc.abs().amax().to(torch.float32).reshape(1)  # the tensor amax pre-pass; NaN propagates
+    args, grid = _block_launch(xc, fmt.block_size)
+    _quantize_nvfp4_kernel[(grid,)](
+        x_ptr=xc,
+        y_ptr=y,
+        amax_ptr=amax,
+        seed_key=key,
+        **args,
+        ROUNDING=opts.rounding.value,
+        GLOBAL_DIVISOR=GLOBAL_DIVISOR,
+        **element_constexprs(E2M1),
+        **element_constexprs(E4M3, prefix="S_"),
+        S_MIN_SUBNORMAL=float(E4M3.min_subnormal),
+        num_warps=4,
+        enable_fp_fusion=False,
+    )
+    return y
