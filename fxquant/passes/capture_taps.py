@@ -1,0 +1,196 @@
+"""Pass: insert capture taps around the sites the capture spec selects (issue 4, deliverable 2).
+
+Pre: ``run_passes`` has run, so every matched site node carries ``node.meta["fxquant"]`` (a SiteMeta) and
+is either the original op (``F.linear``, SDPA, ``torch.baddbmm`` / ``torch.bmm`` of unfused attention) or
+fxquant's wrapper with the same leading operands. Post, per selected point:
+
+    forward, pre     fxquant::capture(operand, tap)                      before the site
+    forward, post    fxquant::capture(site, tap)                         after the site
+    backward, pre    site's users read capture_grad(site, taps)          (the gradient arriving at the output)
+    backward, post   the site reads capture_grad(operand, taps)          (the gradient it produces for an operand)
+    quantized copy   fxquant::capture(operand, tap with qspec + dim)     the op re-quantizes the operand, in its
+                     window only, exactly as the GEMM does (fxquant::quantize, same format, options and
+                     blocked dim; linear operands as the GEMM sees them, flattened to [M, K])
+
+Effectful captures survive AOT/Inductor (trap 3); ``capture_grad`` is a module-level wrapper (trap 1)
+whose backward runs the capture in the backward graph. Only nodes created here are added; nothing is
+removed (trap 2). Points a site does not materialise (attention ``probs`` under fused SDPA, quantized
+copies of operands the scheme keeps in high precision or rounds stochastically) are listed in the
+returned report, never silently dropped. Megatron linear sites (autograd_function_apply) are reported
+as not tapped yet.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from fxquant.capture.runtime import capture_grad
+from fxquant.capture.spec import GEMM_OPERANDS, CaptureSpec, Component, Copy, Direction, Gemm, ModuleKind, Role
+from fxquant.capture.tap import Tap
+from fxquant.passes.graph_edit import copy_meta
+from fxquant.passes.sites import META_KEY, OpKind, SiteMeta, example_value
+
+log = logging.getLogger(__name__)
+
+CAPTURE = torch.ops.fxquant.capture.default
+
+# Graph position of each role per op kind: ("arg", i) = i-th operand, ("out",) = the site's result.
+_POSITIONS: dict[OpKind, dict[Role, tuple]] = {
+    OpKind.LINEAR: {Role.INPUT: ("arg", 0), Role.WEIGHT: ("arg", 1), Role.OUTPUT: ("out",),
+                    Role.GRAD_OUTPUT: ("out",), Role.GRAD_INPUT: ("arg", 0), Role.GRAD_WEIGHT: ("arg", 1)},
+    OpKind.SDPA: {Role.QUERY: ("arg", 0), Role.KEY: ("arg", 1), Role.VALUE: ("arg", 2), Role.OUTPUT: ("out",),
+                  Role.GRAD_OUTPUT: ("out",), Role.GRAD_QUERY: ("arg", 0), Role.GRAD_KEY: ("arg", 1),
+                  Role.GRAD_VALUE: ("arg", 2)},
+    # baddbmm(input, Q, K^T): the key is captured as the GEMM operand K^T [.., d, Lk]
+    OpKind.UNFUSED_QK: {Role.QUERY: ("arg", 1), Role.KEY: ("arg", 2), Role.GRAD_QUERY: ("arg", 1),
+                        Role.GRAD_KEY: ("arg", 2), Role.GRAD_SCORES: ("out",)},
+    OpKind.UNFUSED_PV: {Role.PROBS: ("arg", 0), Role.VALUE: ("arg", 1), Role.OUTPUT: ("out",),
+                        Role.GRAD_OUTPUT: ("out",), Role.GRAD_PROBS: ("arg", 0), Role.GRAD_VALUE: ("arg", 1)},
+}
+_ARG_NAMES = {OpKind.LINEAR: ("input", "weight"), OpKind.SDPA: ("query", "key", "value"),
+              OpKind.UNFUSED_QK: ("input", "batch1", "batch2"), OpKind.UNFUSED_PV: ("input", "mat2")}
+
+
+@dataclass
+class TapReport:
+    """What was tapped in one graph, and what the spec asked for but the graph does not offer."""
+
+    taps: list[Tap] = field(default_factory=list)
+    unavailable: list[str] = field(default_factory=list)
+
+
+def _operand(node: fx.Node, op: OpKind, i: int) -> fx.Node | None:
+    if i < len(node.args):
+        a = node.args[i]
+    else:
+        a = node.kwargs.get(_ARG_NAMES[op][i]) if i < len(_ARG_NAMES[op]) else None
+        if a is None and op is OpKind.LINEAR and i == 0:
+            a = node.kwargs.get("x")
+    return a if isinstance(a, fx.Node) else None
+
+
+def _quant_operands(meta: SiteMeta, role: Role) -> list[tuple[Gemm, object, int]]:
+    """(gemm, TensorQuant, dim) for each GEMM that consumes ``role`` quantized (module docstring of schemes.model)."""
+    c = meta.config
+    if c is None:
+        return []
+    if meta.op is OpKind.LINEAR:  # dims of the [M, K] / [N, K] / [M, N] views the GEMMs use
+        table = {Role.INPUT: [(Gemm.FPROP, c.fprop.a, 1), (Gemm.WGRAD, c.wgrad.b, 0)],
+                 Role.WEIGHT: [(Gemm.FPROP, c.fprop.b, 1), (Gemm.DGRAD, c.dgrad.b, 0)],
+                 Role.GRAD_OUTPUT: [(Gemm.DGRAD, c.dgrad.a, 1), (Gemm.WGRAD, c.wgrad.a, 0)]}
+    else:
+        qk, pv = c.qk, c.pv
+        sdpa = meta.op is OpKind.SDPA  # K [.., Lk, d] under SDPA; K^T [.., d, Lk] in Megatron's baddbmm
+        table = {Role.QUERY: [(Gemm.QK, qk.forward.a, -1), (Gemm.DK, qk.grad_b.a, -2)],
+                 Role.KEY: [(Gemm.QK, qk.forward.b, -1 if sdpa else -2), (Gemm.DQ, qk.grad_a.b, -2 if sdpa else -1)],
+                 Role.GRAD_SCORES: [(Gemm.DQ, qk.grad_a.a, -1), (Gemm.DK, qk.grad_b.b, -2)],
+                 Role.PROBS: [(Gemm.PV, pv.forward.a, -1), (Gemm.DV, pv.grad_b.a, -2)],
+                 Role.VALUE: [(Gemm.PV, pv.forward.b, -2), (Gemm.DP, pv.grad_a.b, -1)],
+                 Role.GRAD_OUTPUT: [(Gemm.DP, pv.grad_a.a, -1), (Gemm.DV, pv.grad_b.b, -2)]}
+    return [(g, tq, d) for g, tq, d in table.get(role, []) if tq is not None]
+
+
+def _kind(meta: SiteMeta) -> ModuleKind | None:
+    try:
+        return ModuleKind(meta.site.kind.value)
+    except ValueError:
+        return None
+
+
+def _site_taps(meta: SiteMeta, spec: CaptureSpec, report: TapReport) -> list[tuple[Tap, tuple]]:
+    """Every (tap, graph position) the spec selects at this site."""
+    site, kind = meta.site, _kind(meta)
+    component = Component.ATTENTION if meta.op.is_attention else Component.LINEAR
+    chosen: dict[tuple[Role, Copy], list[int]] = {}
+    for i in spec.sections_for(site.module_path, kind, site.layer):
+        for p in spec.sections[i].points:
+            if p.component is component:
+                chosen.setdefault((p.role, p.copy), []).append(i)
+    positions = _POSITIONS.get(meta.op)
+    out: list[tuple[Tap, tuple]] = []
+    for (role, copy), secs in chosen.items():
+        where = None if positions is None else positions.get(role)
+        what = f"{site.module_path} ({meta.op.value}): {component.value}.{role.value}[{copy.value}]"
+        if where is None:
+            report.unavailable.append(f"{what}: not materialised at a {meta.op.value} site")
+            continue
+        base = dict(component=component, role=role, module=site.module_path, sections=tuple(secs), kind=kind,
+                    layer=site.layer)
+        if copy is Copy.HP:
+            out.append((Tap(**base), where))
+            continue
+        if role not in GEMM_OPERANDS[component]:
+            continue
+        quants = _quant_operands(meta, role)
+        if not quants:
+            report.unavailable.append(f"{what}: kept in high precision by the scheme (no quantized copy)")
+        for gemm, tq, dim in quants:
+            if tq.options.rounding.value == "sr":
+                report.unavailable.append(f"{what} for {gemm.value}: stochastic rounding cannot be re-quantized "
+                                          "identically; not captured")
+                continue
+            out.append((Tap(**base, copy=Copy.QUANTIZED, gemm=gemm, qspec=tq.spec(), dim=dim), where))
+    return out
+
+
+def insert_capture_taps(gm: fx.GraphModule, spec: CaptureSpec) -> TapReport:
+    """Insert the taps ``spec`` selects at every site of ``gm`` carrying ``node.meta["fxquant"]``; recompiles."""
+    if not isinstance(spec, CaptureSpec):
+        raise TypeError(f"spec must be a CaptureSpec (fxquant.capture.load_spec), got {type(spec).__name__}")
+    report = TapReport()
+    graph = gm.graph
+    for node in list(graph.nodes):
+        meta = node.meta.get(META_KEY)
+        if not isinstance(meta, SiteMeta):
+            continue
+        if meta.op is OpKind.MEGATRON_LINEAR:
+            if spec.sections_for(meta.site.module_path, _kind(meta), meta.site.layer):
+                report.unavailable.append(f"{meta.site.module_path}: Megatron linear sites are not tapped yet")
+            continue
+        taps = _site_taps(meta, spec, report)
+        grad_out: list[str] = []
+        grad_args: dict[int, list[str]] = {}
+        for tap, where in taps:
+            report.taps.append(tap)
+            backward = tap.direction is Direction.BACKWARD and tap.copy is Copy.HP
+            backward |= tap.copy is Copy.QUANTIZED and tap.role in (Role.GRAD_OUTPUT, Role.GRAD_SCORES)
+            if backward:
+                (grad_out if where[0] == "out" else grad_args.setdefault(where[1], [])).append(tap.encode())
+            elif where[0] == "arg":
+                operand = _operand(node, meta.op, where[1])
+                if operand is not None:
+                    with graph.inserting_before(node):
+                        _new(graph, node, CAPTURE, (operand, tap.encode()))
+            else:
+                with graph.inserting_after(node):
+                    _new(graph, node, CAPTURE, (node, tap.encode()))
+        for i, texts in grad_args.items():
+            operand = _operand(node, meta.op, i)
+            if operand is None:
+                continue
+            with graph.inserting_before(node):
+                wrapped = _new(graph, node, capture_grad, (operand, tuple(texts)))
+            node.replace_input_with(operand, wrapped)
+        if grad_out:
+            users = list(node.users)
+            with graph.inserting_after(node):
+                wrapped = _new(graph, node, capture_grad, (node, tuple(grad_out)))
+            for user in users:
+                user.replace_input_with(node, wrapped)
+    for line in report.unavailable:
+        log.warning("capture: %s", line)
+    graph.lint()
+    gm.recompile()
+    return report
+
+
+def _new(graph: fx.Graph, site: fx.Node, target, args: tuple) -> fx.Node:
+    new = graph.call_function(target, args)
+    copy_meta(site, new, example_value(args[0]) if target is capture_grad else None)
+    return new
+
+
+__all__ = ["TapReport", "insert_capture_taps"]

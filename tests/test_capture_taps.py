@@ -1,0 +1,160 @@
+"""Capture taps in compiled graphs: values equal eager forward/backward hooks bit for bit (aot_eager and
+Inductor), quantized copies equal the operands the GEMMs consumed, and a spec outside its window neither
+captures nor recompiles."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fxquant import capture, schemes
+from fxquant.backend import FxquantBackend
+from fxquant.formats.tensor_quant import TensorQuant
+from fxquant.passes.capture_taps import insert_capture_taps
+from tests.models import make_llama, make_tokens, next_token_loss
+
+
+class TapBackend(FxquantBackend):
+    """fxquant's backend with the tap pass run after its rewrite passes (the hook fxquant.compile will use)."""
+
+    def __init__(self, scheme, spec, **kw):
+        super().__init__(schemes.get(scheme), **kw)
+        self.spec, self.tap_reports = spec, []
+
+    def compile_inner(self, gm, example_inputs):
+        self.tap_reports.append(insert_capture_taps(gm, self.spec))
+        return super().compile_inner(gm, example_inputs)
+
+
+def eager_hooks(model: nn.Module, run) -> dict:
+    """(module path, role) -> tensor, from nn.Module hooks, tensor hooks and an SDPA-intercepting function mode."""
+    got: dict = {}
+    handles = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear):
+            def fwd(m, args, out, name=name):
+                got[(name, "input")], got[(name, "weight")], got[(name, "output")] = args[0].detach().clone(), \
+                    m.weight.detach().clone(), out.detach().clone()
+
+            def bwd(m, gin, gout, name=name):
+                got[(name, "grad_input")], got[(name, "grad_output")] = gin[0].clone(), gout[0].clone()
+
+            handles += [mod.register_forward_hook(fwd), mod.register_full_backward_hook(bwd),
+                        mod.weight.register_hook(lambda g, name=name: got.__setitem__((name, "grad_weight"), g.clone()))]
+
+    class SDPAHooks(torch.overrides.TorchFunctionMode):
+        count = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is F.scaled_dot_product_attention:
+                name = f"layers.{SDPAHooks.count}.self_attn"
+                SDPAHooks.count += 1
+                for role, t in zip(("query", "key", "value", "output"), (*args[:3], out)):
+                    got[(name, role)] = t.detach().clone()
+                    t.register_hook(lambda g, k=(name, "grad_" + role if role != "output" else "grad_output"):
+                                    got.__setitem__(k, g.clone()))
+            return out
+
+    with SDPAHooks():
+        run(model)
+    for h in handles:
+        h.remove()
+    return got
+
+
+def _train_step(model, tokens):
+    next_token_loss(model(tokens), tokens).backward()
+
+
+def test_bf16_capture_equals_eager_hooks_bit_for_bit(tmp_path):
+    spec = capture.load_spec("predecessor")
+    eager = make_llama()
+    tokens = make_tokens(eager.cfg)
+    want = eager_hooks(eager, lambda m: _train_step(m, tokens))
+    model = make_llama()
+    be = TapBackend("bf16", spec, inner="aot_eager", root=model)
+    with capture.start(spec, tmp_path, scheme="bf16"):
+        _train_step(torch.compile(model, backend=be), tokens)
+    cs = capture.open(tmp_path)
+    hp = cs.query(copy="hp")
+    assert len(cs.query(copy="quantized")) == 0  # bf16 quantizes nothing: no quantized copies
+    roles = {(r.component, r.role) for r in hp}
+    assert roles == {("linear", x) for x in ("input", "weight", "output", "grad_output", "grad_input", "grad_weight")} | {
+        ("attention", x) for x in ("query", "key", "value", "output", "grad_output", "grad_query", "grad_key",
+                                   "grad_value")}
+    assert len(hp) == 14 * 6 + 2 * 8  # 7 linears x 2 layers (LM head excluded), 2 attention sites
+    for rec in hp:
+        t = cs.load(rec, check=True)
+        ref = want[(rec.module, rec.role)]
+        assert t.dtype == ref.dtype and torch.equal(t, ref), (rec.module, rec.role)
+    unavailable = [u for r in be.tap_reports for u in r.unavailable]
+    assert any("attention.probs[hp]: not materialised at a sdpa site" in u for u in unavailable)
+
+
+def test_quantized_copies_equal_gemm_operands(tmp_path):
+    spec = capture.load_spec("t.yaml", text="""
+sections:
+  - layers: {kinds: [fc2], indices: [1]}
+    points: [{component: linear, roles: [input, weight, grad_output], copies: [hp, quantized]}]
+""")
+    model = make_llama()
+    tokens = make_tokens(model.cfg)
+    be = TapBackend("linear_mxfp8", spec, inner="aot_eager", root=model)
+    with capture.start(spec, tmp_path, scheme="linear_mxfp8"):
+        _train_step(torch.compile(model, backend=be), tokens)
+    cs = capture.open(tmp_path)
+    assert {r.module for r in cs} == {"layers.1.mlp.down_proj"}
+    tq = TensorQuant("mxfp8")
+    for rec in cs.query(copy="quantized"):
+        src = cs.load(cs.query(copy="hp", role=rec.role)[0]).reshape(-1, rec.shape[-1])
+        dim = {("input", "fprop"): 1, ("input", "wgrad"): 0, ("weight", "fprop"): 1, ("weight", "dgrad"): 0,
+               ("grad_output", "dgrad"): 1, ("grad_output", "wgrad"): 0}[(rec.role, rec.gemm)]
+        assert rec.blocked_dim == dim and rec.format == "mxfp8_e4m3"  # blocked along the GEMM's reduction dim
+        assert torch.equal(cs.load(rec), tq.quantize(src, dim)), (rec.role, rec.gemm)
+        assert rec.stats["sqnr_db"] > 20 and 0.99 < rec.stats["cosine"] <= 1.0
+    assert {(r.role, r.gemm) for r in cs.query(copy="quantized")} == {
+        ("input", "fprop"), ("input", "wgrad"), ("weight", "fprop"), ("weight", "dgrad"),
+        ("grad_output", "dgrad"), ("grad_output", "wgrad")}
+
+
+class TinyMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        h = torch.relu(h) * 2.0 + 1.0  # pointwise ops Inductor fuses and may run in place of h's buffer
+        return self.fc2(h).square().sum()
+
+
+def test_inductor_taps_copy_before_buffer_reuse_and_window_never_recompiles(tmp_path):
+    spec = capture.load_spec("t.yaml", text="""
+sections:
+  - points: [{component: linear, roles: [input, output, grad_output, grad_input]}]
+    when: {iterations: [1]}
+""")
+    torch.manual_seed(0)
+    eager = TinyMLP()
+    model = TinyMLP()
+    model.load_state_dict(eager.state_dict())
+    x = torch.randn(4, 16)
+    mods = {"fc1": eager.fc1, "fc2": eager.fc2}
+    got = {}
+    for name, mod in mods.items():
+        mod.register_forward_hook(lambda m, a, o, n=name: got.update({(n, "input"): a[0].clone(), (n, "output"): o.clone()}))
+        mod.register_full_backward_hook(lambda m, gi, go, n=name: got.update({(n, "grad_input"): gi[0].clone(),
+                                                                                (n, "grad_output"): go[0].clone()}))
+    eager(x.clone().requires_grad_()).backward()
+    be = TapBackend("bf16", spec, inner="inductor", root=model)
+    compiled = torch.compile(model, backend=be)
+    with capture.start(spec, tmp_path) as s:
+        for it in range(3):
+            s.set_iteration(it)
+            compiled(x.clone().requires_grad_()).backward()
+    assert len(be.reports) == 1  # one compile; the window is checked inside the op at run time
+    cs = capture.open(tmp_path)
+    assert cs.values("iteration") == [1] and len(cs) == 8
+    for rec in cs:
+        assert torch.equal(cs.load(rec), got[(rec.module, rec.role)]), (rec.module, rec.role)
