@@ -28,6 +28,8 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
 
+from fxquant.megatron_glue.run_config import DataConfig, DataKind
+
 log = logging.getLogger(__name__)
 
 
@@ -43,11 +45,6 @@ class InputFormat(enum.Enum):
             if str(value).lower() == member.value:
                 return member
         raise ValueError(f"input format {value!r} is not valid; allowed: {[m.value for m in cls]}")
-
-
-class DataKind(enum.Enum):
-    MOCK = "mock"        # Megatron's MockGPTDataset: synthetic tokens, no files
-    INDEXED = "indexed"  # Megatron indexed datasets (.bin/.idx prefixes)
 
 
 _WIKITEXT_TITLE = re.compile(r"^ = [^=].* = $")
@@ -149,26 +146,6 @@ def write_indexed_dataset(documents: Iterable[str], output_prefix: str | Path, t
 
 def read_indexed_dataset(prefix: str | Path) -> IndexedDataset:
     return IndexedDataset(str(prefix), mmap=True)
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """What to train on: Megatron's mock dataset, or indexed-dataset prefixes split train/valid/test."""
-
-    kind: DataKind = DataKind.MOCK
-    prefixes: tuple[str, ...] = ()
-    split: str = "98,2,0"
-    cache_dir: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind is DataKind.INDEXED:
-            if not self.prefixes:
-                raise ValueError("DataConfig(kind=indexed) needs at least one dataset prefix")
-            for prefix in self.prefixes:
-                missing = [s for s in (".bin", ".idx") if not Path(f"{prefix}{s}").is_file()]
-                if missing:
-                    raise FileNotFoundError(f"indexed dataset {prefix!r} is missing {missing}; build it with "
-                                            f"`fxquant prepare-data`")
 
 
 def build_datasets(data: DataConfig, tokenizer, *, seq_length: int, train_samples: int, valid_samples: int = 0,

@@ -17,32 +17,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from fxquant.megatron_glue.host import install_device_support
+from fxquant.megatron_glue.run_config import ParallelLayout
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ParallelLayout:
-    """Tensor-, pipeline- and expert-parallel sizes; data parallelism is world_size / (tp * pp)."""
-
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("tp", "pp", "ep"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"ParallelLayout.{name} must be an int >= 1, got {value!r}")
-
-    def data_parallel_size(self, world_size: int) -> int:
-        model = self.tp * self.pp
-        if world_size % model:
-            raise ValueError(f"world size {world_size} is not divisible by tp*pp = {self.tp}*{self.pp}")
-        dp = world_size // model
-        if dp % self.ep and self.ep > 1:
-            raise ValueError(f"ep={self.ep} must divide the data-parallel size {dp}")
-        return dp
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,101 @@
+"""Checkpoints of a training run: one safetensors-free, pickle-free file per rank, atomically written.
+
+Layout: `{dir}/iter_{NNNNNNN}/rank_{RRRRR}.pt` + `{dir}/latest` (text: the iteration), written by rank 0
+after every rank has finished (barrier), so `latest` only ever names a complete checkpoint. Each file is
+`torch.save` of plain containers (model and optimizer state dicts, the scheduler state, RNG states,
+iteration, consumed samples) and is loaded with `torch.load(weights_only=True)`: no code runs on load.
+Resuming restores everything a step depends on, so a resumed run continues bit for bit.
+"""
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import numpy
+import torch
+import torch.distributed as dist
+from megatron.core.tensor_parallel import random as megatron_random
+
+
+def _iter_dir(root: Path, iteration: int) -> Path:
+    return root / f"iter_{iteration:07d}"
+
+
+def _rank_file(root: Path, iteration: int) -> Path:
+    return _iter_dir(root, iteration) / f"rank_{dist.get_rank():05d}.pt"
+
+
+def latest_iteration(root: str | Path) -> int | None:
+    marker = Path(root) / "latest"
+    if not marker.is_file():
+        return None
+    text = marker.read_text().strip()
+    if not text.isdigit():
+        raise ValueError(f"{marker}: expected an iteration number, found {text[:40]!r}")
+    return int(text)
+
+
+def _rng_state() -> dict:
+    tracker = megatron_random.get_cuda_rng_tracker()
+    _, keys, pos, has_gauss, cached = numpy.random.get_state()
+    state = {"torch": torch.get_rng_state(), "numpy": [keys.tolist(), int(pos), int(has_gauss), float(cached)],
+             "python": repr(random.getstate()), "tracker": dict(tracker.get_states())}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    import ast
+
+    torch.set_rng_state(state["torch"])
+    keys, pos, has_gauss, cached = state["numpy"]
+    numpy.random.set_state(("MT19937", numpy.array(keys, dtype=numpy.uint32), pos, has_gauss, cached))
+    random.setstate(ast.literal_eval(state["python"]))
+    megatron_random.get_cuda_rng_tracker().set_states(dict(state["tracker"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save(root: str | Path, iteration: int, *, model, optimizer, scheduler, consumed_samples: int,
+         extra: dict | None = None) -> Path:
+    """Write this rank's checkpoint for `iteration`; every rank must call it."""
+    root = Path(root)
+    path = _rank_file(root, iteration)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"iteration": iteration, "consumed_samples": consumed_samples, "model": model.state_dict(),
+               "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+               "rng": _rng_state(), "extra": extra or {}}
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as handle:
+        torch.save(payload, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        marker = root / "latest"
+        tmp_marker = root / ".latest.tmp"
+        tmp_marker.write_text(f"{iteration}\n")
+        os.replace(tmp_marker, marker)
+    dist.barrier()
+    return path.parent
+
+
+def load(root: str | Path, *, model, optimizer, scheduler, iteration: int | None = None) -> tuple[int, int, dict]:
+    """Restore this rank's state; returns (iteration, consumed_samples, extra)."""
+    root = Path(root)
+    iteration = latest_iteration(root) if iteration is None else iteration
+    if iteration is None:
+        raise FileNotFoundError(f"no checkpoint in {str(root)!r} (no 'latest' marker)")
+    path = _rank_file(root, iteration)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} is missing: was it written with a different "
+                                f"number of processes?")
+    payload = torch.load(path, map_location="cpu", weights_only=True)
+    model.load_state_dict(payload["model"])
+    optimizer.load_state_dict(payload["optimizer"])
+    scheduler.load_state_dict(payload["scheduler"])
+    _set_rng_state(payload["rng"])
+    return payload["iteration"], payload["consumed_samples"], payload["extra"]

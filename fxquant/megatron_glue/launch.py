@@ -1,0 +1,51 @@
+"""Entry point of every training process: `torchrun ... -m fxquant.megatron_glue.launch --config run.json`.
+
+Reads a `RunConfig` JSON (written by `experiments`), trains, prints progress on the logging rank and
+a final JSON line (`FXQUANT_RESULT {...}`) the launcher parses. A process entry point, so it prints.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import warnings
+
+
+def _progress(total: int):
+    def show(record: dict) -> None:
+        print(f"iter {record['iteration']:>6}/{total} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "
+              f"grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:.0f} tok/s | "
+              f"{record['step_time_s'] * 1000:.0f} ms", flush=True)
+    return show
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fxquant.megatron_glue.launch")
+    parser.add_argument("--config", required=True, help="RunConfig JSON file")
+    parser.add_argument("-v", "--verbose", action="count", default=0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING - 10 * min(args.verbose, 2),
+                        format="%(levelname)s %(name)s: %(message)s")
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*")
+    from fxquant.megatron_glue.parallel import destroy_parallel
+    from fxquant.megatron_glue.run_config import RunConfig
+    from fxquant.megatron_glue.train import train
+
+    with open(args.config) as handle:
+        run = RunConfig.from_dict(json.load(handle))
+    try:
+        result = train(run, progress=_progress(run.train.train_iters))
+        if result.records:
+            summary = {"run_dir": str(result.run_dir), "iterations": result.iterations,
+                       "final_loss": result.records[-1]["loss"], "metrics": str(result.metrics_path),
+                       "checkpoints": str(result.checkpoint_dir) if result.checkpoint_dir else None,
+                       "stopped_by_control_iter": result.stopped_by_control_iter}
+            print("FXQUANT_RESULT " + json.dumps(summary), flush=True)
+    finally:
+        destroy_parallel()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""A training run as one frozen value: `RunConfig` (model, data, training, scheme, layout) and its JSON form.
+
+Also the run's parts: `ParallelLayout`, `DataKind`/`DataConfig`, `OptimConfig`, `TrainConfig`.
+
+The launcher (`experiments/`) resolves a run, writes `RunConfig.to_dict()` as JSON, and starts
+`torchrun ... -m fxquant.megatron_glue.launch --config FILE`, which reads it back with
+`RunConfig.from_dict`. No Megatron import here (dry runs validate without building anything).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from fxquant.megatron_glue.config import AttentionKind, ModelConfig
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Tensor-, pipeline- and expert-parallel sizes; data parallelism is world_size / (tp * pp)."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "ep"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ParallelLayout.{name} must be an int >= 1, got {value!r}")
+
+    def data_parallel_size(self, world_size: int) -> int:
+        model = self.tp * self.pp
+        if world_size % model:
+            raise ValueError(f"world size {world_size} is not divisible by tp*pp = {self.tp}*{self.pp}")
+        dp = world_size // model
+        if dp % self.ep and self.ep > 1:
+            raise ValueError(f"ep={self.ep} must divide the data-parallel size {dp}")
+        return dp
+
+
+class DataKind(enum.Enum):
+    MOCK = "mock"        # Megatron's MockGPTDataset: synthetic tokens, no files
+    INDEXED = "indexed"  # Megatron indexed datasets (.bin/.idx prefixes)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """What to train on: Megatron's mock dataset, or indexed-dataset prefixes split train/valid/test."""
+
+    kind: DataKind = DataKind.MOCK
+    prefixes: tuple[str, ...] = ()
+    split: str = "98,2,0"
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind is DataKind.INDEXED:
+            if not self.prefixes:
+                raise ValueError("DataConfig(kind=indexed) needs at least one dataset prefix")
+            for prefix in self.prefixes:
+                missing = [s for s in (".bin", ".idx") if not Path(f"{prefix}{s}").is_file()]
+                if missing:
+                    raise FileNotFoundError(f"indexed dataset {prefix!r} is missing {missing}; build it with "
+                                            f"`fxquant prepare-data`")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_iters: int = 0
+    decay_iters: int | None = None  # None = train_iters
+    decay_style: str = "cosine"     # cosine | linear | constant (Megatron's names)
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    distributed_optimizer: bool = False
+
+    def __post_init__(self) -> None:
+        if self.decay_style not in ("cosine", "linear", "constant"):
+            raise ValueError(f"decay_style={self.decay_style!r}; allowed: 'cosine', 'linear', 'constant'")
+        if not self.lr > 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
+        if self.warmup_iters < 0 or self.clip_grad < 0:
+            raise ValueError(f"warmup_iters and clip_grad must be >= 0, got {self.warmup_iters}, {self.clip_grad}")
+
+
+class CompileBackend(enum.Enum):
+    INDUCTOR = "inductor"
+    AOT_EAGER = "aot_eager"
+    EAGER = "eager"  # fxquant's rewritten graph, interpreted
+    NONE = "none"    # no torch.compile at all (bf16 only)
+
+
+class Precision(enum.Enum):
+    AUTO = "auto"  # bf16 on CUDA, fp32 elsewhere
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    seq_length: int = 128
+    micro_batch_size: int = 2
+    global_batch_size: int = 8
+    train_iters: int = 50
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    precision: Precision = Precision.AUTO
+    save_interval: int = 0  # 0 = no checkpoints
+    seed: int = 1234
+    control_iter: int | None = None  # stop after this many iterations (predecessor's --control-iter)
+
+    def __post_init__(self) -> None:
+        for name in ("seq_length", "micro_batch_size", "global_batch_size", "train_iters"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(f"global_batch_size={self.global_batch_size} is not a multiple of "
+                             f"micro_batch_size={self.micro_batch_size}")
+        if self.control_iter is not None and self.control_iter < 1:
+            raise ValueError(f"control_iter must be >= 1, got {self.control_iter}")
+        if self.save_interval < 0:
+            raise ValueError(f"save_interval must be >= 0, got {self.save_interval}")
+
+    def bf16_on(self, device: torch.device) -> bool:
+        if self.precision is Precision.AUTO:
+            return device.type == "cuda"
+        return self.precision is Precision.BF16
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig
+    train: TrainConfig
+    data: DataConfig
+    output_dir: str
+    tokenizer: str = "byte"
+    scheme: str = "bf16"
+    capture: str | None = None
+    attention: AttentionKind = AttentionKind.SDPA
+    backend: CompileBackend = CompileBackend.AOT_EAGER
+    layout: ParallelLayout = field(default_factory=ParallelLayout)
+    resume: bool = True
+    tensorboard: bool = False
+
+    def to_dict(self) -> dict:
+        return _to_plain(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "RunConfig":
+        return _from_plain(cls, data, "run")
+
+
+def _to_plain(value):
+    if dataclasses.is_dataclass(value):
+        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (tuple, list)):
+        return [_to_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_plain(v) for k, v in value.items()}
+    return value
+
+
+def _from_plain(tp, value, path: str):
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return None if value is None else _from_plain(args[0], value, path)
+    if origin is tuple:
+        return tuple(value)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return tp(value)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise TypeError(f"{path}: expected a mapping for {tp.__name__}, got {type(value).__name__}")
+        hints = typing.get_type_hints(tp)
+        names = {f.name for f in dataclasses.fields(tp) if f.init}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ValueError(f"{path}: unknown keys {unknown} for {tp.__name__}; allowed: {sorted(names)}")
+        return tp(**{k: _from_plain(hints[k], v, f"{path}.{k}") for k, v in value.items()})
+    return value

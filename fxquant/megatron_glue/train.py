@@ -1,0 +1,212 @@
+"""The training loop on megatron.core: `train(RunConfig) -> TrainResult`.
+
+One iteration = `global_batch_size` samples = micro-batches of `micro_batch_size` on each of the
+data-parallel ranks, run by `schedule.forward_backward` (Megatron's schedules on CUDA), then the
+optimizer step (`optim`), Megatron's LR scheduler, metrics (JSONL per iteration: loss, lr, grad norm,
+tokens/s, step time; optional TensorBoard), periodic checkpoints (`checkpoint`) and auto-resume from
+the run directory. `control_iter` stops the run after that many iterations (the predecessor's
+`--control-iter`). The model is compiled through `compile_model` (fxquant.compile with the run's
+scheme) while `graph_breaks.quiet_tp_group_lookup()` is held, so Megatron's model is one graph.
+Configuration types and their JSON form live in `run_config`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from fxquant.megatron_glue import checkpoint
+from fxquant.megatron_glue.data import PretrainingSampler, batch_iterator, build_datasets
+from fxquant.megatron_glue.graph_breaks import quiet_tp_group_lookup
+from fxquant.megatron_glue.model import build_gpt_model, causal_attention_mask
+from fxquant.megatron_glue.optim import HostOptimizer, MegatronOptimizerSetup, lr_scheduler
+from fxquant.megatron_glue.parallel import initialize_parallel
+from fxquant.megatron_glue.run_config import CompileBackend, RunConfig
+from fxquant.megatron_glue.schedule import forward_backward
+from fxquant.megatron_glue.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    iterations: int              # iterations completed in total (resumed ones included)
+    records: list[dict] = field(default_factory=list)  # metrics of this process's run (logging rank only)
+    metrics_path: Path | None = None
+    checkpoint_dir: Path | None = None
+    stopped_by_control_iter: bool = False
+
+
+def compile_model(model: torch.nn.Module, run: RunConfig) -> torch.nn.Module:
+    """The one place a run's model is compiled: fxquant.compile with the run's scheme, or eager."""
+    if run.backend is CompileBackend.NONE:
+        if run.scheme != "bf16" or run.capture is not None:
+            raise ValueError(f"backend='none' runs the model uncompiled: only scheme 'bf16' without capture "
+                             f"is possible, got scheme={run.scheme!r}, capture={run.capture!r}")
+        return model
+    from fxquant.api import compile as fxquant_compile
+
+    kwargs = {"capture": run.capture} if run.capture is not None else {}
+    return fxquant_compile(model, run.scheme, backend=run.backend.value, **kwargs)
+
+
+def _check_batch(run: RunConfig, dp: int) -> int:
+    t = run.train
+    per_step = t.micro_batch_size * dp
+    if t.global_batch_size % per_step:
+        raise ValueError(f"global_batch_size={t.global_batch_size} is not divisible by micro_batch_size * "
+                         f"data_parallel_size = {t.micro_batch_size} * {dp}")
+    return t.global_batch_size // per_step
+
+
+class _MetricsSink:
+    """metrics.jsonl (+ TensorBoard when asked and installed), written by the logging rank only."""
+
+    def __init__(self, run_dir: Path, start_iteration: int, enabled: bool, tensorboard: bool) -> None:
+        self.path = run_dir / METRICS_FILE
+        self.enabled = enabled
+        self.writer = None
+        if not enabled:
+            return
+        kept = []
+        if self.path.is_file():  # a resumed run: keep what led up to the checkpoint, drop the rest
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["iteration"] <= start_iteration]
+        self.path.write_text("".join(line + "\n" for line in kept))
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                log.warning("TensorBoard requested but the 'tensorboard' package is not installed; skipping")
+            else:
+                self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
+                self.writer.add_scalar(f"train/{key}", record[key], record["iteration"])
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def train(run: RunConfig, progress: Callable[[dict], None] | None = None) -> TrainResult:
+    """Train per `run`; every rank of the job calls it. `progress(record)` is called on the logging rank."""
+    t = run.train
+    info = initialize_parallel(run.layout, seed=t.seed)
+    device = info.device
+    bf16 = t.bf16_on(device)
+    tokenizer = load_tokenizer(run.tokenizer)
+    if tokenizer.vocab_size > run.model.vocab_size:
+        raise ValueError(f"tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} tokens but model "
+                         f"{run.model.name!r} has vocab_size={run.model.vocab_size}")
+    num_micro = _check_batch(run, info.dp_size)
+    run_dir = Path(run.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if info.rank == 0:
+        (run_dir / "run_config.json").write_text(json.dumps(run.to_dict(), indent=2))
+
+    model = build_gpt_model(run.model, attention=run.attention, device=device, bf16=bf16,
+                            params_dtype=torch.bfloat16 if bf16 else torch.float32, seed=t.seed,
+                            max_sequence_length=t.seq_length)
+    if device.type == "cuda":
+        setup = MegatronOptimizerSetup(model, t.optim, bf16=bf16)
+        optimizer, runnable = setup, setup.model
+        runnable.module = compile_model(model, run)  # DDP keeps the grad hooks; it runs the compiled module
+    else:
+        shared = model.shared_embedding_or_output_weight() if run.model.tie_embeddings else None
+        optimizer = HostOptimizer(model, t.optim, shared_embedding=shared)
+        runnable = compile_model(model, run)
+    scheduler = lr_scheduler(optimizer, t.optim, t.train_iters)
+
+    ckpt_dir = run_dir / "checkpoints"
+    start, consumed = 0, 0
+    if run.resume and checkpoint.latest_iteration(ckpt_dir) is not None:
+        start, consumed, _ = checkpoint.load(ckpt_dir, model=model, optimizer=optimizer, scheduler=scheduler)
+        log.info("resumed from %s at iteration %d", ckpt_dir, start)
+
+    train_ds, _ = build_datasets(run.data, tokenizer, seq_length=t.seq_length,
+                                 train_samples=t.train_iters * t.global_batch_size, seed=t.seed)
+    sampler = PretrainingSampler(len(train_ds), consumed, t.micro_batch_size, info.dp_rank, info.dp_size)
+    batches = batch_iterator(train_ds, sampler)
+    mask = causal_attention_mask(t.seq_length, device)
+
+    def forward_step_func(data_iterator, module):
+        batch = next(data_iterator)
+        tokens, labels, positions = (batch[k].to(device, non_blocking=True) for k in ("tokens", "labels", "position_ids"))
+        loss_mask = batch["loss_mask"].to(device, non_blocking=True)
+        output = module(tokens, positions, mask, labels=labels)
+
+        def loss_func(per_token: torch.Tensor):
+            loss = (per_token.float() * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+            return loss, {"lm loss": loss.detach().clone()}  # Megatron divides `loss` in place
+
+        return output, loss_func
+
+    sink = _MetricsSink(run_dir, start, info.is_logging_rank, run.tensorboard)
+    result = TrainResult(run_dir=run_dir, iterations=start, metrics_path=sink.path if info.is_logging_rank else None)
+    runnable.train()
+    try:
+        with quiet_tp_group_lookup():
+            for iteration in range(start, t.train_iters):
+                if t.control_iter is not None and iteration >= t.control_iter:
+                    result.stopped_by_control_iter = True
+                    break
+                record = _one_iteration(run, iteration, forward_step_func, batches, runnable, optimizer,
+                                        scheduler, num_micro, info)
+                consumed += t.global_batch_size
+                result.iterations = iteration + 1
+                if info.is_logging_rank:
+                    record["consumed_samples"] = consumed
+                    sink.write(record)
+                    result.records.append(record)
+                    if progress is not None:
+                        progress(record)
+                if t.save_interval and (result.iterations % t.save_interval == 0
+                                        or result.iterations == t.train_iters):
+                    checkpoint.save(ckpt_dir, result.iterations, model=model, optimizer=optimizer,
+                                    scheduler=scheduler, consumed_samples=consumed)
+                    result.checkpoint_dir = ckpt_dir
+    finally:
+        sink.close()
+    return result
+
+
+def _one_iteration(run, iteration, forward_step_func, batches, runnable, optimizer, scheduler, num_micro, info) -> dict:
+    t = run.train
+    lr = optimizer.param_groups[0]["lr"]
+    start = time.perf_counter()
+    optimizer.zero_grad()
+    losses = forward_backward(forward_step_func=forward_step_func, data_iterator=batches, model=runnable,
+                              num_microbatches=num_micro, seq_length=t.seq_length,
+                              micro_batch_size=t.micro_batch_size)
+    stats = optimizer.step()
+    scheduler.step(1)
+    loss = torch.zeros((), dtype=torch.float64)
+    if parallel_state.is_pipeline_last_stage():
+        loss = torch.stack([d["lm loss"].double().cpu() for d in losses]).mean()
+        if info.dp_size > 1:
+            loss_dp = loss.to(info.device)
+            dist.all_reduce(loss_dp, group=parallel_state.get_data_parallel_group())
+            loss = loss_dp.cpu() / info.dp_size
+    if info.device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    return {"iteration": iteration + 1, "loss": loss.item(), "lr": lr, "grad_norm": stats.grad_norm,
+            "skipped": stats.skipped, "step_time_s": seconds,
+            "tokens_per_s": t.global_batch_size * t.seq_length / seconds}
