@@ -329,3 +329,36 @@ def test_predecessor_flags_and_env(tmp_path):
     assert cfg["root"] == tmp_path and 10**6 in spec.sections[0].when.iterations
     with pytest.raises(ValueError, match="TENSOR_SAVE_ENABLED='maybe'"):
         from_predecessor(env={"TENSOR_SAVE_ENABLED": "maybe"})
+
+
+_TWO_RANKS = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist
+    sys.path.insert(0, {repo!r})
+    from fxquant import capture
+    from tests.capture_helpers import spec_text, tap
+    dist.init_process_group("gloo")
+    r = dist.get_rank()
+    with capture.start(spec_text(), {root!r}, scheme="bf16") as s:
+        for it in range(3):
+            s.set_iteration(it)
+            x = torch.full((4, 4), float(10 * r + it))
+            dist.all_reduce(torch.zeros(1))
+            torch.ops.fxquant.capture(x, tap())
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.dist
+def test_two_ranks_torchrun_gloo_one_root(tmp_path):
+    script, root = tmp_path / "two_ranks.py", tmp_path / "cap"
+    script.write_text(_TWO_RANKS.format(repo=str(REPO), root=str(root)))
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", str(script)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cs = capture.open(root)
+    assert cs.committed and sorted(cs.meta) == ["rank-00000", "rank-00001"]
+    assert cs.values("rank") == [0, 1] and cs.values("world_size") == [2] and len(cs.values("run_id")) == 1
+    for rec in cs:
+        assert torch.equal(cs.load(rec, check=True), torch.full((4, 4), float(10 * rec.rank + rec.iteration)))
+    assert cs.verify() == []
