@@ -84,10 +84,8 @@ class CompileState:
         return self.backend.unmatched_ops()
 
     def expected_quantize_calls(self) -> tuple[int, int]:
-        """(forward, backward) ``fxquant::quantize`` calls per step that the rewritten graphs make."""
-        fwd = sum(s.quantize_calls[0] for s in self.sites())
-        bwd = sum(s.quantize_calls[1] for s in self.sites())
-        return fwd, bwd
+        """(forward, backward) ``fxquant::quantize`` calls per step that the current rewritten graphs make."""
+        return self.backend.expected_calls()
 
     # -- hooks -------------------------------------------------------------------------------------------
     def before_call(self, module: nn.Module, args: tuple) -> None:
@@ -163,7 +161,7 @@ def compile_state(compiled: nn.Module) -> CompileState:
 
 
 def explain(model: nn.Module, *example_args: object, scheme: str | Path | Scheme, **example_kwargs: object):
-    """Trace ``model(*example_args, **example_kwargs)`` once (forward, no grad) and return an ``Explanation``:
+    """Trace ``model(*example_args, **example_kwargs)`` once (forward only) and return an ``Explanation``:
     every matched site with its resolved per-operand formats, and every matmul-like op left unmatched.
     The model is not modified and nothing is quantized; ``print(explanation)`` shows the table."""
     from fxquant.passes.explanation import Explanation
@@ -172,8 +170,8 @@ def explain(model: nn.Module, *example_args: object, scheme: str | Path | Scheme
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     resolved = _scheme(scheme)
     fx_backend = FxquantBackend(resolved, inner=Inner.EAGER, root=model, dry_run=True)
-    with torch.no_grad():
-        torch.compile(model, backend=fx_backend)(*example_args, **example_kwargs)
+    # Grad mode on, as in training: Megatron's linears are traced as autograd_function_apply then.
+    torch.compile(model, backend=fx_backend)(*example_args, **example_kwargs)
     sites, unmatched = fx_backend.current_sites(), fx_backend.unmatched_ops()
     checks.check_model_has_sites(sites, unmatched, type(model).__name__)
     graphs = len(fx_backend.reports)

@@ -65,7 +65,8 @@ class FxquantBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> object:
         graph_report = run_passes(
-            gm, self.scheme, self.names, num_layers=self.num_layers, index=len(self.reports), dry_run=self.dry_run
+            gm, self.scheme, self.names, num_layers=self.num_layers, index=len(self.reports), dry_run=self.dry_run,
+            dedupe=self.inner is not Inner.EAGER,
         )
         self.reports.append(graph_report)
         n_rewritten = sum(s.status.value == "rewritten" for s in graph_report.sites)
@@ -97,6 +98,20 @@ class FxquantBackend:
                 seen[base] = k + 1
                 latest[base + (k,)] = s
         return list(latest.values())
+
+    def current_reports(self) -> list[GraphReport]:
+        """The reports of graphs still in use: one whose sites a later graph covers again was recompiled."""
+        keys = [{(s.site.module_path, s.op, s.node_name) for s in r.sites} for r in self.reports]
+        current = []
+        for i, rep in enumerate(self.reports):
+            later = set().union(*keys[i + 1:]) if i + 1 < len(keys) else set()
+            if not keys[i] or not keys[i] <= later:
+                current.append(rep)
+        return current
+
+    def expected_calls(self) -> tuple[int, int]:
+        reps = self.current_reports()
+        return sum(r.expected_calls[0] for r in reps), sum(r.expected_calls[1] for r in reps)
 
     def unmatched_ops(self) -> list:
         latest: dict[tuple, object] = {}

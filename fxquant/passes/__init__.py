@@ -5,6 +5,7 @@ One pass per file, run in this order by ``run_passes`` (ARCHITECTURE.md "Where t
     sites.find_sites                    match F.linear, SDPA, Megatron linears, unfused attention GEMMs
     resolve.resolve_sites               the scheme's LinearQuant / AttentionQuant per site -> node.meta["fxquant"]
     rewrite_linear                      F.linear           -> wrappers.fxquant_linear
+                                        a Megatron linear's inlined matmul -> wrappers.fxquant_matmul
     rewrite_sdpa                        SDPA               -> wrappers.fxquant_sdpa
     rewrite_unfused_attention           baddbmm / bmm      -> wrappers.fxquant_baddbmm / fxquant_bmm
     rewrite_megatron_linear             quantize nodes inside autograd_function_apply's fwd/bwd bodies
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
+from fxquant.passes.expected import expected_calls
 from fxquant.passes.module_paths import ModuleNames
 from fxquant.passes.resolve import resolve_sites
 from fxquant.passes.rewrite_linear import rewrite_linear
@@ -39,6 +41,7 @@ class GraphReport:
     index: int
     sites: list[SiteMeta] = field(default_factory=list)
     unmatched: list[UnmatchedOp] = field(default_factory=list)
+    expected_calls: tuple[int, int] = (0, 0)  # fxquant::quantize calls per (forward, backward), see expected.py
 
     @property
     def failed(self) -> list[SiteMeta]:
@@ -47,9 +50,10 @@ class GraphReport:
 
 def run_passes(
     gm: fx.GraphModule, scheme: Scheme, names: ModuleNames, *, num_layers: int | None = None,
-    index: int = 0, dry_run: bool = False,
+    index: int = 0, dry_run: bool = False, dedupe: bool = True,
 ) -> GraphReport:
-    """Match, resolve and (unless ``dry_run``) rewrite ``gm`` in place; returns the report."""
+    """Match, resolve and (unless ``dry_run``) rewrite ``gm`` in place; returns the report. ``dedupe``: count
+    expected quantize calls as AOT autograd's CSE leaves them (False for the eager inner backend)."""
     found = find_sites(gm, names, num_layers)
     metas = resolve_sites(found, scheme)
     if dry_run:
@@ -57,7 +61,7 @@ def run_passes(
         return GraphReport(index, metas, found.unmatched)
     done = []
     for match in found.matches:
-        if match.op is OpKind.LINEAR:
+        if match.op in (OpKind.LINEAR, OpKind.MODULE_MATMUL):
             done.append(rewrite_linear(gm.graph, match.node))
         elif match.op is OpKind.SDPA:
             done.append(rewrite_sdpa(gm.graph, match.node))
@@ -67,4 +71,4 @@ def run_passes(
             done.append(rewrite_unfused_attention(gm.graph, match.node))
     gm.graph.lint()
     gm.recompile()
-    return GraphReport(index, done, found.unmatched)
+    return GraphReport(index, done, found.unmatched, expected_calls(gm, dedupe=dedupe))

@@ -61,7 +61,7 @@ def _fake_quantize(operand: fx.Node, spec: str, dim: int) -> object:
     ev = example_value(operand)
     if not isinstance(ev, torch.Tensor):
         return None
-    mode = torch._guards.detect_fake_mode([ev])
+    mode = getattr(ev, "fake_mode", None)  # the body's own fake mode, not the tracing context's
     if mode is None:
         return None
     with mode:

@@ -6,6 +6,9 @@ What each op looks like in the graph Dynamo hands the backend, and the ``OpKind`
     F.scaled_dot_product_attention                          SDPA
     higher_order.autograd_function_apply whose fwd_body     MEGATRON_LINEAR  (Column/RowParallelLinear)
         holds exactly one matmul
+    torch.matmul directly inside a Column/RowParallelLinear  MODULE_MATMUL    (the same linear traced with grad
+                                                                              disabled: Dynamo inlines the
+                                                                              autograd.Function's forward)
     torch.baddbmm inside a core-attention module            UNFUSED_QK       (Megatron's unfused attention)
     torch.bmm inside a core-attention module                UNFUSED_PV
 
@@ -32,6 +35,7 @@ class OpKind(str, enum.Enum):
     LINEAR = "linear"
     SDPA = "sdpa"
     MEGATRON_LINEAR = "megatron_linear"
+    MODULE_MATMUL = "module_matmul"
     UNFUSED_QK = "unfused_qk"
     UNFUSED_PV = "unfused_pv"
 
@@ -89,6 +93,7 @@ _MATMUL_FUNCTIONS = {
     torch.chain_matmul: "chain_matmul", torch.linalg.multi_dot: "multi_dot", torch.linalg.matmul: "matmul",
     torch.linalg.vecdot: "vecdot", operator.matmul: "@", F.bilinear: "bilinear", torch.bilinear: "bilinear",
 }
+LINEAR_MODULE_CLASSES = ("ColumnParallelLinear", "RowParallelLinear")
 _MATMUL_METHODS = {"matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "mv", "addmv", "__matmul__", "__rmatmul__"}
 AUTOGRAD_FUNCTION_APPLY = torch.ops.higher_order.autograd_function_apply
 
@@ -192,12 +197,19 @@ def find_sites(gm: fx.GraphModule, names: ModuleNames, num_layers: int | None) -
                     for sub in body.graph.nodes:
                         if matmul_name(sub) is not None:
                             unmatched.append(_unmatched(sub, _site_path(names, sub, root) or path))
+        elif name in ("matmul", "@") and _innermost_class(names, node) in LINEAR_MODULE_CLASSES:
+            matches.append(Match(node, OpKind.MODULE_MATMUL, Site.from_path(path, num_layers=num_layers)))
         elif name in ("baddbmm", "bmm") and site_kind_for(path) is SiteKind.ATTENTION:
             op = OpKind.UNFUSED_QK if name == "baddbmm" else OpKind.UNFUSED_PV
             matches.append(Match(node, op, Site.from_path(path, SiteKind.ATTENTION, num_layers)))
         elif name is not None:
             unmatched.append(_unmatched(node, path))
     return FoundSites(matches, unmatched)
+
+
+def _innermost_class(names: ModuleNames, node: fx.Node) -> str:
+    stack = names.node_stack(node)
+    return getattr(stack[-1][1], "__name__", "") if stack else ""
 
 
 def _unmatched(node: fx.Node, path: str) -> UnmatchedOp:

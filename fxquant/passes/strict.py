@@ -19,13 +19,12 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from fxquant.passes.sites import SiteMeta, Status, UnmatchedOp
+from fxquant.passes.sites import LINEAR_MODULE_CLASSES, SiteMeta, Status, UnmatchedOp
 from fxquant.schemes.model import Component, Site, SiteKind, site_kind_for
 from fxquant.schemes.scheme import Scheme
 
 log = logging.getLogger(__name__)
 
-LINEAR_MODULE_CLASSES = ("ColumnParallelLinear", "RowParallelLinear")
 RECOMPILE_LIMIT_KEY = "Dynamo recompile limit exceeded"
 
 

@@ -14,7 +14,7 @@ import functools
 import torch
 
 from fxquant.formats.tensor_quant import TensorQuant
-from fxquant.qfunctions import quantized_baddbmm, quantized_bmm, quantized_linear, quantized_sdpa
+from fxquant.qfunctions import quantized_baddbmm, quantized_bmm, quantized_linear, quantized_matmul, quantized_sdpa
 from fxquant.qfunctions.matmul import gemm_specs
 from fxquant.schemes.model import AttentionQuant, GemmQuant, LinearQuant, MatmulQuant
 
@@ -89,3 +89,8 @@ def fxquant_baddbmm(
 def fxquant_bmm(input: torch.Tensor, mat2: torch.Tensor, specs: Specs) -> torch.Tensor:
     """Megatron's ``torch.bmm`` (P V) rewritten: ``quantized_bmm`` with the pv MatmulQuant."""
     return quantized_bmm(input, mat2, mq=matmul_quant(specs))
+
+
+def fxquant_matmul(a: torch.Tensor, b: torch.Tensor, specs: Specs) -> torch.Tensor:
+    """A linear's ``torch.matmul(x, weight.t())`` rewritten: ``quantized_matmul`` with ``LinearQuant.as_matmul()``."""
+    return quantized_matmul(a, b, matmul_quant(specs))

@@ -1,0 +1,76 @@
+"""Runtime counters: ``fxquant::quantize`` calls expected vs executed per step (issue 3, item 5).
+
+Expected comes from the rewrite passes (each SiteMeta's ``quantize_calls``: forward, backward) of the
+graphs currently in use; executed is measured, not inferred: the calls of the ``fxquant::quantize`` op
+that the dispatcher records while the block runs (torch.profiler, CPU activity; the op is dispatched by
+eager, aot_eager and Inductor-generated code alike, and by the autograd engine's threads). Count a step that
+compiles nothing (tracing dispatches the op as well; such a count is flagged ``compiled``). A shortfall
+means some quantization did not run (a frame fell back to eager, a graph was skipped); an excess, that
+a graph ran more often than once per step (e.g. a module called twice) or the model quantizes by itself.
+
+    >>> with fxquant.counters.count_quantize_calls(compiled) as count:
+    ...     loss = compiled(batch).loss; loss.backward()
+    >>> count.expected, count.executed, count.ok
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+OP_NAME = "fxquant::quantize"
+
+
+@dataclass
+class QuantizeCount:
+    expected_forward: int
+    expected_backward: int
+    executed: int = 0
+    backward: bool = True
+    compiled: bool = False  # graphs were compiled inside the block: tracing dispatches the op too
+
+
+    @property
+    def expected(self) -> int:
+        return self.expected_forward + (self.expected_backward if self.backward else 0)
+
+    @property
+    def ok(self) -> bool:
+        """Executed equals expected (a block that compiled cannot be judged: it counts as ok)."""
+        return self.compiled or self.executed == self.expected
+
+    def __str__(self) -> str:
+        part = f"{self.expected_forward} forward + {self.expected_backward} backward" if self.backward else (
+            f"{self.expected_forward} forward")
+        note = " (graphs were compiled during this step, so tracing calls are included; count a later step)"
+        return f"fxquant::quantize calls: expected {self.expected} ({part}), executed {self.executed}" + (
+            note if self.compiled else "")
+
+
+def count_events(events: object) -> int:
+    return sum(1 for e in events if e.name == OP_NAME)
+
+
+@contextlib.contextmanager
+def count_quantize_calls(compiled: nn.Module, *, backward: bool = True, strict: bool | None = None) -> Iterator[QuantizeCount]:
+    """Count the quantize calls of one step run inside the block; ``backward=False`` for forward-only steps.
+
+    On exit a mismatch is reported like the other strict checks: raised (``QuantizationError``) when
+    ``strict`` (default: the compiled module's own ``strict``), else logged at WARNING.
+    """
+    from fxquant.api import compile_state
+    from fxquant.passes.strict import report
+
+    state = compile_state(compiled)
+    n_graphs = len(state.backend.reports)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        count = QuantizeCount(0, 0, backward=backward)
+        yield count
+    count.expected_forward, count.expected_backward = state.expected_quantize_calls()
+    count.executed = count_events(prof.events())
+    count.compiled = len(state.backend.reports) != n_graphs
+    if not count.ok:
+        report([f"{count} in this step"], state.strict if strict is None else strict)

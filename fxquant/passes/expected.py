@@ -1,0 +1,58 @@
+"""How many ``fxquant::quantize`` calls a rewritten Dynamo graph makes per forward and per backward.
+
+Read from the rewritten graph (after the rewrite passes): each wrapper call quantizes the operands its
+specs name; the quantize nodes inside Megatron bodies are counted as they are. With AOT autograd
+(``dedupe=True``) common-subexpression elimination merges identical calls, e.g. the input X shared by
+q_proj, k_proj and v_proj quantized with the same spec along the same axis in fprop (and in wgrad), so
+calls are counted once per (operand, spec, axis). ``fxquant.counters`` compares this with what ran.
+"""
+from __future__ import annotations
+
+from torch import fx
+
+from fxquant.passes import wrappers
+from fxquant.passes.sites import META_KEY, OpKind, Status
+
+_FWD, _BWD = 0, 1
+
+
+def _operand_keys(node: fx.Node) -> list[tuple[int, tuple]]:
+    """(phase, key) of every quantization a rewritten wrapper call makes; keys equal iff CSE merges them."""
+    t, args = node.target, node.args
+    if t is wrappers.fxquant_linear:
+        x, w, s = args[0], args[1], args[3]
+        table = [(_FWD, x, "K"), (_FWD, w, "K"), (_BWD, node, "dY,N"), (_BWD, w, "N"), (_BWD, node, "dY,M"),
+                 (_BWD, x, "M")]
+    elif t in (wrappers.fxquant_matmul, wrappers.fxquant_bmm, wrappers.fxquant_baddbmm):
+        a, b = (args[1], args[2]) if t is wrappers.fxquant_baddbmm else (args[0], args[1])
+        s = args[-1]
+        table = [(_FWD, a, "-1"), (_FWD, b, "-2"), (_BWD, node, "dC,-1"), (_BWD, b, "-1"), (_BWD, a, "-2"),
+                 (_BWD, node, "dC,-2")]
+    elif t is wrappers.fxquant_sdpa:  # every operand inside SDPA is private to the site
+        s = args[-1]
+        phases = [_FWD, _FWD, _BWD, _BWD, _BWD, _BWD] * 2
+        return [(ph, (node.name, i, spec)) for i, (ph, spec) in enumerate(zip(phases, s)) if spec is not None]
+    else:
+        return []
+    return [(ph, (getattr(op, "name", op), axis, spec)) for (ph, op, axis), spec in zip(table, s) if spec is not None]
+
+
+def expected_calls(gm: fx.GraphModule, *, dedupe: bool) -> tuple[int, int]:
+    """(forward, backward) quantize calls per step of the rewritten ``gm``."""
+    keys: list[tuple[int, tuple]] = []
+    counts = [0, 0]
+    for node in gm.graph.nodes:
+        meta = node.meta.get(META_KEY)
+        if meta is None or meta.status is not Status.REWRITTEN:
+            continue
+        if meta.op is OpKind.MEGATRON_LINEAR:
+            counts[_FWD] += meta.quantize_calls[0]
+            counts[_BWD] += meta.quantize_calls[1]
+        else:
+            keys.extend(_operand_keys(node))
+    if dedupe:
+        keys = list(dict.fromkeys(keys))
+    for phase, _ in keys:
+        counts[phase] += 1
+    return counts[_FWD], counts[_BWD]
+
