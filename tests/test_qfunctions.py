@@ -112,7 +112,7 @@ def test_matmul_hand_formula_batched_and_broadcast() -> None:
         quantized_matmul(torch.zeros(4), torch.zeros(4, 2), mq)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(
     m=st.integers(1, 40), k=st.integers(1, 70), n=st.integers(1, 40), shift=st.integers(-5, 5),
     fmt=st.sampled_from(["mxfp8", "mxfp6_e3m2", "mxfp4", "mxint8"]), seed=st.integers(0, 2**16),
@@ -135,9 +135,8 @@ def test_matmul_laws(m: int, k: int, n: int, shift: int, fmt: str, seed: int) ->
     c2, da2, db2 = run(a * s, b, mq, dc * s)
     assert torch.equal(c2, c * s) and torch.equal(da2, da * s) and torch.equal(db2, db * s * s)
     ct, dbt, dat = run(b.t(), a.t(), mq.transposed(), dc.t())
-    torch.testing.assert_close(ct.t(), c, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(dat.t(), da, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(dbt.t(), db, rtol=1e-5, atol=1e-5)
+    for got, want in ((ct.t(), c), (dat.t(), da), (dbt.t(), db)):  # fp32 sums in another order: relative to the scale
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max().item()))
 
 
 def test_unquantized_matmul_is_torch_matmul() -> None:

@@ -1,0 +1,196 @@
+"""quantized_sdpa: equals F.scaled_dot_product_attention with nothing quantized, and a hand-written
+quantized formula (each GEMM operand blocked per FORMATS.md) with an MX scheme, incl. GQA, causal and
+bool/additive masks, scale and dropout; torch.compile (aot_eager, inductor) equals eager bit for bit."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fxquant import formats, schemes
+from fxquant.formats.tensor_quant import TensorQuant
+from fxquant.qfunctions import quantized_baddbmm, quantized_bmm, quantized_linear, quantized_sdpa
+from fxquant.schemes import AttentionQuant, GemmQuant, MatmulQuant, Site, SiteKind
+
+ATT_SITE = Site("layers.0.attn", SiteKind.ATTENTION, 0, 1)
+B, HQ, HK, LQ, LK, D, DV = 2, 4, 2, 40, 36, 32, 16
+
+
+def q(x, fmt, dim):
+    return x if fmt is None else formats.get(fmt).quantize(x, dim)
+
+
+def inputs(seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: (torch.randn(s, generator=g) * torch.exp2(torch.randint(-3, 4, s, generator=g).float())).to(dtype)  # noqa: E731
+    return mk(B, HQ, LQ, D), mk(B, HK, LK, D), mk(B, HK, LK, DV), mk(B, HQ, LQ, DV)
+
+
+def run(fn, qt, kt, vt, do, **kw):
+    qt, kt, vt = (t.clone().requires_grad_() for t in (qt, kt, vt))
+    o = fn(qt, kt, vt, **kw)
+    o.backward(do)
+    return o, qt.grad, kt.grad, vt.grad
+
+
+MASKS = {
+    "none": {},
+    "causal": {"is_causal": True},
+    "bool": {"attn_mask": torch.rand(LQ, LK, generator=torch.Generator().manual_seed(5)) > 0.3},
+    "additive": {"attn_mask": torch.randn(B, 1, LQ, LK, generator=torch.Generator().manual_seed(6))},
+}
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_unquantized_equals_torch_sdpa(mask: str) -> None:
+    qt, kt, vt, do = inputs()
+    kw = dict(MASKS[mask], enable_gqa=True, scale=0.3 if mask == "bool" else None)
+    ours = run(quantized_sdpa, qt, kt, vt, do, aq=AttentionQuant(), **kw)
+    ref = run(F.scaled_dot_product_attention, qt, kt, vt, do, **kw)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_fully_masked_rows_give_zero_like_sdpa() -> None:
+    qt, kt, vt, do = inputs()
+    mask = torch.ones(LQ, LK, dtype=torch.bool)
+    mask[3] = False
+    ours = run(quantized_sdpa, qt, kt, vt, do, aq=AttentionQuant(), attn_mask=mask, enable_gqa=True)
+    ref = run(F.scaled_dot_product_attention, qt, kt, vt, do, attn_mask=mask, enable_gqa=True)
+    assert torch.isfinite(ours[0]).all() and torch.isfinite(ours[1]).all()
+    assert (ours[0][:, :, 3] == 0).all()
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def hand_attention(qt, kt, vt, do, fmts, *, mask_kw, scale=None, dropout_p=0.0, seed=None):
+    """The quantized attention written out: fmts names the format of every operand of the six GEMMs."""
+    rep = HQ // HK
+    k_r, v_r = kt.repeat_interleave(rep, 1), vt.repeat_interleave(rep, 1)
+    scale = 1 / math.sqrt(D) if scale is None else scale
+    s = q(qt, fmts["qk.q"], -1) @ q(k_r, fmts["qk.k"], -1).transpose(-2, -1)  # Q, K along d
+    s_leaf = s.detach().requires_grad_()
+    z = s_leaf.float() * scale
+    if mask_kw.get("is_causal"):
+        z = z.masked_fill(~torch.ones(LQ, LK, dtype=torch.bool).tril(), float("-inf"))
+    m = mask_kw.get("attn_mask")
+    if m is not None:
+        z = z.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else z + m
+    p = torch.softmax(z, -1).to(qt.dtype)
+    if dropout_p:
+        torch.manual_seed(seed)
+        keep = torch.empty_like(p).bernoulli_(1 - dropout_p)
+        p = p * keep / (1 - dropout_p)
+    o = q(p, fmts["pv.p"], -1) @ q(v_r, fmts["pv.v"], -2)  # P, V along Lk
+    dp = q(do, fmts["dp.do"], -1) @ q(v_r, fmts["dp.v"], -1).transpose(-2, -1)  # dO, V along d
+    dv_r = q(p, fmts["dv.p"], -2).transpose(-2, -1) @ q(do, fmts["dv.do"], -2)  # P, dO along Lq
+    (ds,) = torch.autograd.grad(p, s_leaf, dp)  # softmax/mask/dropout by torch's autograd
+    dq = q(ds, fmts["dq.ds"], -1) @ q(k_r, fmts["dq.k"], -2)  # dS, K along Lk
+    dk_r = q(ds, fmts["dk.ds"], -2).transpose(-2, -1) @ q(qt, fmts["dk.q"], -2)  # dS, Q along Lq
+    fold = lambda t: t.reshape(B, HK, rep, *t.shape[2:]).sum(2)  # noqa: E731  GQA: the heads' grads sum back
+    return o, dq, fold(dk_r), fold(dv_r)
+
+
+OPERANDS = ["qk.q", "qk.k", "dq.ds", "dq.k", "dk.ds", "dk.q", "pv.p", "pv.v", "dp.do", "dp.v", "dv.p", "dv.do"]
+
+
+def aq_from(fmts):
+    g = lambda a, b: GemmQuant(*(None if fmts[n] is None else TensorQuant(fmts[n]) for n in (a, b)))  # noqa: E731
+    return AttentionQuant(
+        qk=MatmulQuant(g("qk.q", "qk.k"), g("dq.ds", "dq.k"), g("dk.q", "dk.ds")),
+        pv=MatmulQuant(g("pv.p", "pv.v"), g("dp.do", "dp.v"), g("dv.p", "dv.do")),
+    )
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_mx_scheme_equals_hand_formula(mask: str) -> None:
+    qt, kt, vt, do = inputs(seed=1)
+    fmts = dict.fromkeys(OPERANDS, "mxfp8")
+    aq = schemes.get("FA_QKPV_mxfp8").attention_for(ATT_SITE)
+    assert aq == aq_from(fmts)
+    ours = run(quantized_sdpa, qt, kt, vt, do, aq=aq, enable_gqa=True, **MASKS[mask])
+    ref = hand_attention(qt, kt, vt, do, fmts, mask_kw=MASKS[mask])
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+    unq = run(quantized_sdpa, qt, kt, vt, do, aq=AttentionQuant(), enable_gqa=True, **MASKS[mask])
+    assert all((a - b).abs().max() > 1e-3 for a, b in zip(ours, unq))  # quantization made a difference
+
+
+def test_mixed_formats_per_operand_and_dropout() -> None:
+    """A different format on every operand (a swapped operand or axis would show), with dropout: the same
+    mask in the forward and the backward, drawn once from torch's default generator."""
+    fmts = dict(zip(OPERANDS, ["mxfp8", "mxfp8_e5m2", "mxfp6_e3m2", "mxfp4", "mxint8", "mxfp6_e2m3",
+                               "mxfp8_e5m2", "mxfp4", "mxfp8", "mxint8", "mxfp6_e3m2", "mxfp8_e5m2"]))
+    qt, kt, vt, do = inputs(seed=2)
+    torch.manual_seed(123)
+    ours = run(quantized_sdpa, qt, kt, vt, do, aq=aq_from(fmts), dropout_p=0.25, scale=0.2, enable_gqa=True)
+    ref = hand_attention(qt, kt, vt, do, fmts, mask_kw={}, scale=0.2, dropout_p=0.25, seed=123)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+    torch.manual_seed(123)
+    again = run(quantized_sdpa, qt, kt, vt, do, aq=aq_from(fmts), dropout_p=0.25, scale=0.2, enable_gqa=True)
+    assert all(torch.equal(a, b) for a, b in zip(ours, again))
+
+
+def test_bf16_inputs_compute_softmax_in_float32() -> None:
+    qt, kt, vt, do = inputs(seed=3, dtype=torch.bfloat16)
+    aq = schemes.get("FA_hifp8").attention_for(ATT_SITE)
+    o, dq, dk, dv = run(quantized_sdpa, qt, kt, vt, do, aq=aq, enable_gqa=True, is_causal=True)
+    assert o.dtype == dq.dtype == torch.bfloat16
+    fmts = dict.fromkeys(OPERANDS, None) | {k: "hifp8" for k in OPERANDS if k.startswith(("qk", "dq", "dk"))}
+    ref = hand_attention(qt, kt, vt, do, fmts, mask_kw={"is_causal": True})
+    for a, b in zip((o, dq, dk, dv), ref):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+def test_argument_errors() -> None:
+    qt, kt, vt, _ = inputs()
+    aq = AttentionQuant()
+    with pytest.raises(ValueError, match="enable_gqa=True"):
+        quantized_sdpa(qt, kt, vt, aq=aq)
+    with pytest.raises(ValueError, match="not both"):
+        quantized_sdpa(qt, kt, vt, attn_mask=MASKS["bool"]["attn_mask"], is_causal=True, enable_gqa=True, aq=aq)
+    with pytest.raises(ValueError, match="dropout_p=1.5"):
+        quantized_sdpa(qt, kt, vt, dropout_p=1.5, enable_gqa=True, aq=aq)
+    with pytest.raises(TypeError, match="aq must be"):
+        quantized_sdpa(qt, kt, vt, enable_gqa=True, aq=schemes.get("FA_mxfp8"))  # type: ignore[arg-type]
+
+
+# -- torch.compile ----------------------------------------------------------------------------------------
+def block(x, w1, w2, k, v, lq, aq, unfused=True):
+    """A small attention block built from every qfunction (SDPA and, with ``unfused``, Megatron's path)."""
+    b_, l_, _ = x.shape
+    h = quantized_linear(x, w1, None, lq)  # [B, L, HQ*D]
+    qh = h.view(b_, l_, HQ, D).transpose(1, 2)
+    o = quantized_sdpa(qh, k, v, is_causal=True, enable_gqa=True, aq=aq)  # [B, HQ, L, DV]
+    if not unfused:
+        return quantized_linear(o.transpose(1, 2).reshape(b_, l_, HQ * DV), w2, None, lq)
+    q3, k3 = qh.reshape(b_ * HQ, l_, D), k.repeat_interleave(HQ // HK, 1).reshape(b_ * HQ, LK, D)
+    s = quantized_baddbmm(torch.empty(b_ * HQ, l_, LK), q3, k3.transpose(1, 2), beta=0.0, alpha=D**-0.5, mq=aq.qk)
+    p = torch.softmax(s.float(), -1)
+    o2 = quantized_bmm(p, v.repeat_interleave(HQ // HK, 1).reshape(b_ * HQ, LK, DV), mq=aq.pv)
+    y = (o.transpose(1, 2).reshape(b_, l_, HQ * DV) + o2.view(b_, HQ, l_, DV).transpose(1, 2).reshape(b_, l_, -1))
+    return quantized_linear(y, w2, None, lq)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compiled_equals_eager_bitwise(backend: str) -> None:
+    torch._dynamo.reset()
+    lq = schemes.get("linear_mxfp8").linear_for(Site.from_path("layers.0.mlp.linear_fc1"))
+    aq = schemes.get("FA_QKPV_hifp8").attention_for(ATT_SITE)
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(s, generator=g) for s in ((B, LQ, 48), (HQ * D, 48), (24, HQ * DV), (B, HK, LK, D), (B, HK, LK, DV))]
+    dy = torch.randn(B, LQ, 24, generator=g)
+
+    def grads(fn):
+        leaves = [a.clone().requires_grad_() for a in args]
+        out = fn(*leaves, lq, aq, backend == "aot_eager")  # Inductor (cold: slow on 2 cores) on the SDPA path
+        out.backward(dy)
+        return [out] + [t.grad for t in leaves]
+
+    eager = grads(block)
+    compiled = grads(torch.compile(block, backend=backend, fullgraph=True))
+    for i, (a, b) in enumerate(zip(eager, compiled)):
+        assert torch.equal(a, b), (backend, i, (a - b).abs().max())
