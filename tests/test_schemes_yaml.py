@@ -193,3 +193,18 @@ def test_yaml_round_trip(rules: list[Rule], name: str) -> None:
 def test_every_preset_round_trips(name: str) -> None:
     s = schemes.get(name)
     assert Scheme.from_yaml_text(s.to_yaml()) == s
+
+
+def test_docs_example_parses_and_resolves() -> None:
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "schemes.md").read_text()
+    text = doc.split("```yaml\n", 1)[1].split("```", 1)[0]
+    s = Scheme.from_yaml_text(text, "docs/schemes.md")
+    site = lambda p: Site.from_path(p, num_layers=8)  # noqa: E731
+    fc2_5 = s.linear_for(site("decoder.layers.5.mlp.linear_fc2"))
+    assert fc2_5.fprop.a == TensorQuant("mxfp4", rounding="sr")
+    qkv_2 = s.linear_for(site("decoder.layers.2.self_attention.linear_qkv"))
+    assert qkv_2.fprop.a == TensorQuant("mxfp8") and qkv_2.dgrad.a == TensorQuant("mxfp8_e5m2")
+    assert s.linear_for(site("decoder.layers.7.mlp.linear_fc2")) is None  # priority: last layer beats fc2 4..7
+    assert s.linear_for(site("output_layer")).fprop.a == TensorQuant("mxfp8")
+    att = s.attention_for(Site("decoder.layers.3.self_attention.core_attention", SiteKind.ATTENTION, 3, 8))
+    assert att.qk.grad_b == GemmQuant(None, TensorQuant("hifp8")) and not att.pv.quantized
