@@ -37,9 +37,13 @@ VOCAB_DIVISIBLE_BY = 128  # Megatron-LM's default --make-vocab-size-divisible-by
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
-    """Vocabulary rounded up to a multiple of divisible_by * tp (Megatron-LM's rule)."""
-    multiple = divisible_by * tp
-    return -(-vocab_size // multiple) * multiple
+    """Vocabulary rounded up to a multiple of `divisible_by` (and of divisible_by * tp only when tp does not
+    divide that): the same padded size, hence the same model, for every TP size that divides it."""
+    padded = -(-vocab_size // divisible_by) * divisible_by
+    if padded % tp:
+        multiple = divisible_by * tp
+        padded = -(-vocab_size // multiple) * multiple
+    return padded
 
 
 def transformer_config(cfg: ModelConfig, *, params_dtype: torch.dtype = torch.float32,
