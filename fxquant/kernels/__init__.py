@@ -21,7 +21,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["available", "quantize", "register"]
+__all__ = ["available", "quantize", "register", "restore_reference"]
 
 DEVICES = ("cuda", "cpu")
 
@@ -48,15 +48,24 @@ def _quantize_op_impl(x: torch.Tensor, qspec: str, dim: int, seed: int | None = 
     return quantize(x, parse_qspec(qspec), dim, seed)
 
 
+def _reference_op_impl(x: torch.Tensor, qspec: str, dim: int, seed: int | None = None) -> torch.Tensor:
+    from fxquant.ops import parse_qspec
+
+    return parse_qspec(qspec).quantize(x, dim, seed=seed)
+
+
+def _check_device_name(device: str) -> None:
+    if device not in DEVICES:
+        raise ValueError(f"device={device!r} is not supported; allowed: {list(DEVICES)}")
+
+
 def register(device: str = "cuda") -> None:
     """Register the Triton implementation of ``fxquant::quantize`` for ``device`` (idempotent).
 
     ``device="cpu"`` is for tests only and needs ``TRITON_INTERPRET=1`` set before the kernels were first
-    imported; undo it with ``torch.ops.fxquant.quantize``'s ``set_kernel_enabled("cpu", False)`` or by
-    keeping the registration scoped (see tests/test_kernels_op.py).
+    imported; ``restore_reference("cpu")`` undoes it.
     """
-    if device not in DEVICES:
-        raise ValueError(f"device={device!r} is not supported; allowed: {list(DEVICES)}")
+    _check_device_name(device)
     if not available():
         raise RuntimeError("fxquant.kernels.register needs Triton: pip install 'fxquant[triton]'")
     if device == "cpu":
@@ -76,6 +85,15 @@ def register(device: str = "cuda") -> None:
 
     torch.library.register_kernel("fxquant::quantize", device, _quantize_op_impl)
     log.debug("registered the Triton implementation of fxquant::quantize for %s", device)
+
+
+def restore_reference(device: str) -> None:
+    """Make the pure-torch reference the implementation of ``fxquant::quantize`` for ``device`` again."""
+    _check_device_name(device)
+    import fxquant.ops  # noqa: F401  (defines the op)
+
+    torch.library.register_kernel("fxquant::quantize", device, _reference_op_impl)
+    log.debug("fxquant::quantize on %s runs the reference again", device)
 
 
 if available() and torch.cuda.is_available():
