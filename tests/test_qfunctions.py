@@ -240,3 +240,29 @@ def test_legacy_preset_runs_forward_gemms_and_dgrad_dy_only() -> None:
         [("mxfp8_e5m2", 3, (1, 2, 40, 32)), ("mxfp8_e5m2", 2, (1, 2, 32, 40)),
          ("mxfp4_e2m1", 3, (1, 2, 40, 40)), ("mxfp4_e2m1", 2, (1, 2, 40, 16))]
     )
+
+
+def test_empty_token_dimension() -> None:
+    """Zero tokens (M = 0): blocks along M are empty; every GEMM still runs and gives empty / zero grads."""
+    lq = schemes.get("linear_mxfp8").linear_for(LIN_SITE)
+    x, w = torch.zeros(0, 32, requires_grad=True), spread(8, 32).requires_grad_()
+    y = quantized_linear(x, w, None, lq)
+    y.sum().backward()
+    assert y.shape == (0, 8) and x.grad.shape == (0, 32) and torch.equal(w.grad, torch.zeros(8, 32))
+
+
+@settings(max_examples=10, deadline=None)
+@given(m=st.integers(1, 70), k=st.integers(1, 40), n=st.integers(1, 40), seed=st.integers(0, 2**16),
+       fmt=st.sampled_from(["mxfp8", "nvfp4", "hifp8", "mxfp6_e2m3"]))
+def test_linear_is_matmul_with_as_matmul(m: int, k: int, n: int, seed: int, fmt: str) -> None:
+    """``quantized_linear(x, w, b, lq)`` == ``quantized_matmul(x, w^T, lq.as_matmul()) + b``: the two autograd
+    Functions agree on which operand is blocked along which axis, short blocks included."""
+    tq = TensorQuant(fmt)
+    lq = LinearQuant(GemmQuant(tq, None), GemmQuant(None, tq), GemmQuant(tq, tq))
+    x, w, dy = spread(m, k, seed=seed), spread(n, k, seed=seed + 1), spread(m, n, seed=seed + 2)
+    y1, dx1, dw1, _ = run_linear(x, w, torch.zeros(n), lq, dy)
+    x2, w2 = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y2 = quantized_matmul(x2, w2.t(), lq.as_matmul())
+    y2.backward(dy)
+    for got, want in ((y1, y2), (dx1, x2.grad), (dw1, w2.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max().item()))

@@ -120,6 +120,13 @@ def site_kind_for(module_path: str) -> SiteKind:
 
 
 # -- what one site resolves to ----------------------------------------------------------------------------
+def _check_fields(obj: object, names: tuple[str, ...], cls: type) -> None:
+    for name in names:
+        v = getattr(obj, name)
+        if not isinstance(v, cls):
+            raise TypeError(f"{type(obj).__name__}.{name} must be a {cls.__name__}, got {type(v).__name__}")
+
+
 @dataclass(frozen=True)
 class GemmQuant:
     """The two operands of one GEMM, each quantized per its TensorQuant or kept in high precision (None)."""
@@ -153,9 +160,7 @@ class MatmulQuant:
     grad_b: GemmQuant = HIGH
 
     def __post_init__(self) -> None:
-        for name in ("forward", "grad_a", "grad_b"):
-            if not isinstance(getattr(self, name), GemmQuant):
-                raise TypeError(f"MatmulQuant.{name} must be a GemmQuant, got {type(getattr(self, name)).__name__}")
+        _check_fields(self, ("forward", "grad_a", "grad_b"), GemmQuant)
 
     @property
     def quantized(self) -> bool:
@@ -176,9 +181,7 @@ class LinearQuant:
     wgrad: GemmQuant = HIGH
 
     def __post_init__(self) -> None:
-        for name in ("fprop", "dgrad", "wgrad"):
-            if not isinstance(getattr(self, name), GemmQuant):
-                raise TypeError(f"LinearQuant.{name} must be a GemmQuant, got {type(getattr(self, name)).__name__}")
+        _check_fields(self, ("fprop", "dgrad", "wgrad"), GemmQuant)
 
     @property
     def quantized(self) -> bool:
@@ -199,9 +202,7 @@ class AttentionQuant:
     pv: MatmulQuant = MatmulQuant()
 
     def __post_init__(self) -> None:
-        for name in ("qk", "pv"):
-            if not isinstance(getattr(self, name), MatmulQuant):
-                raise TypeError(f"AttentionQuant.{name} must be a MatmulQuant, got {type(getattr(self, name)).__name__}")
+        _check_fields(self, ("qk", "pv"), MatmulQuant)
 
     @property
     def quantized(self) -> bool:
