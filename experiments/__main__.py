@@ -1,0 +1,137 @@
+"""`python -m experiments list | run | matrix` (see docs/megatron.md)."""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+from tabulate import tabulate
+
+from experiments import catalog, compare
+from experiments.launcher import resolve, supervise
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="cpu", help="training config: " + ", ".join(catalog.CONFIGS))
+    p.add_argument("--variant", default="tiny", choices=["tiny", "full"], help="model size (default tiny)")
+    p.add_argument("--capture", help="capture placement-spec YAML")
+    p.add_argument("--nproc", type=int, default=1, help="processes (torchrun --nproc-per-node)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--out", default="runs", help="root of run directories (default ./runs)")
+    p.add_argument("--tokenizer", help="local HuggingFace tokenizer dir (required for --variant full) or 'byte'")
+    p.add_argument("--data-prefix", help="indexed dataset prefix (overrides $FXQUANT_WIKIPEDIA_PREFIX / $FXQUANT_DOLMA_PREFIX)")
+    p.add_argument("--iters", type=int, help="override the config's train_iters")
+    p.add_argument("--control-iter", type=int, help="stop after N iterations (predecessor's --control-iter)")
+    p.add_argument("--backend", default="aot_eager", choices=["inductor", "aot_eager", "eager", "none"])
+    p.add_argument("--attention", default="sdpa", choices=["sdpa", "local"])
+
+
+def _resolve(args, model, dataset, scheme):
+    return resolve(model=model, dataset=dataset, scheme=scheme, config=args.config, variant=args.variant,
+                   capture=args.capture, nproc=args.nproc, tp=args.tp, pp=args.pp, out=args.out,
+                   tokenizer=args.tokenizer, data_prefix=args.data_prefix, iters=args.iters,
+                   backend=args.backend, attention=args.attention, control_iter=args.control_iter)
+
+
+def cmd_list(args) -> int:
+    rows = [(n, "full", m.num_layers, m.hidden_size, m.num_attention_heads, f"{m.num_parameters() / 1e9:.2f}B")
+            for n, m in catalog.MODELS.items()]
+    rows += [(n, "tiny", m.num_layers, m.hidden_size, m.num_attention_heads, f"{m.num_parameters() / 1e6:.2f}M")
+             for n, m in catalog.TINY.items()]
+    print(tabulate(rows, headers=["model", "variant", "layers", "hidden", "heads", "params"]))
+    print()
+    print(tabulate([(n, c.seq_length, c.micro_batch_size, c.global_batch_size, c.train_iters, c.optim.lr)
+                    for n, c in catalog.CONFIGS.items()], headers=["config", "seq", "mbs", "gbs", "iters", "lr"]))
+    print()
+    print("datasets:", ", ".join(f"{d.name} (${d.env})" if d.env else d.name for d in catalog.DATASETS.values()))
+    print("predecessor schemes:", ", ".join(catalog.PREDECESSOR_SCHEMES))
+    print(f"all schemes ({len(catalog.scheme_names())}): see `fxquant explain` / fxquant.schemes.names()")
+    return 0
+
+
+def cmd_run(args) -> int:
+    launch = _resolve(args, args.model, args.dataset, args.scheme)
+    if args.dry_run:
+        print(launch.shell())
+        print(json.dumps(launch.run.to_dict(), indent=2))
+        return 0
+    outcome = supervise(launch, args.timeout)
+    print(f"{outcome.status} in {outcome.seconds:.0f}s; log {outcome.log}; metrics "
+          f"{Path(launch.run.output_dir) / 'metrics.jsonl'}")
+    return 0 if outcome.status == "ok" else 1
+
+
+def cmd_matrix(args) -> int:
+    out = Path(args.out)
+    combos = list(itertools.product(args.models, args.datasets, args.schemes))
+    rows, records = [], []
+    for model, dataset, scheme in combos:
+        name = f"{model}/{dataset}/{scheme}"
+        try:
+            launch = _resolve(args, model, dataset, scheme)
+        except (ValueError, TypeError, FileNotFoundError) as exc:
+            records.append({"run": name, "status": "refused", "error": str(exc)})
+            print(f"[refused] {name}: {exc}", flush=True)
+            continue
+        if args.dry_run:
+            print(launch.shell())
+            records.append({"run": name, "status": "dry-run", "run_dir": launch.run.output_dir})
+            continue
+        print(f"[start] {name}", flush=True)
+        outcome = supervise(launch, args.timeout, echo=False)
+        losses = compare.read_losses(Path(launch.run.output_dir) / "metrics.jsonl")
+        records.append({"run": name, "model": model, "dataset": dataset, "scheme": scheme, "status": outcome.status,
+                        "seconds": round(outcome.seconds, 1), "iterations": len(losses),
+                        "final_loss": losses[-1] if losses else None, "run_dir": launch.run.output_dir,
+                        "log": str(outcome.log)})
+        print(f"[{outcome.status}] {name} in {outcome.seconds:.0f}s", flush=True)
+    comparison = compare.against_bf16(records, last_n=args.last_n)
+    for r in records:
+        rows.append((r["run"], r["status"], r.get("iterations", ""), r.get("final_loss", ""),
+                     comparison.get(r["run"], {}).get("mre_all", ""), comparison.get(r["run"], {}).get("mre_last", "")))
+    out.mkdir(parents=True, exist_ok=True)
+    summary = {"runs": records, "loss_vs_bf16": comparison, "last_n": args.last_n}
+    (out / "matrix_summary.json").write_text(json.dumps(summary, indent=2))
+    table = tabulate(rows, headers=["run", "status", "iters", "final loss", "MRE vs bf16", f"MRE last {args.last_n}"])
+    (out / "matrix_summary.txt").write_text(table + "\n")
+    print(table)
+    plot = compare.plot_curves(records, out / "loss_curves.png")
+    print(f"summary: {out / 'matrix_summary.json'}, {out / 'matrix_summary.txt'}" + (f", {plot}" if plot else ""))
+    failed = [r for r in records if r["status"] not in ("ok", "dry-run")]
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m experiments", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("list", help="models, configs, datasets, schemes").set_defaults(func=cmd_list)
+    run = sub.add_parser("run", help="one training run (torchrun)")
+    run.add_argument("--model", required=True)
+    run.add_argument("--dataset", default="mock")
+    run.add_argument("--scheme", default="bf16")
+    run.add_argument("--dry-run", action="store_true", help="print the torchrun command and resolved config only")
+    run.add_argument("--timeout", type=float, default=3600.0)
+    _common(run)
+    run.set_defaults(func=cmd_run)
+    matrix = sub.add_parser("matrix", help="a sweep of models x datasets x schemes, supervised")
+    matrix.add_argument("--models", nargs="+", default=list(catalog.MODELS))
+    matrix.add_argument("--datasets", nargs="+", default=["mock"])
+    matrix.add_argument("--schemes", nargs="+", default=list(catalog.PREDECESSOR_SCHEMES))
+    matrix.add_argument("--timeout", type=float, default=1800.0, help="per run, seconds")
+    matrix.add_argument("--last-n", type=int, default=10, help="iterations in the 'last N' relative error")
+    matrix.add_argument("--dry-run", action="store_true")
+    _common(matrix)
+    matrix.set_defaults(func=cmd_matrix)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        print(f"experiments {args.cmd}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""The catalogue: published model architectures (+ `tiny` variants), training configs, datasets, schemes.
+
+Architectures follow the published configurations (HuggingFace config.json of each model):
+- Llama 3.1 8B: 32 layers, hidden 4096, FFN 14336, 32 heads, 8 KV groups, RoPE base 500000 with Llama-3
+  scaling (factor 8), RMSNorm eps 1e-5, SwiGLU, vocab 128256, untied embeddings.
+- Llama 3.2 1B: 16 layers, hidden 2048, FFN 8192, 32 heads, 8 KV groups, head dim 64, RoPE 500000
+  (Llama-3 scaling factor 32), RMSNorm eps 1e-5, SwiGLU, vocab 128256, tied embeddings.
+- DeepSeek-V2-Lite: 27 layers, hidden 2048, MLA (kv_lora_rank 512, no q compression, 16 heads, q/k nope
+  128 + rope 64, v 128, YaRN factor 40 over 4096), MoE with 64 routed experts top-6 + 2 shared, expert
+  FFN 1408, first layer dense with FFN 10944, RMSNorm eps 1e-6, vocab 102400, untied.
+Training configs `standard` and `fast` are the predecessor's (PREDECESSOR.md); `cpu` fits 2 CPU cores.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from fxquant.megatron_glue.config import MLAConfig, ModelConfig, MoEConfig, RopeScaling
+from fxquant.megatron_glue.run_config import OptimConfig, TrainConfig
+
+MODELS: dict[str, ModelConfig] = {
+    "llama31-8b": ModelConfig(
+        name="llama31-8b", num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
+        num_query_groups=8, vocab_size=128256, max_position_embeddings=131072, rotary_base=500000.0,
+        rope_scaling=RopeScaling.LLAMA3, rope_scaling_factor=8.0, norm_epsilon=1e-5, tie_embeddings=False),
+    "llama32-1b": ModelConfig(
+        name="llama32-1b", num_layers=16, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=32,
+        num_query_groups=8, kv_channels=64, vocab_size=128256, max_position_embeddings=131072,
+        rotary_base=500000.0, rope_scaling=RopeScaling.LLAMA3, rope_scaling_factor=32.0, norm_epsilon=1e-5,
+        tie_embeddings=True),
+    "deepseek2_lite": ModelConfig(
+        name="deepseek2_lite", num_layers=27, hidden_size=2048, ffn_hidden_size=10944, num_attention_heads=16,
+        vocab_size=102400, max_position_embeddings=163840, rotary_base=10000.0, rope_scaling=RopeScaling.YARN,
+        norm_epsilon=1e-6, tie_embeddings=False,
+        mla=MLAConfig(kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128, q_lora_rank=None,
+                      rope_scaling_factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
+                      beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707),
+        moe=MoEConfig(num_experts=64, top_k=6, expert_ffn_hidden_size=1408, shared_expert_ffn_hidden_size=2 * 1408,
+                      first_k_dense=1, aux_loss_coeff=0.001)),
+}
+
+BYTE_VOCAB = 257  # fxquant's built-in byte tokenizer
+
+# Same structure as the published model, shrunk to train on 2 CPU cores in a minute or two.
+TINY: dict[str, ModelConfig] = {
+    "llama31-8b": MODELS["llama31-8b"].with_(
+        name="llama31-8b-tiny", num_layers=2, hidden_size=64, ffn_hidden_size=224, num_attention_heads=4,
+        num_query_groups=2, vocab_size=BYTE_VOCAB, max_position_embeddings=1024),
+    "llama32-1b": MODELS["llama32-1b"].with_(
+        name="llama32-1b-tiny", num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4,
+        num_query_groups=2, kv_channels=16, vocab_size=BYTE_VOCAB, max_position_embeddings=1024),
+    "deepseek2_lite": MODELS["deepseek2_lite"].with_(
+        name="deepseek2_lite-tiny", num_layers=2, hidden_size=64, ffn_hidden_size=172, num_attention_heads=4,
+        vocab_size=BYTE_VOCAB, max_position_embeddings=1024,
+        mla=MLAConfig(kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
+                      rope_scaling_factor=40.0, original_max_position_embeddings=64),
+        moe=MoEConfig(num_experts=8, top_k=2, expert_ffn_hidden_size=32, shared_expert_ffn_hidden_size=64,
+                      first_k_dense=1)),
+}
+
+CONFIGS: dict[str, TrainConfig] = {
+    # The predecessor's: MBS 1, GBS 128, seq 8192, lr 1.5e-4.
+    "standard": TrainConfig(seq_length=8192, micro_batch_size=1, global_batch_size=128, train_iters=1000,
+                            optim=OptimConfig(lr=1.5e-4, min_lr=1.5e-5, warmup_iters=100), save_interval=500),
+    # The predecessor's: GBS 32, seq 2048, 1000 samples (= 32 iterations), lr 1e-4.
+    "fast": TrainConfig(seq_length=2048, micro_batch_size=1, global_batch_size=32, train_iters=1000 // 32,
+                        optim=OptimConfig(lr=1e-4, min_lr=1e-5, warmup_iters=3)),
+    "cpu": TrainConfig(seq_length=64, micro_batch_size=2, global_batch_size=8, train_iters=40,
+                       optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_iters=4)),
+}
+
+
+@dataclass(frozen=True)
+class Dataset:
+    name: str
+    env: str | None              # environment variable naming the indexed-dataset prefix
+    default_prefix: str | None   # used when the variable is unset
+
+
+DATASETS: dict[str, Dataset] = {
+    "wikipedia": Dataset("wikipedia", "FXQUANT_WIKIPEDIA_PREFIX", "data/wikipedia/wikipedia_text_document"),
+    "dolma": Dataset("dolma", "FXQUANT_DOLMA_PREFIX", "data/dolma/dolma_text_document"),
+    "mock": Dataset("mock", None, None),
+}
+
+# The predecessor's ten schemes (PREDECESSOR.md); each is a preset of fxquant.schemes.
+PREDECESSOR_SCHEMES: tuple[str, ...] = (
+    "bf16", "FA_mxfp8", "FA_mxfp4", "FA_hifp8", "linear_mxfp8", "linear_mxfp4", "linear_hifp8",
+    "FA_linear_mxfp8", "FA_linear_mxfp4", "FA_linear_hifp8",
+)
+
+
+def scheme_names() -> list[str]:
+    from fxquant import schemes
+
+    return schemes.names()
+
+
+def dataset_prefix(name: str, override: str | None = None) -> str | None:
+    ds = DATASETS[name]
+    if ds.env is None:
+        return None
+    return override or os.environ.get(ds.env) or ds.default_prefix
