@@ -29,7 +29,7 @@ from fxquant.kernels._primitives import (
 )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed_key"])  # a key of 1 must stay a runtime int
 def _quantize_element_kernel(
     x_ptr,
     y_ptr,
@@ -99,7 +99,7 @@ def _mx_scale_exponent(
     return s
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed_key"])  # a key of 1 must stay a runtime int
 def _quantize_mx_kernel(
     x_ptr,
     y_ptr,
@@ -146,7 +146,7 @@ def _clamp(v, lo, hi):
     return tl.where(v < lo, lo, tl.where(v > hi, hi, v))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed_key"])  # a key of 1 must stay a runtime int
 def _quantize_nvfp4_kernel(
     x_ptr,
     y_ptr,

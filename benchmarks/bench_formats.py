@@ -1,0 +1,220 @@
+"""Quantize throughput of every format: eager reference, torch.compile'd reference, Triton, beside a copy.
+
+GB/s counts the bytes the quantize reads plus writes (2 * numel * itemsize, the same as ``x.clone()``),
+so "x copy" is the fraction of the copy bandwidth measured in the same run. Peers, timed on the same
+tensor and reported on the same byte basis: torchao's eager MX cast (``to_mx``: E8M0 scales + element
+codes, an encode rather than a quantize-dequantize) and the predecessor's log2-based HiF8, re-implemented
+below for comparison only. GPU timing uses CUDA events after a synchronize; CPU timing uses
+``time.perf_counter``; each figure is the median of ``--repeat`` runs after one warm-up.
+
+    python benchmarks/bench_formats.py --size 2^20 --dtype bf16 --json bench.json          # CPU
+    python benchmarks/bench_formats.py --size 2^28 --dtype bf16 --device cuda --json h100.json
+
+GPU targets (issue 2): Triton at >= 0.85x copy for mxfp8_e4m3 and hifp8, >= 0.75x for mxfp4_e2m1 and
+nvfp4 (2^28-element bf16). NVFP4 needs the tensor amax before any element is scaled, i.e. a second read
+of x, which bounds it near 2/3 of copy bandwidth.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tabulate import tabulate
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fxquant import formats, kernels  # noqa: E402
+from fxquant.formats.tensor_quant import TensorQuant  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TARGETS = {"mxfp8_e4m3": 0.85, "hifp8": 0.85, "mxfp4_e2m1": 0.75, "nvfp4": 0.75}
+IMPLS = ("eager", "compiled", "triton", "peers")
+ROW_LEN = 4096  # x is [numel / 4096, 4096], blocked along the last dim
+
+
+def predecessor_hifp8(x: torch.Tensor) -> torch.Tensor:
+    """The predecessor's HiF8 method, re-implemented FOR COMPARISON ONLY (it is wrong; PREDECESSOR.md):
+    exponents from per-element ``floor(log2 |x|)`` computed in bf16, tiny non-zero values clamped UP to
+    2**-22, Inf clamped to 32768, ties away from zero on the tapered 3/2/1/0-bit mantissa grid."""
+    xb = x.to(torch.bfloat16)
+    a = xb.abs()
+    a = torch.where(a == 0, a, torch.clamp(a, min=2.0**-22, max=32768.0))
+    e = torch.floor(torch.log2(a))
+    ae = e.abs()
+    mbits = torch.where(ae <= 3, 3.0, torch.where(ae <= 7, 2.0, torch.where(ae <= 15, 1.0, 0.0))).to(torch.bfloat16)
+    step = torch.exp2(e - mbits)
+    q = torch.clamp(torch.floor(a / step + 0.5) * step, max=32768.0)
+    return (torch.sign(xb) * q).to(x.dtype)
+
+
+def _torchao_to_mx() -> tuple[Callable | None, dict[str, object], str]:
+    """torchao's eager MX cast and the element dtype per MX format (torchao has no MXINT8)."""
+    try:
+        from torchao.prototype.mx_formats.mx_tensor import to_mx
+    except ImportError as exc:  # torchao is a dev dependency; say so in the table instead of failing
+        return None, {}, f"torchao not importable ({exc})"
+    elem = {
+        "mxfp8_e4m3": torch.float8_e4m3fn,
+        "mxfp8_e5m2": torch.float8_e5m2,
+        "mxfp6_e3m2": "fp6_e3m2",
+        "mxfp6_e2m3": "fp6_e2m3",
+        "mxfp4_e2m1": torch.float4_e2m1fn_x2,
+    }
+    return to_mx, elem, ""
+
+
+def make_timer(device: torch.device, repeat: int) -> Callable[[Callable[[], object]], tuple[float, float]]:
+    """(median, min) seconds of ``fn()`` over ``repeat`` runs after one warm-up, synchronised on CUDA."""
+
+    def run(fn: Callable[[], object]) -> tuple[float, float]:
+        fn()
+        times = []
+        for _ in range(repeat):
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times), min(times)
+
+    return run
+
+
+def parse_size(text: str) -> int:
+    """'1048576', '2^20' or '2**20' -> elements, rounded up to whole rows of 4096."""
+    t = text.replace("**", "^")
+    n = 2 ** int(t.split("^")[1]) if "^" in t else int(t)
+    if n <= 0:
+        raise ValueError(f"--size={text!r} must be positive")
+    return -(-n // ROW_LEN) * ROW_LEN
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return f"{model} ({torch.get_num_threads()} threads)"
+
+
+def bench(args: argparse.Namespace) -> dict:
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    n = parse_size(args.size)
+    names = formats.names() if args.formats == "all" else [formats.canonical_name(f) for f in args.formats.split(",")]
+    impls = IMPLS if args.impls == "all" else tuple(args.impls.split(","))
+    timer = make_timer(device, args.repeat)
+    x = torch.randn(n // ROW_LEN, ROW_LEN, device=device).to(dtype)
+    nbytes = 2 * x.numel() * x.element_size()
+    gbs = lambda s: nbytes / s / 1e9  # noqa: E731
+    copy_s, copy_min = timer(lambda: x.clone())
+    on_gpu = device.type == "cuda" and kernels.available()
+    to_mx, torchao_elem, torchao_note = _torchao_to_mx()
+    rows = [{"format": "(copy)", "impl": "x.clone()", "ms": copy_s * 1e3, "GB/s": gbs(copy_s), "x copy": 1.0,
+             "min_ms": copy_min * 1e3}]
+
+    def add(name: str, impl: str, fn: Callable[[], object] | None, note: str = "", extra: dict | None = None) -> None:
+        if fn is None:
+            rows.append({"format": name, "impl": impl, "ms": None, "GB/s": None, "x copy": None, "note": note})
+            return
+        s, s_min = timer(fn)
+        row = {"format": name, "impl": impl, "ms": s * 1e3, "GB/s": gbs(s), "x copy": copy_s / s, "note": note,
+               "min_ms": s_min * 1e3}
+        rows.append({**row, **(extra or {})})
+        print(f"  {name:12s} {impl:22s} {s * 1e3:9.2f} ms {gbs(s):8.2f} GB/s", file=sys.stderr, flush=True)
+
+    for name in names:
+        tq = TensorQuant(name)
+        if "eager" in impls:
+            add(name, "reference (eager)", lambda: tq.quantize(x, -1))
+        if "compiled" in impls:
+            # One code object serves every format: without a reset Dynamo hits its recompile limit after 8
+            # formats and silently runs the rest eagerly.
+            torch._dynamo.reset()
+            compiled = torch.compile(lambda t: tq.quantize(t, -1), dynamic=False)
+            t0 = time.perf_counter()
+            compiled(x)
+            compile_s = time.perf_counter() - t0
+            add(name, "reference (compiled)", lambda: compiled(x), f"first call {compile_s:.1f} s", {"compile_s": compile_s})
+        if "triton" in impls:
+            if on_gpu:
+                target = TARGETS.get(name)
+                add(name, "triton", lambda: kernels.quantize(x, tq, -1), f"target >= {target}x copy" if target else "")
+            else:
+                add(name, "triton", None, "n/a (no GPU)")
+        if "peers" in impls:
+            if name in torchao_elem:
+                add(name, "torchao to_mx (eager)", lambda: to_mx(x, torchao_elem[name], 32), "encode only")
+            elif name.startswith("mx") and to_mx is None:
+                add(name, "torchao to_mx (eager)", None, torchao_note)
+            if name == "hifp8":
+                add(name, "predecessor log2 HiF8", lambda: predecessor_hifp8(x), "comparison only, wrong numerics")
+    return {
+        "device": device_name(device),
+        "device_type": device.type,
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "numel": x.numel(),
+        "shape": list(x.shape),
+        "dtype": str(dtype),
+        "repeat": args.repeat,
+        "bytes_per_call": nbytes,
+        "rows": rows,
+    }
+
+
+def _triton_version() -> str | None:
+    if not kernels.available():
+        return None
+    import triton
+
+    return triton.__version__
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", default="2^22", help="elements (e.g. 4194304, 2^28); default 2^22")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--formats", default="all", help=f"comma-separated, or 'all': {','.join(formats.names())}")
+    p.add_argument("--impls", default="all", help=f"comma-separated subset of {','.join(IMPLS)}, or 'all'")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = p.parse_args(argv)
+    unknown = set(args.impls.split(",")) - set(IMPLS) if args.impls != "all" else set()
+    if unknown:
+        p.error(f"--impls: unknown {sorted(unknown)}; allowed {list(IMPLS)}")
+    result = bench(args)
+    print(f"# {result['device']}, torch {result['torch']}, triton {result['triton']}, {result['date']}")
+    print(f"# x: {result['shape']} {result['dtype']}, GB/s = (bytes read + written) / time, median of {args.repeat}")
+    table = [[r["format"], r["impl"], r["ms"], r["GB/s"], r["x copy"], r.get("note", "")] for r in result["rows"]]
+    print(tabulate(table, headers=["format", "impl", "ms", "GB/s", "x copy", "note"], floatfmt=".2f", missingval="n/a"))
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2))
+        print(f"# wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
