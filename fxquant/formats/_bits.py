@@ -48,12 +48,11 @@ def round_integer(r: torch.Tensor, rounding: str, u: torch.Tensor | None) -> tor
     ``rne``: nearest, ties to even; ``ta``: nearest, ties away from zero; ``rz``: toward zero;
     ``sr``: up with probability equal to the fractional part, using uniforms ``u`` in (0, 1).
     """
+    if rounding == "rne":
+        return torch.round(r)  # round half to even, exact for float32
     fl = torch.floor(r)
     frac = r - fl  # exact
-    if rounding == "rne":
-        odd = torch.remainder(fl, 2.0) == 1.0
-        up = (frac > 0.5) | ((frac == 0.5) & odd)
-    elif rounding == "ta":
+    if rounding == "ta":
         up = frac >= 0.5
     elif rounding == "rz":
         return fl

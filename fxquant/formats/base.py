@@ -53,22 +53,27 @@ def check_tensor(x: object, dim: int) -> int:
     return dim % nd
 
 
-def to_canonical(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """float32, ``dim`` last, contiguous, 2-D ``[rows, L]`` (a 0-dim tensor becomes ``[1, 1]``)."""
+def to_canonical(x: torch.Tensor, dim: int, float32: bool = True) -> torch.Tensor:
+    """``dim`` last, contiguous, 2-D ``[rows, L]`` (a 0-dim tensor becomes ``[1, 1]``), in float32 unless
+    ``float32=False`` (formats whose first float32 operation promotes exactly skip the extra pass)."""
     x32 = x.reshape(1) if x.dim() == 0 else x
-    x32 = x32.movedim(dim, -1).to(torch.float32).contiguous()
+    x32 = x32.movedim(dim, -1).to(torch.float32 if float32 else x.dtype, memory_format=torch.contiguous_format)
     length = x32.shape[-1]
     rows = x32.numel() // length if length else int(torch.Size(x32.shape[:-1]).numel())
     return x32.reshape(rows, length)
 
 
-def restore_layout(y: torch.Tensor, shape: torch.Size, dim: int) -> torch.Tensor:
-    """Inverse of ``to_canonical``'s layout change: ``[rows, L]`` back to ``shape`` (dtype unchanged)."""
+def restore_layout(y: torch.Tensor, shape: torch.Size, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Inverse of ``to_canonical``: ``[rows, L]`` back to ``shape``, contiguous, cast to ``dtype`` (one pass)."""
+    dtype = y.dtype if dtype is None else dtype
     if len(shape) == 0:
-        return y.reshape(())
+        return y.reshape(()).to(dtype)
     moved = list(shape)
     moved.append(moved.pop(dim))
-    return y.reshape(moved).movedim(-1, dim).contiguous()
+    view = y.reshape(moved).movedim(-1, dim)
+    if view.dtype == dtype and view.is_contiguous():
+        return view
+    return torch.empty(shape, dtype=dtype, device=y.device).copy_(view)
 
 
 def resolve_seed(rounding: Rounding, seed: int | None) -> int:
@@ -93,6 +98,7 @@ class Format(abc.ABC):
 
     name: str
     block_size: int | None = None
+    canonical_float32 = True  # False: _quantize/_encode_canonical accept the input dtype as it is
 
     # -- options -----------------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -138,8 +144,8 @@ class Format(abc.ABC):
         seed_ = resolve_seed(opts.rounding, seed)
         if x.numel() == 0:
             return x.clone()
-        y = self._quantize_canonical(to_canonical(x, d), opts, seed_)
-        return restore_layout(y, x.shape, d).to(x.dtype)
+        y = self._quantize_canonical(to_canonical(x, d, self.canonical_float32), opts, seed_)
+        return restore_layout(y, x.shape, d, x.dtype)
 
     def encode(
         self,
@@ -156,7 +162,7 @@ class Format(abc.ABC):
         d = check_tensor(x, dim)
         opts = self.resolve(rounding=rounding, scale_mode=scale_mode, saturate=saturate, **extra)
         seed_ = resolve_seed(opts.rounding, seed)
-        x2 = to_canonical(x, d)
+        x2 = to_canonical(x, d, self.canonical_float32)
         codes, scales, tscale = self._encode_canonical(x2, opts, seed_)
         codes = restore_layout(codes, x.shape, d)
         if scales is not None:
@@ -180,7 +186,7 @@ class Format(abc.ABC):
             s = enc.scales.reshape(1) if enc.scales.dim() == 0 else enc.scales
             scales2 = s.movedim(enc.dim, -1).contiguous().reshape(codes2.shape[0], s.shape[enc.dim])
         y = self._decode_canonical(codes2, scales2, enc.tensor_scale, enc.options)
-        return restore_layout(y, enc.codes.shape, enc.dim).to(enc.dtype)
+        return restore_layout(y, enc.codes.shape, enc.dim, enc.dtype)
 
     def __str__(self) -> str:
         return self.name

@@ -35,39 +35,107 @@ class ElementSpec:
     has_nan: bool
     signed_zero: bool
     default_rounding: str
+    torch_dtype: torch.dtype | None = None  # a torch dtype with exactly this element's values, if any
 
     # -- rounding --------------------------------------------------------------------------------------
     def mantissa_bits(self, e: torch.Tensor) -> torch.Tensor | int:
-        """Mantissa width of binade ``e`` (int32 tensor, already clamped to >= emin)."""
+        """Mantissa width of binade ``e`` (int32 tensor, already clamped to [emin, emax + 1])."""
         return self.mbits
 
+    def grid_factors(self) -> tuple[list[float], list[float], list[float], list[float]]:
+        """Per float32 exponent field F (0..255): the exact powers of two mapping a value onto its grid.
+
+        With e = F - 127 clamped to [emin, emax + 1] (float32 subnormals, F = 0, land on emin) and m = m(e),
+        a value in binade e is ``r = a * 2**(m - e)`` in units of its grid step and ``q = n * 2**(e - m)``.
+        Each factor is stored as a product of two normal float32 powers of two (A * B), so every
+        multiplication is exact whatever the device does with subnormal operands.
+        """
+        fields = torch.arange(256, dtype=torch.int32)
+        e = torch.clamp(fields - 127, self.emin, self.emax + 1)
+        m = torch.as_tensor(self.mantissa_bits(e), dtype=torch.int32).expand_as(e)
+
+        def split(ks: list[int]) -> tuple[list[float], list[float]]:
+            a = [k if -126 <= k <= 127 else k // 2 for k in ks]
+            return [2.0**x for x in a], [2.0 ** (k - x) for k, x in zip(ks, a)]
+
+        to_a, to_b = split((m - e).tolist())
+        from_a, from_b = split((e - m).tolist())
+        return to_a, to_b, from_a, from_b
+
+    def factors_are_normal(self) -> bool:
+        """True when every grid factor 2**(+-(m - e)) is a normal float32 (all formats but bf16)."""
+        key = (self, "normal")
+        if key not in _FACTORS:
+            _, to_b, _, from_b = self.grid_factors()
+            _FACTORS[key] = all(v == 1.0 for v in to_b + from_b)
+        return _FACTORS[key]
+
+    def _factor_tables(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        key = (self, str(device))
+        tables = _FACTORS.get(key)
+        if tables is None:
+            to_a, to_b, from_a, from_b = self.grid_factors()
+            tables = tuple(
+                None if all(v == 1.0 for v in t) else torch.tensor(t, dtype=torch.float32, device=device)
+                for t in (to_a, to_b, from_a, from_b)
+            )
+            _FACTORS[key] = tables
+        return tables
+
     def quantize(
-        self, v: torch.Tensor, rounding: str, saturate: bool, u: torch.Tensor | None
+        self, v: torch.Tensor, rounding: str, saturate: bool, u: torch.Tensor | None, *, finite: bool = False
     ) -> torch.Tensor:
-        """Round float32 ``v`` to the nearest element value (per ``rounding``), in float32."""
+        """Round float32 ``v`` to the nearest element value (per ``rounding``), in float32.
+
+        ``finite=True`` promises no NaN/Inf in ``v`` (block formats, whose non-finite blocks are replaced
+        afterwards): the Inf fix-up pass is skipped. Round-to-nearest-even on a format torch has a dtype
+        for uses torch's own cast, which tests check equal to ``quantize_arith`` bit for bit.
+        """
+        if rounding != "rne" or self.torch_dtype is None:
+            return self.quantize_arith(v, rounding, saturate, u, finite=finite)
+        if not saturate and self.has_inf:
+            return v.to(self.torch_dtype).to(torch.float32)  # the cast overflows to Inf, as the format does
+        out = torch.clamp(v, -self.max_normal, self.max_normal).to(self.torch_dtype).to(torch.float32)
+        if not finite:
+            out = torch.where(torch.isinf(v), v if self.has_inf else math.nan, out)
+        return out
+
+    def quantize_arith(
+        self, v: torch.Tensor, rounding: str, saturate: bool, u: torch.Tensor | None, *, finite: bool = False
+    ) -> torch.Tensor:
+        """``quantize`` by float32 bit arithmetic alone (any element format, any rounding mode)."""
         a = v.abs()
-        finite = torch.isfinite(v)
-        a0 = torch.where(finite, a, 0.0)
-        e, m_a = frexp_bits(a0)
-        e_eff = torch.clamp(e, min=self.emin)
-        mb = self.mantissa_bits(e_eff)
-        # r = a / 2**(e_eff - mb), exactly: a's mantissa times a power of two >= 2**-126.
-        k = torch.clamp(e - e_eff + mb, min=-126)
-        r = m_a * pow2(k)
-        n = round_integer(r, rounding, u)
-        q = mul_pow2(n * pow2(-torch.as_tensor(mb, dtype=torch.int32)), e_eff)
-        q = torch.where(a0 == 0, 0.0, q)
-        over = q > self.max_normal
+        field = a.view(torch.int32) >> 23  # biased exponent, 0..255 (a >= 0)
+        if self.factors_are_normal():
+            # e_eff + 127, then 2**(m - e_eff) and 2**(e_eff - m) built from bits: int32 arithmetic only.
+            eb = torch.clamp(field, self.emin + 127, self.emax + 128)
+            m = self.mantissa_bits(eb - 127)
+            r = a * ((m + 254 - eb) << 23).view(torch.float32)
+            n = round_integer(r, rounding, u)
+            q = n * ((eb - m) << 23).view(torch.float32)
+        else:  # bf16: factors below 2**-126 or above 2**127, kept as products of two tabulated powers
+            to_a, to_b, from_a, from_b = self._factor_tables(v.device)
+            idx = field.long()
+            r = a * to_a[idx]
+            if to_b is not None:
+                r = r * to_b[idx]
+            n = round_integer(r, rounding, u)
+            q = n * from_a[idx]
+            if from_b is not None:
+                q = q * from_b[idx]
         # Round-toward-zero never overflows to Inf (IEEE 754: it gives the largest finite value).
-        if saturate or not self.has_inf or rounding == "rz":
-            q = torch.where(over, self.max_normal, q)
+        overflow_to_inf = not saturate and self.has_inf and rounding != "rz"
+        if overflow_to_inf:
+            q = torch.where(q > self.max_normal, math.inf, q)  # NaN and Inf inputs pass through
         else:
-            q = torch.where(over, math.inf, q)
+            q = torch.clamp_max(q, self.max_normal)  # NaN stays NaN
         out = torch.copysign(q, v)
         if not self.signed_zero:
-            out = torch.where(q == 0, 0.0, out)
-        inf_value = torch.copysign(torch.full_like(v, math.inf if self.has_inf else math.nan), v)
-        return torch.where(finite, out, torch.where(torch.isnan(v), math.nan, inf_value))
+            out = out + 0.0  # -0 + 0 == +0: the format has a single zero
+        if not finite and not overflow_to_inf:
+            # Inf inputs were clamped to max above: Inf stays Inf where the format has one, else NaN.
+            out = torch.where(torch.isinf(v), v if self.has_inf else math.nan, out)
+        return out
 
     # -- codes -------------------------------------------------------------------------------------------
     def encode(self, q: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
@@ -84,6 +152,7 @@ class ElementSpec:
 
 
 _TABLES: dict[ElementSpec, torch.Tensor] = {}  # decode tables, built once per spec from the bit rules
+_FACTORS: dict[tuple, tuple] = {}  # grid-factor tables per (spec, device), built once
 
 
 @dataclass(frozen=True)
@@ -138,8 +207,9 @@ class HiF8(ElementSpec):
     """HiFloat8: sign | Dot prefix | sign-magnitude exponent | 1-3 mantissa bits (FORMATS.md, HiF8)."""
 
     def mantissa_bits(self, e: torch.Tensor) -> torch.Tensor:
+        """3 bits for |E| <= 3, 2 for 4..7, 1 for 8..15, 0 beyond (denormals and overflow)."""
         ae = e.abs()
-        return torch.where(ae <= 3, 3, torch.where(ae <= 7, 2, torch.where(ae <= 15, 1, 0))).to(torch.int32)
+        return 3 - (ae > 3).to(torch.int32) - (ae > 7).to(torch.int32) - (ae > 15).to(torch.int32)
 
     def encode(self, q: torch.Tensor) -> torch.Tensor:
         a = q.abs()
@@ -215,7 +285,9 @@ class FixedPoint(ElementSpec):
         return ints.to(torch.float32) * 2.0**-self.mbits
 
 
-def _minifloat(name: str, ebits: int, mbits: int, nan_style: str, max_normal: float) -> MiniFloat:
+def _minifloat(
+    name: str, ebits: int, mbits: int, nan_style: str, max_normal: float, torch_dtype: torch.dtype | None = None
+) -> MiniFloat:
     bias = (1 << (ebits - 1)) - 1
     emin = 1 - bias
     emax = int(math.floor(math.log2(max_normal)))  # exact: max_normal is a short dyadic literal
@@ -232,19 +304,20 @@ def _minifloat(name: str, ebits: int, mbits: int, nan_style: str, max_normal: fl
         has_nan=nan_style != "none",
         signed_zero=True,
         default_rounding="rne",
+        torch_dtype=torch_dtype,
         ebits=ebits,
         bias=bias,
         nan_style=nan_style,
     )
 
 
-E4M3 = _minifloat("e4m3", 4, 3, "fn", 448.0)  # bias 7, min normal 2**-6, min subnormal 2**-9
-E5M2 = _minifloat("e5m2", 5, 2, "ieee", 57344.0)  # bias 15, min normal 2**-14, min subnormal 2**-16
+E4M3 = _minifloat("e4m3", 4, 3, "fn", 448.0, torch.float8_e4m3fn)  # bias 7, min normal 2**-6, min subnormal 2**-9
+E5M2 = _minifloat("e5m2", 5, 2, "ieee", 57344.0, torch.float8_e5m2)  # bias 15, min normal 2**-14, min subnormal 2**-16
 E3M2 = _minifloat("e3m2", 3, 2, "none", 28.0)  # bias 3, min normal 2**-2, min subnormal 2**-4
 E2M3 = _minifloat("e2m3", 2, 3, "none", 7.5)  # bias 1, min normal 1, min subnormal 2**-3
 E2M1 = _minifloat("e2m1", 2, 1, "none", 6.0)  # bias 1, min normal 1, min subnormal 0.5
-FP16 = _minifloat("fp16", 5, 10, "ieee", 65504.0)
-BF16 = _minifloat("bf16", 8, 7, "ieee", (2 - 2.0**-7) * 2.0**127)
+FP16 = _minifloat("fp16", 5, 10, "ieee", 65504.0, torch.float16)
+BF16 = _minifloat("bf16", 8, 7, "ieee", (2 - 2.0**-7) * 2.0**127, torch.bfloat16)
 INT8 = FixedPoint(
     name="int8",
     bits=8,

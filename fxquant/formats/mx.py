@@ -72,6 +72,7 @@ class MXFormat(Format):
     description: str
     block_size: int = 32
     scale_layout = "E8M0 per 32"
+    canonical_float32 = False  # amax is exact in any input dtype; the scale multiply promotes to float32
 
     def resolve(self, *, rounding=None, scale_mode=None, saturate=None) -> QuantOptions:
         rnd = self._rounding(rounding, "rne")
@@ -80,34 +81,37 @@ class MXFormat(Format):
             raise ValueError(f"saturate={saturate!r}: MX elements always saturate (OCP MX rule); allowed: True")
         return QuantOptions(rounding=rnd, saturate=True, scale_mode=mode)
 
-    def _scales_and_scaled(self, x2: torch.Tensor, opts: QuantOptions):
+    def _scales(self, x2: torch.Tensor, opts: QuantOptions):
+        """(blocked x, s, bad): the shared exponent per block and its NaN-scale mask."""
         xb = blocks(x2, self.block_size)
-        amax = xb.abs().amax(dim=-1)  # NaN propagates
+        amax = xb.abs().amax(dim=-1).to(torch.float32)  # exact in any input dtype; NaN propagates
         bad = ~torch.isfinite(amax)
         s = mx_scale_exponent(torch.where(bad, 0.0, amax), self.element, opts.scale_mode)
         bad = bad | (s > 127)
-        s = torch.clamp(s, -127, 127)
-        scaled = mul_pow2(xb, -s.unsqueeze(-1))
-        scaled = torch.where(bad.unsqueeze(-1), 0.0, scaled)
-        return xb, s, bad, scaled
+        return xb, torch.clamp(s, -127, 127), bad
 
-    def _elements(self, scaled: torch.Tensor, opts: QuantOptions, seed: int, length: int) -> torch.Tensor:
-        rows, nb, blk = scaled.shape
-        u = draw_uniforms(opts.rounding, seed, torch.Size((rows, length)), scaled.device)
+    def _elements(self, xb: torch.Tensor, s: torch.Tensor, bad: torch.Tensor, opts: QuantOptions, seed: int, length: int):
+        """Element values P of every block. Non-finite blocks give garbage here; callers mask them."""
+        # 2**-s as one exact float32 per block (2**-127 is a subnormal, exactly representable): the
+        # product is the correctly rounded x / 2**s, the same as two multiplications by normal powers.
+        inv = mul_pow2(torch.ones_like(s, dtype=torch.float32), -s)
+        scaled = xb * torch.where(bad, 0.0, inv).unsqueeze(-1)
+        u = draw_uniforms(opts.rounding, seed, torch.Size((xb.shape[0], length)), xb.device)
         if u is not None:
-            u = blocks(u, blk)
-        return self.element.quantize(scaled, opts.rounding.value, True, u)
+            u = blocks(u, self.block_size)
+        return self.element.quantize(scaled, opts.rounding.value, True, u, finite=True)
 
     def _quantize_canonical(self, x2, opts, seed):
-        _, s, bad, scaled = self._scales_and_scaled(x2, opts)
-        p = self._elements(scaled, opts, seed, x2.shape[1])
-        y = mul_pow2(p, s.unsqueeze(-1))
-        y = torch.where(bad.unsqueeze(-1), float("nan"), y)
+        xb, s, bad = self._scales(x2, opts)
+        p = self._elements(xb, s, bad, opts, seed, x2.shape[1])
+        scale = mul_pow2(torch.ones_like(s, dtype=torch.float32), s)
+        y = p * torch.where(bad, float("nan"), scale).unsqueeze(-1)
         return unblock(y, x2.shape[1])
 
     def _encode_canonical(self, x2, opts, seed):
-        _, s, bad, scaled = self._scales_and_scaled(x2, opts)
-        p = self._elements(scaled, opts, seed, x2.shape[1])
+        xb, s, bad = self._scales(x2, opts)
+        p = self._elements(xb, s, bad, opts, seed, x2.shape[1])
+        p = torch.where(bad.unsqueeze(-1), 0.0, p)
         codes = unblock(self.element.encode(p), x2.shape[1])
         scales = torch.where(bad, E8M0_NAN, s + E8M0_BIAS).to(torch.uint8)
         return codes, scales, None

@@ -55,7 +55,7 @@ class NVFP4Format(Format):
         if u is not None:
             u = blocks(u, self.block_size)
         v = torch.clamp(xb * inv.unsqueeze(-1), -6.0, 6.0)
-        return E2M1.quantize(v, opts.rounding.value, True, u)
+        return E2M1.quantize(v, opts.rounding.value, True, u, finite=True)
 
     def _quantize_canonical(self, x2, opts, seed):
         xb, g, b, inv, zero, bad = self._scales(x2)
