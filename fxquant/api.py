@@ -98,6 +98,7 @@ class CompileState:
         if self._patch is not None:
             patch, self._patch = self._patch, None
             patch.__exit__(None, None, None)
+        self.backend.raise_pending()
         issues = checks.recompile_limit_hits(self._unimpl, _unimplemented_counts())
         if len(self.backend.reports) > self.checked_reports:
             self.checked_reports = len(self.backend.reports)
@@ -172,6 +173,7 @@ def explain(model: nn.Module, *example_args: object, scheme: str | Path | Scheme
     fx_backend = FxquantBackend(resolved, inner=Inner.EAGER, root=model, dry_run=True)
     # Grad mode on, as in training: Megatron's linears are traced as autograd_function_apply then.
     torch.compile(model, backend=fx_backend)(*example_args, **example_kwargs)
+    fx_backend.raise_pending()
     sites, unmatched = fx_backend.current_sites(), fx_backend.unmatched_ops()
     checks.check_model_has_sites(sites, unmatched, type(model).__name__)
     graphs = len(fx_backend.reports)

@@ -20,7 +20,7 @@ import torch
 from torch import fx, nn
 
 from fxquant.passes import GraphReport, ModuleNames, run_passes
-from fxquant.passes.strict import failed_sites, report
+from fxquant.passes.strict import QuantizationError, failed_sites, report
 from fxquant.schemes.model import Site
 from fxquant.schemes.scheme import Scheme
 
@@ -61,19 +61,35 @@ class FxquantBackend:
         self.names = ModuleNames(root)
         self.num_layers = num_layers_of(root)
         self.reports: list[GraphReport] = []
+        self.pending: list[Exception] = []
         self._scheme_text = scheme_text(scheme)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> object:
-        graph_report = run_passes(
-            gm, self.scheme, self.names, num_layers=self.num_layers, index=len(self.reports), dry_run=self.dry_run,
-            dedupe=self.inner is not Inner.EAGER,
-        )
+        # Dynamo wraps any exception raised here into BackendCompilerFailed; user errors (ValueError) and strict
+        # failures are kept in ``pending`` instead and raised by fxquant.compile's hook after the call.
+        try:
+            graph_report = run_passes(
+                gm, self.scheme, self.names, num_layers=self.num_layers, index=len(self.reports),
+                dry_run=self.dry_run, dedupe=self.inner is not Inner.EAGER and torch.is_grad_enabled(),
+            )
+        except ValueError as exc:
+            self.pending.append(exc)
+            return self.compile_inner(gm, example_inputs)
         self.reports.append(graph_report)
         n_rewritten = sum(s.status.value == "rewritten" for s in graph_report.sites)
         log.info("fxquant: graph %d: %d sites matched, %d rewritten, %d matmul-like ops unmatched",
                  graph_report.index, len(graph_report.sites), n_rewritten, len(graph_report.unmatched))
-        report(failed_sites(graph_report.sites), self.strict)
+        try:
+            report(failed_sites(graph_report.sites), self.strict)
+        except QuantizationError as exc:
+            self.pending.append(exc)
         return self.compile_inner(gm, example_inputs)
+
+    def raise_pending(self) -> None:
+        """Raise the first error kept by ``__call__`` (and forget them all)."""
+        if self.pending:
+            first, self.pending = self.pending[0], []
+            raise first
 
     def compile_inner(self, gm: fx.GraphModule, example_inputs: list) -> object:
         if self.inner is Inner.EAGER or self.dry_run:

@@ -24,6 +24,7 @@ class LlamaConfig:
     max_seq_len: int = 64
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
+    graph_break: bool = False  # force a Dynamo graph break inside every attention block (tests)
 
     @property
     def head_dim(self) -> int:
@@ -74,6 +75,8 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, t, c.n_kv_heads, c.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, c.n_kv_heads, c.head_dim).transpose(1, 2)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if c.graph_break:
+            torch._dynamo.graph_break()
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, c.dim))
 

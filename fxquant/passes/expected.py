@@ -1,8 +1,8 @@
 """How many ``fxquant::quantize`` calls a rewritten Dynamo graph makes per forward and per backward.
 
 Read from the rewritten graph (after the rewrite passes): each wrapper call quantizes the operands its
-specs name; the quantize nodes inside Megatron bodies are counted as they are. With AOT autograd
-(``dedupe=True``) common-subexpression elimination merges identical calls, e.g. the input X shared by
+specs name; the quantize nodes inside Megatron bodies are counted as they are. With AOT autograd's
+training graphs (``dedupe=True``; its inference graphs, compiled under no_grad, are not CSE'd) common-subexpression elimination merges identical calls, e.g. the input X shared by
 q_proj, k_proj and v_proj quantized with the same spec along the same axis in fprop (and in wgrad), so
 calls are counted once per (operand, spec, axis). ``fxquant.counters`` compares this with what ran.
 """

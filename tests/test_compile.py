@@ -1,0 +1,149 @@
+"""fxquant.compile on the small Llama module: compiled == eager run of the same quantized functions (bitwise,
+outputs and gradients), bf16 == plain torch.compile, dynamic shapes, graph breaks, runtime counters."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fxquant
+from fxquant.counters import count_quantize_calls
+from tests.models import make_llama, make_tokens, next_token_loss
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()  # each test compiles new models of the same classes (recompile limit)
+    yield
+    torch._dynamo.reset()
+
+
+def run_step(model, tokens):
+    """(logits, loss, grads by name) of one forward + backward."""
+    model.zero_grad(set_to_none=True)
+    logits = model(tokens)
+    loss = next_token_loss(logits, tokens)
+    loss.backward()
+    inner = getattr(model, "_orig_mod", model)
+    return logits.detach(), loss.detach(), {n: p.grad.clone() for n, p in inner.named_parameters()}
+
+
+def compiled_step(scheme, backend, tokens_list, **cfg):
+    model = fxquant.compile(make_llama(**cfg), scheme, backend=backend, strict=True)
+    return [run_step(model, t) for t in tokens_list], model
+
+
+def assert_bitwise(a, b, summed: tuple[str, ...] = ()):
+    """Bitwise equal logits, loss and gradients; ``summed`` gradients (autograd adds contributions coming
+    from several graphs in an order of its own) are compared to fp32 rounding instead."""
+    (la, lossa, ga), (lb, lossb, gb) = a, b
+    torch.testing.assert_close(la, lb, rtol=0, atol=0)
+    torch.testing.assert_close(lossa, lossb, rtol=0, atol=0)
+    assert ga.keys() == gb.keys()
+    for name in ga:
+        tol = 1e-5 if name in summed else 0
+        torch.testing.assert_close(ga[name], gb[name], rtol=tol, atol=tol, msg=lambda m: f"grad {name}: {m}")
+
+
+@pytest.mark.parametrize("scheme", ["FA_linear_mxfp8", "FA_QKPV_hifp8"])
+def test_aot_eager_equals_eager_reference_bitwise(scheme):
+    tokens = [make_tokens(make_llama().cfg)]
+    (ref,), _ = compiled_step(scheme, "eager", tokens)
+    (got,), _ = compiled_step(scheme, "aot_eager", tokens)
+    assert_bitwise(ref, got)
+    plain = run_step(make_llama(), tokens[0])
+    assert not torch.equal(plain[1], got[1]), "the scheme must change the loss"
+
+
+@pytest.mark.slow
+def test_bf16_is_bit_identical_to_plain_torch_compile():
+    tokens = make_tokens(make_llama().cfg)
+    plain = run_step(torch.compile(make_llama()), tokens)
+    torch._dynamo.reset()
+    model = fxquant.compile(make_llama(), "bf16", strict=True)
+    got = run_step(model, tokens)
+    assert_bitwise(plain, got)
+    state = fxquant.compile_state(model)
+    assert state.sites() and not any(s.selected for s in state.sites())
+
+
+def test_second_sequence_length_dynamic_shapes():
+    cfg = make_llama().cfg
+    tokens = [make_tokens(cfg, seq_len=16), make_tokens(cfg, seq_len=24, seed=2), make_tokens(cfg, seq_len=40, seed=3)]
+    refs, _ = compiled_step("FA_linear_mxfp8", "eager", tokens)
+    torch._dynamo.reset()
+    gots, model = compiled_step("FA_linear_mxfp8", "aot_eager", tokens)
+    for ref, got in zip(refs, gots):
+        assert_bitwise(ref, got)
+    state = fxquant.compile_state(model)
+    assert len(state.backend.reports) == 2  # static, then one dynamic graph for every later length
+    assert all(s.status.value == "rewritten" for s in state.sites() if s.selected)
+
+
+def test_forced_graph_break_inside_attention_keeps_sites_quantized():
+    """A break between the projections and SDPA: the resumed frame's root is the attention module, and the
+    sites after the break still get their full paths, layer and kind (module identity, not spelling)."""
+    tokens = [make_tokens(make_llama().cfg)]
+    (ref,), _ = compiled_step("FA_linear_mxfp8", "eager", tokens, graph_break=True, n_layers=1)
+    torch._dynamo.reset()
+    (got,), model = compiled_step("FA_linear_mxfp8", "aot_eager", tokens, graph_break=True, n_layers=1)
+    # The embedding output feeds two graphs (q/k/v before the break, the residual after it).
+    assert_bitwise(ref, got, summed=("embed_tokens.weight",))
+    torch._dynamo.reset()
+    (whole,), _ = compiled_step("FA_linear_mxfp8", "aot_eager", tokens, n_layers=1)
+    assert_bitwise(whole, got, summed=("embed_tokens.weight",))  # the same numbers as the unbroken model
+    state = fxquant.compile_state(model)
+    assert len(state.backend.reports) > 2
+    paths = {(s.site.module_path, s.site.layer, s.site.kind.value) for s in state.sites() if s.selected}
+    assert ("layers.0.self_attn", 0, "attention") in paths and ("layers.0.self_attn.o_proj", 0, "proj") in paths
+    assert len(paths) == 8
+
+
+def test_graph_break_in_the_layer_loop_is_caught_by_strict(caplog):
+    """With two layers, Dynamo skips the rest of the loop after the break: layer 1 runs eagerly, unquantized."""
+    tokens = make_tokens(make_llama().cfg)
+    model = fxquant.compile(make_llama(graph_break=True), "FA_linear_mxfp8", backend="aot_eager", strict=True)
+    with pytest.raises(fxquant.passes.strict.QuantizationError) as err:
+        model(tokens)
+    assert "'layers.1.self_attn.q_proj' was not rewritten" in str(err.value)
+    assert "graph_break()" in str(err.value)
+    assert "layers.0." not in str(err.value)
+    torch._dynamo.reset()
+    lenient = fxquant.compile(make_llama(graph_break=True), "FA_linear_mxfp8", backend="aot_eager")
+    with caplog.at_level("WARNING", logger="fxquant"):
+        lenient(tokens)
+    assert "'layers.1.mlp.down_proj' was not rewritten" in caplog.text
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_runtime_counters_expected_equals_executed(backend):
+    cfg = make_llama().cfg
+    model = fxquant.compile(make_llama(), "FA_linear_mxfp8", backend=backend, strict=True)
+    tokens = make_tokens(cfg)
+    with count_quantize_calls(model) as first:
+        run_step(model, tokens)
+    assert first.compiled
+    with count_quantize_calls(model) as count:
+        run_step(model, tokens)
+    # per layer: 7 linears x (2 fprop + 4 backward) + attention QK (2 forward + 4 backward), 2 layers
+    if backend == "eager":
+        assert (count.expected_forward, count.expected_backward) == (2 * (7 * 2 + 2), 2 * (7 * 4 + 4))
+    else:  # AOT's CSE shares X's quantization among q/k/v_proj and gate/up_proj (fprop and wgrad)
+        assert (count.expected_forward, count.expected_backward) == (2 * (7 * 2 + 2 - 3), 2 * (7 * 4 + 4 - 3))
+    assert count.ok and count.executed == count.expected
+    for _ in range(2):  # no_grad is a new guard: the first forward-only call compiles again
+        with count_quantize_calls(model, backward=False) as fwd_only, torch.no_grad():
+            model(tokens)
+    assert not fwd_only.compiled and fwd_only.executed == fwd_only.expected_forward
+
+
+def test_counters_flag_a_step_that_skips_the_compiled_graph(caplog):
+    model = fxquant.compile(make_llama(), "linear_hifp8", backend="aot_eager")
+    tokens = make_tokens(make_llama().cfg)
+    run_step(model, tokens)
+    with caplog.at_level("WARNING"), count_quantize_calls(model) as count:
+        run_step(model._orig_mod, tokens)  # the uncompiled module: nothing is quantized
+    assert count.executed == 0 and not count.ok
+    assert "expected" in caplog.text and "executed 0" in caplog.text
+    with pytest.raises(fxquant.passes.strict.QuantizationError, match="executed 0"):
+        with count_quantize_calls(model, strict=True):
+            run_step(model._orig_mod, tokens)

@@ -1,0 +1,81 @@
+"""fxquant.compile with Inductor (the default backend): a few end-to-end cases (ARCHITECTURE.md trap 11).
+
+Per site, Inductor's code equals the eager run of the same quantized functions bit for bit (the quantize op
+and the GEMMs are the same kernels; SDPA's softmax included). Bias gradients are sums whose order Inductor
+chooses, and in a whole model Inductor's own RMSNorm / RoPE / softmax kernels round differently from
+ATen's (as they do under plain torch.compile): there the comparison is to a tolerance.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxquant
+from tests.models import make_llama, make_tokens
+from tests.test_compile import compiled_step
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class OneLinear(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(64, 96)
+
+    def forward(self, x):
+        return self.fc1(x)
+
+
+class OneAttention(torch.nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def _run(module, backend, scheme, *inputs):
+    torch._dynamo.reset()
+    module.zero_grad(set_to_none=True)
+    compiled = fxquant.compile(module, scheme, backend=backend, strict=True)
+    xs = [x.detach().clone().requires_grad_() for x in inputs]
+    out = compiled(*xs)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(5)))
+    return out.detach(), [x.grad for x in xs], {n: p.grad.clone() for n, p in module.named_parameters()}
+
+
+def test_inductor_linear_site_is_bitwise_equal_to_eager():
+    torch.manual_seed(0)
+    module, x = OneLinear(), torch.randn(4, 8, 64)
+    ref, got = _run(module, "eager", "linear_mxfp8", x), _run(module, "inductor", "linear_mxfp8", x)
+    torch.testing.assert_close(got[0], ref[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1][0], ref[1][0], rtol=0, atol=0)  # dgrad
+    torch.testing.assert_close(got[2]["fc1.weight"], ref[2]["fc1.weight"], rtol=0, atol=0)  # wgrad
+    torch.testing.assert_close(got[2]["fc1.bias"], ref[2]["fc1.bias"], rtol=1e-6, atol=1e-6)  # a sum: order differs
+
+
+def test_inductor_sdpa_site_is_bitwise_equal_to_eager():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(2, 4, 40, 32, generator=g), torch.randn(2, 2, 40, 32, generator=g), torch.randn(2, 2, 40, 32, generator=g)
+    ref = _run(OneAttention(), "eager", "FA_QKPV_mxfp8", q, k, v)
+    got = _run(OneAttention(), "inductor", "FA_QKPV_mxfp8", q, k, v)
+    torch.testing.assert_close(got[0], ref[0], rtol=0, atol=0)
+    for a, b in zip(got[1], ref[1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_inductor_llama_matches_eager_reference():
+    tokens = [make_tokens(make_llama().cfg)]
+    (ref,), _ = compiled_step("FA_linear_mxfp8", "eager", tokens)
+    torch._dynamo.reset()
+    (got,), model = compiled_step("FA_linear_mxfp8", "inductor", tokens)
+    torch.testing.assert_close(got[1], ref[1], rtol=1e-4, atol=1e-4)  # loss
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-3, atol=1e-3)  # logits
+    for name in ref[2]:
+        torch.testing.assert_close(got[2][name], ref[2][name], rtol=0.05, atol=2e-3, msg=lambda m: f"{name}: {m}")
+    assert all(s.status.value == "rewritten" for s in fxquant.compile_state(model).sites() if s.selected)
