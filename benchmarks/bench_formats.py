@@ -208,8 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     result = bench(args)
     print(f"# {result['device']}, torch {result['torch']}, triton {result['triton']}, {result['date']}")
     print(f"# x: {result['shape']} {result['dtype']}, GB/s = (bytes read + written) / time, median of {args.repeat}")
-    table = [[r["format"], r["impl"], r["ms"], r["GB/s"], r["x copy"], r.get("note", "")] for r in result["rows"]]
-    print(tabulate(table, headers=["format", "impl", "ms", "GB/s", "x copy", "note"], floatfmt=".2f", missingval="n/a"))
+    table = [[r["format"], r["impl"], r["ms"], r.get("min_ms"), r["GB/s"], r["x copy"], r.get("note", "")]
+             for r in result["rows"]]
+    headers = ["format", "impl", "ms (median)", "ms (min)", "GB/s", "x copy", "note"]
+    print(tabulate(table, headers=headers, floatfmt=".3g", missingval="n/a"))
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2))
         print(f"# wrote {args.json}")

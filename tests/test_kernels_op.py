@@ -10,7 +10,6 @@ bit-exactness depends on: IEEE divisions, no FMA contraction, flush-to-zero only
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 

@@ -17,7 +17,6 @@ import triton
 import triton.language as tl
 
 from fxquant.kernels._primitives import (
-    bits_to_f32,
     frexp_bits,
     load_f32,
     mul_pow2,
