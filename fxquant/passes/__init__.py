@@ -42,6 +42,7 @@ class GraphReport:
     sites: list[SiteMeta] = field(default_factory=list)
     unmatched: list[UnmatchedOp] = field(default_factory=list)
     expected_calls: tuple[int, int] = (0, 0)  # fxquant::quantize calls per (forward, backward), see expected.py
+    graph_module: fx.GraphModule | None = field(default=None, repr=False)  # the rewritten Dynamo graph
 
     @property
     def failed(self) -> list[SiteMeta]:
@@ -58,7 +59,7 @@ def run_passes(
     metas = resolve_sites(found, scheme)
     if dry_run:
         metas = [dataclasses.replace(m, status=Status.DRY_RUN) if m.selected else m for m in metas]
-        return GraphReport(index, metas, found.unmatched)
+        return GraphReport(index, metas, found.unmatched, graph_module=gm)
     done = []
     for match in found.matches:
         if match.op in (OpKind.LINEAR, OpKind.MODULE_MATMUL):
@@ -71,4 +72,4 @@ def run_passes(
             done.append(rewrite_unfused_attention(gm.graph, match.node))
     gm.graph.lint()
     gm.recompile()
-    return GraphReport(index, done, found.unmatched, expected_calls(gm, dedupe=dedupe))
+    return GraphReport(index, done, found.unmatched, expected_calls(gm, dedupe=dedupe), gm)
