@@ -47,3 +47,8 @@ def quantize_tensor(x: torch.Tensor, tq: TensorQuant | None, dim: int = -1, seed
     if tq is None:
         return x
     return torch.ops.fxquant.quantize(x, tq.spec(), dim, seed)
+
+
+# Registers the Triton implementation for CUDA when Triton and a CUDA device are present (cheap otherwise:
+# Triton itself is imported lazily by the first launch).
+import fxquant.kernels  # noqa: E402,F401

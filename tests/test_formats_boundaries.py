@@ -244,3 +244,14 @@ def test_fp8_tensor_scaling_uses_max_normal_by_default():
     out = formats.get("fp8_e4m3").quantize(x, scaling="tensor")
     assert out.tolist() == [0.5, -1.0, 0.25]  # 1.0 * 2**8 = 256 <= 448: exact powers of two stay exact
     assert formats.get("fp8_e4m3").encode(x, scaling="tensor").tensor_scale.item() == 2.0**-8
+
+
+def test_nvfp4_tensor_too_small_for_the_recipe_is_zero():
+    # 1 / g overflows float32 for amax_tensor < 2688 * 2**-128: the tensor quantizes to zeros, never NaN.
+    x = torch.tensor([[1e-37, -3e-38, 0.0] + [0.0] * 13])
+    out = formats.get("nvfp4").quantize(x)
+    assert torch.equal(out, torch.zeros_like(x))
+    enc = formats.get("nvfp4").encode(x)
+    assert enc.tensor_scale.item() == 0.0 and torch.equal(formats.get("nvfp4").decode(enc), out)
+    y = torch.tensor([[1e-30, -3e-31] + [0.0] * 14])  # large enough: quantized normally
+    assert formats.get("nvfp4").quantize(y)[0, 0].item() == pytest.approx(1e-30, rel=0.2)

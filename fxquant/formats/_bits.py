@@ -42,6 +42,17 @@ def mul_pow2(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return (x * pow2(k1)) * pow2(k - k1)
 
 
+def fdiv(a: torch.Tensor, b: float | torch.Tensor) -> torch.Tensor:
+    """IEEE float32 division ``a / b`` (correctly rounded) on every device.
+
+    On CUDA, PyTorch turns a division by a Python scalar into a multiplication by its reciprocal, which
+    can be off by one bit; dividing by a tensor keeps the correctly rounded division.
+    """
+    if not isinstance(b, torch.Tensor):
+        b = torch.full_like(a, b)
+    return a / b
+
+
 def round_integer(r: torch.Tensor, rounding: str, u: torch.Tensor | None) -> torch.Tensor:
     """Round ``r >= 0`` (float32, < 2**24) to an integer-valued float32 per the rounding mode.
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fxquant.formats._bits import frexp_bits, mul_pow2
+from fxquant.formats._bits import fdiv, frexp_bits, mul_pow2
 from fxquant.formats.base import Format, draw_uniforms
 from fxquant.formats.element import ElementSpec
 from fxquant.formats.options import QuantOptions, ScaleMode, parse_enum
@@ -57,7 +57,7 @@ def mx_scale_exponent(amax: torch.Tensor, elem: ElementSpec, mode: ScaleMode) ->
         n = torch.round(m * (2**elem.mbits))  # m * 2**mbits < 2**24 is exact; torch.round is RNE
         return e + (n == 2 ** (elem.mbits + 1)).to(torch.int32) - elem.emax
     if mode is ScaleMode.RCEIL:
-        d = amax / elem.max_normal  # float32, correctly rounded
+        d = fdiv(amax, elem.max_normal)  # float32, correctly rounded on every device
         ed, md = frexp_bits(d)
         return ed + (md != 1.0).to(torch.int32)
     raise ValueError(f"unknown scale_mode {mode!r}")  # pragma: no cover - guarded by parse_enum

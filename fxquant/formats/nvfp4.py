@@ -4,8 +4,10 @@ FORMATS.md "NVFP4", in float32 and in this order (matching NVIDIA's and torchao'
   g = amax_tensor / (448 * 6)
   b = e4m3_rne(clamp(amax_block / 6 / g, 2**-9, 448))
   P = e2m1(clamp(x * ((1 / g) / b), -6, 6))           value = P * (g * b)
-amax_tensor == 0 gives all zeros, and so does a g that underflows to 0 (amax_tensor < 2688 * 2**-149);
-a NaN or Inf anywhere makes the whole tensor NaN (the per-tensor scale is then undefined).
+amax_tensor == 0 gives all zeros, and so does a tensor too small for the recipe's float32 arithmetic
+(g underflows to 0, or 1 / g overflows: amax_tensor < 2688 * 2**-128, about 7.9e-36); a NaN or Inf
+anywhere makes the whole tensor NaN (the per-tensor scale is then undefined). Every division is an IEEE
+float32 division, on CUDA too (``fdiv``).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fxquant.formats._bits import fdiv
 from fxquant.formats.base import Format, draw_uniforms
 from fxquant.formats.element import E2M1, E4M3, ElementSpec
 from fxquant.formats.mx import blocks, unblock
@@ -42,12 +45,14 @@ class NVFP4Format(Format):
         xb = blocks(x2, self.block_size)
         amax_t = x2.abs().amax() if x2.numel() else torch.zeros((), device=x2.device)
         bad = ~torch.isfinite(amax_t)
-        g = torch.where(bad, 1.0, amax_t) / GLOBAL_DIVISOR
-        zero = g == 0
+        g = fdiv(torch.where(bad, 1.0, amax_t), GLOBAL_DIVISOR)
+        inv_g = fdiv(torch.ones_like(g), g)
+        zero = (g == 0) | torch.isinf(inv_g)
         g = torch.where(zero, 1.0, g)
+        inv_g = torch.where(zero, 1.0, inv_g)
         amax_b = torch.where(bad, 0.0, xb.abs().amax(dim=-1))
-        b = E4M3.quantize(torch.clamp(amax_b / 6.0 / g, 2.0**-9, 448.0), "rne", True, None)
-        inv = (1.0 / g) / b
+        b = E4M3.quantize(torch.clamp(fdiv(fdiv(amax_b, 6.0), g), 2.0**-9, 448.0), "rne", True, None)
+        inv = fdiv(inv_g, b)
         return xb, g, b, inv, zero, bad
 
     def _elements(self, xb, inv, opts, seed, length):

@@ -171,19 +171,22 @@ def _quantize_nvfp4_kernel(
     S_HAS_INF: tl.constexpr,
     S_SIGNED_ZERO: tl.constexpr,
 ):
-    # Per-tensor scale g = amax / (448 * 6); zero amax (or g underflowing) gives zeros, non-finite NaNs.
+    # Per-tensor scale g = amax / (448 * 6); zero amax (or g underflowing, or 1 / g overflowing) gives
+    # zeros, non-finite NaNs.
     amax_t = tl.load(amax_ptr)
     bad = (amax_t.to(tl.uint32, bitcast=True) & 0x7F800000) == 0x7F800000
     g = tl.math.div_rn(tl.where(bad, 1.0, amax_t), GLOBAL_DIVISOR)
-    zero = g == 0.0
+    inv_g = tl.math.div_rn(1.0, g)
+    zero = (g == 0.0) | (inv_g == float("inf"))
     g = tl.where(zero, 1.0, g)
+    inv_g = tl.where(zero, 1.0, inv_g)
 
     offs, mask = _block_tile(n_rows, n_cols, n_blocks_row, BLOCK_B, BLOCK_SIZE, EVEN_COLS)
     x = load_f32(x_ptr + offs, mask)
     amax_b = tl.where(bad, 0.0, tl.max(tl.abs(x), axis=1))
     sb = _clamp(tl.math.div_rn(tl.math.div_rn(amax_b, MAX_NORMAL), g), S_MIN_SUBNORMAL, S_MAX_NORMAL)
     b = round_element(sb, sb, S_EMIN, S_MBITS, S_MAX_NORMAL, False, S_HAS_INF, S_SIGNED_ZERO, False, "rne")
-    inv = tl.math.div_rn(tl.math.div_rn(1.0, g), b)[:, None]
+    inv = tl.math.div_rn(inv_g, b)[:, None]
     v = _clamp(x * inv, -MAX_NORMAL, MAX_NORMAL)
     if ROUNDING == "sr":
         u = uniforms(offs, seed_key)
