@@ -1,0 +1,79 @@
+"""Compile time of a 2-layer model on CPU: fxquant.compile vs plain torch.compile (issue 3, "Speed").
+
+Each case compiles a fresh model in a fresh Dynamo state and times the first forward+backward (compile
+included) and a later step. Inductor runs use a temporary cache directory per case (cold compile), so the
+numbers are comparable. Prints a table and writes JSON (default benchmarks/results/bench_compile.json).
+
+    python benchmarks/bench_compile.py [--backends inductor aot_eager] [--scheme FA_linear_mxfp8]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import fxquant  # noqa: E402
+from tests.models import make_llama, make_tokens, next_token_loss  # noqa: E402
+
+
+def step(model, tokens) -> float:
+    t0 = time.perf_counter()
+    next_token_loss(model(tokens), tokens).backward()
+    return time.perf_counter() - t0
+
+
+def case(backend: str, scheme: str | None, tokens) -> dict:
+    torch._dynamo.reset()
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+        model = make_llama()
+        if scheme is None:
+            compiled = torch.compile(model, backend=backend)
+        else:
+            compiled = fxquant.compile(model, scheme, backend=backend)
+        first = step(compiled, tokens)
+        later = min(step(compiled, tokens) for _ in range(3))
+    return {"backend": backend, "scheme": scheme or "(plain torch.compile)", "first_step_s": first, "step_s": later}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backends", nargs="+", default=["inductor", "aot_eager"])
+    parser.add_argument("--scheme", default="FA_linear_mxfp8")
+    parser.add_argument("--out", default="benchmarks/results/bench_compile.json")
+    args = parser.parse_args()
+    tokens = make_tokens(make_llama().cfg, batch=2, seq_len=64)
+    rows = []
+    for backend in args.backends:  # a throwaway case first: process-wide warm-up (imports, compiler workers)
+        case(backend, None, make_tokens(make_llama().cfg, batch=1, seq_len=8))
+    for backend in args.backends:
+        plain = case(backend, None, tokens)
+        fxq_bf16 = case(backend, "bf16", tokens)
+        fxq = case(backend, args.scheme, tokens)
+        for r in (plain, fxq_bf16, fxq):
+            r["compile_ratio_vs_plain"] = r["first_step_s"] / plain["first_step_s"]
+            rows.append(r)
+    from tabulate import tabulate
+
+    print(f"2-layer Llama (dim 64), batch 2 x 64 tokens, torch {torch.__version__}, {os.cpu_count()} CPU threads")
+    print(tabulate([[r["backend"], r["scheme"], f"{r['first_step_s']:.2f}", f"{r['step_s'] * 1e3:.1f}",
+                     f"{r['compile_ratio_vs_plain']:.2f}x"] for r in rows],
+                   headers=["backend", "scheme", "first step (compile) s", "later step ms", "vs plain"]))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+                               "torch": torch.__version__, "rows": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
