@@ -1,0 +1,218 @@
+"""Distributions against each format's representable values: the predecessor's "HiFP8 distribution
+analysis", generalised to every format in ``fxquant.formats``.
+
+For each format the high-precision tensors are shown in the format's *element domain*: the values
+themselves for element formats (HiF8, FP8), the block-scaled values ``x / 2**s`` (OCP floor rule) for
+MX formats, so the limits drawn are the ones the elements actually meet. Limits, subnormal range,
+representable values and, for HiF8, the 3/2/1-bit mantissa regions and the denormal range all come
+from the format objects (``element.max_normal``, ``decode_table()``, ``mantissa_bits``), never from a
+second table. Per format: overall density, per-layer and per-rank densities, per-layer
+mean/std/min/max, a layer x rank heatmap of flushed and saturated %, and quantiles per layer.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from fxquant import formats
+from fxquant.analysis import bins
+from fxquant.analysis.aggregate import FLOW_KEY, Aggregator, format_thresholds
+from fxquant.analysis.outputs import Outputs, heatmap, pyplot, slug, sort_key
+from fxquant.formats.element import HiF8
+
+SECTION = "Distributions per format"
+
+
+def element_mag(g, name: str) -> np.ndarray | None:
+    """Magnitude bins of a group's elements in format ``name``'s element domain."""
+    _, _, emax = format_thresholds(name)
+    if emax is not None:
+        return None if g.rel is None else bins.element_domain(g.rel, emax)
+    return None if g.signed is None else bins.magnitude(g.signed)
+
+
+def mantissa_regions(elem) -> list[tuple[float, float, int]]:
+    """(lo, hi, mantissa bits) ranges of a tapered format's normal binades, from ``elem.mantissa_bits``."""
+    e = torch.arange(int(math.log2(elem.min_normal)), elem.emax + 1, dtype=torch.int32)
+    m = torch.as_tensor(elem.mantissa_bits(e)).expand_as(e).tolist()
+    regions: list[tuple[float, float, int]] = []
+    for ei, mi in zip(e.tolist(), m):
+        if regions and regions[-1][2] == mi and regions[-1][1] == 2.0**ei:
+            regions[-1] = (regions[-1][0], 2.0 ** (ei + 1), mi)
+        else:
+            regions.append((2.0**ei, 2.0 ** (ei + 1), mi))
+    return regions
+
+
+def _decorate(ax, name: str) -> None:
+    """Limits, subnormal range, mantissa regions and representable values of format ``name`` (log2 axis)."""
+    fmt = formats.get(name)
+    elem = fmt.element
+    sat_t, flush_t, _ = format_thresholds(name)
+    lo_x, hi_x = ax.get_xlim()
+    ax.axvspan(lo_x, math.log2(flush_t), color="tab:red", alpha=0.08, label="flushed to 0")
+    ax.axvspan(math.log2(sat_t), hi_x, color="tab:red", alpha=0.15, label="saturated")
+    if elem.min_subnormal < elem.min_normal:
+        ax.axvspan(math.log2(elem.min_subnormal), math.log2(elem.min_normal), color="tab:orange", alpha=0.12,
+                   label="denormal range" if isinstance(elem, HiF8) else "subnormal range")
+    if isinstance(elem, HiF8):
+        colours = {3: "tab:green", 2: "tab:blue", 1: "tab:purple", 0: "tab:gray"}
+        seen: set[int] = set()
+        for lo, hi, m in mantissa_regions(elem):
+            ax.axvspan(math.log2(lo), math.log2(hi), color=colours.get(m, "tab:gray"), alpha=0.07,
+                       label=None if m in seen else f"{m}-bit mantissa")
+            seen.add(m)
+    for v, ls, lab in ((sat_t, "-", f"max normal {sat_t:g}"), (elem.min_normal, "--", f"min normal {elem.min_normal:g}"),
+                       (elem.min_subnormal, ":", f"min subnormal {elem.min_subnormal:g}")):
+        ax.axvline(math.log2(v), color="black", ls=ls, lw=0.9, label=lab)
+    if elem.bits <= 8:
+        table = elem.decode_table()
+        pos = table[torch.isfinite(table) & (table > 0)].unique().double().log2().numpy()
+        ax.plot(pos, np.full(pos.shape, 0.97), "|", color="black", ms=7, alpha=0.6, label="representable values",
+                transform=ax.get_xaxis_transform())
+    ax.set_xlim(lo_x, hi_x)
+
+
+def _density(mag: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(log2 bin centres, fraction of all elements) over finite non-zero bins, one point per binade."""
+    h = mag[1:bins.INF_BIN].astype(float)
+    total = mag.sum()
+    c = bins.mag_bin_centres_log2()
+    n = h.size // bins.SUB * bins.SUB
+    return c[:n].reshape(-1, bins.SUB).mean(axis=1), h[:n].reshape(-1, bins.SUB).sum(axis=1) / max(total, 1)
+
+
+def _xrange(mags: list[np.ndarray], name: str) -> tuple[float, float]:
+    sat_t, flush_t, _ = format_thresholds(name)
+    lo, hi = math.log2(flush_t) - 2, math.log2(sat_t) + 2
+    total = np.sum(mags, axis=0)[1:bins.INF_BIN]
+    nz = np.flatnonzero(total)
+    if nz.size:
+        c = bins.mag_bin_centres_log2()
+        lo, hi = min(lo, c[nz[0]] - 1), max(hi, c[nz[-1]] + 1)
+    return lo, hi
+
+
+def write(agg: Aggregator, out: Outputs) -> dict:
+    by_copy = agg.groups[("copy",)]
+    copy = "hp" if ("hp",) in by_copy else ("quantized" if ("quantized",) in by_copy else None)
+    result: dict = {}
+    if copy is None:
+        return result
+    for name in agg.config.formats:
+        if name == "nvfp4":
+            continue  # no element domain from histograms (non-power-of-two block scales): see overflow/
+        result[name] = _format_page(agg, out, name, copy)
+    return result
+
+
+def _format_page(agg: Aggregator, out: Outputs, name: str, copy: str) -> dict:
+    plt = pyplot()
+    d = f"distributions/{slug(name)}"
+    sec = f"{SECTION}: {name}"
+    domain = "block-scaled elements x/2^s (floor)" if format_thresholds(name)[2] is not None else "values"
+    overall = element_mag(agg.groups[("copy",)][(copy,)], name)
+    info = {"copy": copy, "domain": domain}
+    if overall is None or overall.sum() == 0:
+        return info
+    layers = {k[1]: g for k, g in agg.groups[("copy", "layer")].items() if k[0] == copy}
+    ranks = {k[1]: g for k, g in agg.groups[("copy", "rank")].items() if k[0] == copy}
+    lay_keys = sorted(layers, key=sort_key)
+    rank_keys = sorted(ranks, key=sort_key)
+    xr = _xrange([overall], name)
+
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    fine = overall[1:bins.INF_BIN] / max(overall.sum(), 1)
+    ax.plot(bins.mag_bin_centres_log2(), fine, drawstyle="steps-mid", color="tab:blue", lw=1,
+            label=f"{copy} tensors (1/16-binade bins)")
+    ax.set_yscale("log")
+    ax.set_xlim(*xr)
+    ax.set_xlabel(f"log2 |{domain}|")
+    ax.set_ylabel("fraction of elements")
+    ax.set_title(f"{name}: overall density of {copy} tensors vs the format's representable range")
+    _decorate(ax, name)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out.figure(f"{d}/overall_density.png", fig, sec, f"{name}: overall density vs representable values")
+
+    for label, keys, table, fname in (("layer", lay_keys, layers, "per_layer_density"),
+                                      ("rank", rank_keys, ranks, "per_rank_density")):
+        fig, ax = plt.subplots(figsize=(12, 4.5))
+        cmap = plt.get_cmap("viridis")
+        for i, k in enumerate(keys):
+            m = element_mag(table[k], name)
+            if m is None or m.sum() == 0:
+                continue
+            x, y = _density(m)
+            ax.plot(x, np.where(y > 0, y, np.nan), color=cmap(i / max(len(keys) - 1, 1)), lw=1.2,
+                    label=f"{label} {'-' if k is None else k}")
+        ax.set_yscale("log")
+        ax.set_xlim(*xr)
+        ax.set_xlabel(f"log2 |{domain}|")
+        ax.set_ylabel("fraction of elements per binade")
+        ax.set_title(f"{name}: density per {label} ({copy} tensors)")
+        _decorate(ax, name)
+        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=1 + len(keys) // 16)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        out.figure(f"{d}/{fname}.png", fig, sec, f"{name}: density per {label}")
+
+    stats = {k: layers[k].moments.to_dict() for k in lay_keys}
+    fig, axes = plt.subplots(2, 2, figsize=(10, 6), sharex=True)
+    xs = np.arange(len(lay_keys))
+    for ax, key, ylabel in zip(axes.ravel(), ("mean", "std", "min", "max"), ("mean", "std", "min", "max")):
+        ys = [stats[k][key] if stats[k][key] is not None else np.nan for k in lay_keys]
+        ax.plot(xs, ys, "o-", ms=3)
+        ax.set_ylabel(f"{ylabel} (value)")
+        ax.grid(alpha=0.3)
+        if key == "std" and all(np.isfinite(y) and y > 0 for y in ys) and ys:
+            ax.set_yscale("log")
+    for ax in axes[1]:
+        ax.set_xticks(xs, ["-" if k is None else str(k) for k in lay_keys], fontsize=7)
+        ax.set_xlabel("layer")
+    fig.suptitle(f"Per-layer mean / std / min / max of {copy} tensors (raw values)")
+    fig.tight_layout()
+    out.figure(f"{d}/per_layer_moments.png", fig, sec, f"{name}: per-layer mean/std/min/max")
+
+    _layer_rank(agg, out, name, copy, d, sec)
+    quant = {str(k): bins.quantiles(layers[k].signed, agg.config.quantiles) for k in lay_keys
+             if layers[k].signed is not None}
+    quant["overall"] = bins.quantiles(agg.groups[("copy",)][(copy,)].signed, agg.config.quantiles)
+    sat_t, flush_t, _ = format_thresholds(name)
+    info.update({"max_normal": sat_t, "flush_threshold": flush_t, "per_layer": stats, "quantiles": quant})
+    if isinstance(formats.get(name).element, HiF8):
+        info["mantissa_regions"] = [{"lo": lo, "hi": hi, "mantissa_bits": m}
+                                    for lo, hi, m in mantissa_regions(formats.get(name).element)]
+    out.json(f"{d}/summary.json", info, sec, f"{name}: per-layer statistics and quantiles")
+    return info
+
+
+def _layer_rank(agg: Aggregator, out: Outputs, name: str, copy: str, d: str, sec: str) -> None:
+    li, ri, ci = FLOW_KEY.index("layer"), FLOW_KEY.index("rank"), FLOW_KEY.index("copy")
+    cells: dict[tuple, np.ndarray] = {}
+    for key, per_fmt in agg.flows.items():
+        if key[ci] != copy or name not in per_fmt:
+            continue
+        k = (key[li], key[ri])
+        cells[k] = per_fmt[name] + cells.get(k, 0)
+    if not cells:
+        return
+    layers = sorted({k[0] for k in cells}, key=sort_key)
+    ranks = sorted({k[1] for k in cells}, key=sort_key)
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(max(8.0, 1.2 * len(ranks) + 7), max(3.5, 0.3 * len(layers) + 2)))
+    for ax, col, label in ((axes[0], 2, "flushed to zero (% of non-zero)"), (axes[1], 3, "saturated (% of elements)")):
+        data = np.full((len(layers), len(ranks)), np.nan)
+        for (l, r), c in cells.items():
+            denom = c[1] if col == 2 else c[0]
+            data[layers.index(l), ranks.index(r)] = 100.0 * c[col] / denom if denom else np.nan
+        heatmap(ax, data, ["-" if v is None else v for v in layers], [f"rank {r}" for r in ranks], label, "magma")
+        ax.set_xlabel("rank")
+        ax.set_ylabel("layer")
+        ax.set_title(label, fontsize=9)
+    fig.suptitle(f"{name}: layer x rank, {copy} tensors")
+    fig.tight_layout()
+    out.figure(f"{d}/layer_rank_heatmap.png", fig, sec, f"{name}: layer x rank flushed/saturated %")

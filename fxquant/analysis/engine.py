@@ -1,0 +1,146 @@
+"""Streaming map/reduce over a plan: workers summarise tensors, the parent merges summaries in plan order.
+
+``run(plan, config, workers)`` with ``workers == 1`` works in this process; with ``workers > 1`` it
+starts that many worker processes (``forkserver``: a clean interpreter, safe however much torch the
+parent has run), each with one intra-op thread. At most ``2 * workers`` tasks are in flight, and a
+finished task's summaries are merged as soon as every earlier task has been merged, so results do not
+depend on the number of workers and memory stays bounded by the tasks in flight. Each worker opens a
+capture directory once (manifests only) and reads tensors through ``fxquant.capture``'s reader, which
+memory-maps safetensors shards and never unpickles anything.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import multiprocessing as mp
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from fxquant.analysis.plan import Plan, Task
+from fxquant.analysis.summary import AnalysisConfig, RecordSummary, summarize
+from fxquant.capture.reader import CaptureReadError, CaptureSet, Record, open_capture
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TaskResult:
+    number: int
+    pid: int
+    summaries: list[RecordSummary]
+    problems: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    nbytes: int = 0
+
+
+class _Sets:
+    """Capture sets opened by this process, one per directory."""
+
+    def __init__(self) -> None:
+        self.sets: dict[str, CaptureSet] = {}
+
+    def get(self, root: str) -> CaptureSet:
+        cs = self.sets.get(root)
+        if cs is None:
+            cs = self.sets[root] = open_capture(root)
+        return cs
+
+
+_WORKER_SETS = _Sets()
+
+
+def _init_worker(barrier) -> None:
+    """One intra-op thread per worker; wait until every worker has started, so all of them take tasks."""
+    torch.set_num_threads(1)
+    try:
+        barrier.wait(timeout=120)
+    except threading.BrokenBarrierError:
+        log.warning("not every analysis worker started within 120 s; going on with those that did")
+
+
+def run_task(task: Task, config: AnalysisConfig, sets: _Sets | None = None) -> TaskResult:
+    """Summarise every record of ``task`` (called in a worker process, or in-process for one worker)."""
+    sets = sets or _WORKER_SETS
+    t0 = time.perf_counter()
+    out = TaskResult(task.number, os.getpid(), [])
+    opened: set[str] = set()
+    for unit in task.units:
+        tensors: dict[int, torch.Tensor | None] = {}
+        for item in unit:
+            if item.fields.get("key") is None:
+                tensors[item.index] = None
+                continue
+            try:
+                cs = sets.get(item.root)
+                opened.add(item.root)
+                tensors[item.index] = cs.load(Record(item.fields, Path(item.rank_dir)))
+                out.nbytes += item.nbytes
+            except (CaptureReadError, OSError, ValueError) as exc:
+                out.problems.append(f"{item.rank_dir}: record seq={item.fields.get('seq')}: {exc}")
+                tensors[item.index] = False  # unreadable: skipped, not summarised
+        hp = next((tensors[i.index] for i in unit
+                   if i.fields.get("copy", "hp") != "quantized" and isinstance(tensors.get(i.index), torch.Tensor)), None)
+        for item in unit:
+            t = tensors[item.index]
+            if t is False:
+                continue
+            try:
+                out.summaries.append(summarize(item.index, item.fields, t, config, partner=hp, seed=item.seed))
+            except (ValueError, TypeError, RuntimeError) as exc:
+                out.problems.append(f"{item.rank_dir}: record seq={item.fields.get('seq')}: cannot summarise: {exc}")
+        tensors.clear()
+    for root in opened:
+        sets.get(root).close()  # drop the shard memory maps between tasks
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
+def run(plan: Plan, config: AnalysisConfig, workers: int, merge: Callable[[TaskResult], None],
+        progress: bool = True) -> list[int]:
+    """Run every task, calling ``merge`` on results in task order; returns the PIDs that did the work."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers={workers!r}: must be an int >= 1")
+    bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, desc="fxquant report", disable=not progress,
+               leave=False, dynamic_ncols=True)
+    pids: list[int] = []
+
+    def done(res: TaskResult) -> None:
+        pids.append(res.pid)
+        merge(res)
+        bar.update(sum(i.nbytes for u in plan.tasks[res.number].units for i in u))
+
+    try:
+        if workers == 1 or len(plan.tasks) <= 1:
+            sets = _Sets()
+            for cs_root, cs in plan.sets.items():
+                sets.sets[cs_root] = cs
+            for task in plan.tasks:
+                done(run_task(task, config, sets))
+            return pids
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload([__name__])  # workers fork from a server that has imported torch already
+        with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
+                                    initargs=(ctx.Barrier(workers),)) as pool:
+            pending: dict[int, cf.Future] = {}
+            ready: dict[int, TaskResult] = {}
+            next_submit = next_merge = 0
+            while next_merge < len(plan.tasks):
+                while next_submit < len(plan.tasks) and len(pending) + len(ready) < 2 * workers:
+                    pending[next_submit] = pool.submit(run_task, plan.tasks[next_submit], config)
+                    next_submit += 1
+                finished, _ = cf.wait(list(pending.values()), return_when=cf.FIRST_COMPLETED)
+                for number in [n for n, f in pending.items() if f in finished]:
+                    ready[number] = pending.pop(number).result()
+                while next_merge in ready:
+                    done(ready.pop(next_merge))
+                    next_merge += 1
+        return pids
+    finally:
+        bar.close()

@@ -1,0 +1,149 @@
+"""MX scaling study: every scale rule (floor / rceil / ceil / even) and shared-exponent offsets, per block.
+
+For a sample of 32-element blocks of each high-precision GEMM operand (blocks along the operand's
+blocked dim, default the last), each MX format and each (scale_mode, offset k) quantizes the block with
+shared exponent ``s = s_mode + k`` (clamped to [-127, 127], as FORMATS.md clamps): elements
+``P = round(x / 2**s)`` saturated, value ``P * 2**s``. ``k = 0`` is exactly ``fxquant.formats``'s MX
+quantize with that scale mode (tested bit for bit). An offset cannot be emulated by scaling the *input*
+by 2**k: MX quantization commutes with powers of two (``Q(2**k x) == 2**k Q(x)``, also tested), so the
+offset is applied to the shared exponent itself. Sums (squared error, energy, dot product, |error|,
+max error, saturated and flushed counts) are kept per configuration and merged across tensors; the
+recommendation is the configuration with the highest SQNR (ties: floor, then the smallest |k|).
+
+The NVFP4 over/underflow estimate also comes from this sample (NVFP4's block scales are not powers of
+two, so no histogram can give it): the sample is quantized together with one block holding the
+tensor's amax, so the per-tensor scale is the one the whole tensor would get.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fxquant import formats
+from fxquant.formats.mx import MXFormat, mx_scale_exponent
+from fxquant.formats.options import ScaleMode
+
+# per configuration: n, err_sq, ref_sq, q_sq, dot, abs_err, max_err, saturated, flushed, nonzero
+FIELDS = ("n", "err_sq", "ref_sq", "q_sq", "dot", "abs_err", "max_err", "saturated", "flushed", "nonzero")
+MODES: tuple[ScaleMode, ...] = (ScaleMode.FLOOR, ScaleMode.RCEIL, ScaleMode.CEIL, ScaleMode.EVEN)
+
+
+def sample_blocks(x: torch.Tensor, dim: int, max_blocks: int, seed: int, block: int = 32) -> torch.Tensor:
+    """Up to ``max_blocks`` blocks of ``block`` elements along ``dim`` (float32 ``[n, block]``), zero-padded
+    like a short MX block; a seeded subset when there are more."""
+    x = x.detach().float()
+    x = x.reshape(1) if x.dim() == 0 else x
+    x2 = x.movedim(dim, -1).reshape(-1, x.shape[dim])
+    pad = (-x2.shape[1]) % block
+    if pad:
+        x2 = torch.nn.functional.pad(x2, (0, pad))
+    b = x2.reshape(-1, block)
+    if b.shape[0] > max_blocks:
+        g = torch.Generator().manual_seed(seed)
+        idx = torch.randperm(b.shape[0], generator=g)[:max_blocks].sort().values
+        b = b.index_select(0, idx)
+    return b.contiguous()
+
+
+def quantize_with_offset(xb: torch.Tensor, fmt: MXFormat, mode: ScaleMode, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, element values P) of blocks ``xb [n, 32]`` with shared exponent s_mode + k (finite input)."""
+    elem = fmt.element
+    amax = xb.abs().amax(dim=-1)
+    s = torch.clamp(mx_scale_exponent(amax, elem, mode) + k, -127, 127)
+    inv = torch.exp2(-s.double()).float().unsqueeze(-1)  # exact powers of two (2**-127 is a float32 subnormal)
+    p = elem.quantize(xb * inv, "rne", True, None, finite=True)
+    return p * torch.exp2(s.double()).float().unsqueeze(-1), p
+
+
+def _sums(q: torch.Tensor, x: torch.Tensor, saturated: torch.Tensor) -> np.ndarray:
+    qd, xd = q.double(), x.double()
+    err = qd - xd
+    nonzero = x != 0
+    return np.array([
+        x.numel(), float(err.square().sum()), float(xd.square().sum()), float(qd.square().sum()),
+        float((qd * xd).sum()), float(err.abs().sum()), float(err.abs().max()) if x.numel() else 0.0,
+        int(saturated.sum()), int((nonzero & (q == 0)).sum()), int(nonzero.sum()),
+    ], dtype=np.float64)
+
+
+def study(xb: torch.Tensor, mx_formats: tuple[str, ...], offsets: tuple[int, ...]) -> dict[tuple, np.ndarray]:
+    """Sums per (format, scale_mode, offset) over the finite blocks of ``xb``."""
+    xb = xb[torch.isfinite(xb).all(dim=-1)]
+    out: dict[tuple, np.ndarray] = {}
+    if xb.numel() == 0:
+        return out
+    for name in mx_formats:
+        fmt = formats.get(name)
+        for mode in MODES:
+            for k in offsets:
+                q, p = quantize_with_offset(xb, fmt, mode, k)
+                sat = (p.abs() == fmt.element.max_normal) & (xb.abs() > q.abs())
+                out[(fmt.name, mode.value, int(k))] = _sums(q, xb, sat)
+    return out
+
+
+def nvfp4_sample(xb: torch.Tensor, tensor_amax: float) -> np.ndarray | None:
+    """[n, nonzero, flushed, saturated] of NVFP4 on sampled blocks, with the whole tensor's scale."""
+    xb = xb[torch.isfinite(xb).all(dim=-1)]
+    if xb.numel() == 0 or not math.isfinite(tensor_amax):
+        return None
+    fmt = formats.get("nvfp4")
+    extra = torch.zeros(1, xb.shape[1])
+    extra[0, 0] = tensor_amax
+    both = torch.cat([xb, extra])
+    q = fmt.quantize(both, -1)[:-1]
+    p = fmt.element.decode(fmt.encode(both, -1).codes)[:-1]
+    nonzero = xb != 0
+    sat = (p.abs() == fmt.element.max_normal) & (xb.abs() > q.abs())
+    return np.array([xb.numel(), int(nonzero.sum()), int((nonzero & (q == 0)).sum()), int(sat.sum())], dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class StudyRow:
+    format: str
+    scale_mode: str
+    offset: int
+    group: str
+    n: int
+    mse: float | None
+    rmse: float | None
+    sqnr_db: float | None
+    psnr_db: float | None
+    cosine: float | None
+    mae: float | None
+    max_err: float
+    rel_err: float | None
+    saturated_pct: float
+    flushed_pct: float
+
+
+def metrics(fmt: str, mode: str, k: int, group: str, s: np.ndarray, peak: float) -> StudyRow:
+    v = dict(zip(FIELDS, s.tolist()))
+    n = int(v["n"])
+    mse = v["err_sq"] / n if n else None
+    sqnr = None
+    if v["ref_sq"] > 0:
+        sqnr = 10 * math.log10(v["ref_sq"] / v["err_sq"]) if v["err_sq"] > 0 else math.inf
+    psnr = 10 * math.log10(peak * peak / mse) if mse and peak > 0 else (math.inf if mse == 0 else None)
+    cos = v["dot"] / math.sqrt(v["ref_sq"] * v["q_sq"]) if v["ref_sq"] > 0 and v["q_sq"] > 0 else None
+    return StudyRow(fmt, mode, k, group, n, mse, None if mse is None else math.sqrt(mse), sqnr, psnr, cos,
+                    v["abs_err"] / n if n else None, v["max_err"],
+                    math.sqrt(v["err_sq"] / v["ref_sq"]) if v["ref_sq"] > 0 else None,
+                    100 * v["saturated"] / n if n else 0.0, 100 * v["flushed"] / v["nonzero"] if v["nonzero"] else 0.0)
+
+
+def recommend(rows: list[StudyRow]) -> dict[tuple[str, str], StudyRow]:
+    """Best (scale_mode, offset) per (format, group): highest SQNR; ties to floor, then the smallest |k|."""
+    order = {m.value: i for i, m in enumerate(MODES)}
+    best: dict[tuple[str, str], StudyRow] = {}
+    for r in rows:
+        key = (r.format, r.group)
+        score = (-(r.sqnr_db if r.sqnr_db is not None else -math.inf), order[r.scale_mode], abs(r.offset), r.offset)
+        cur = best.get(key)
+        if cur is None or score < (-(cur.sqnr_db if cur.sqnr_db is not None else -math.inf),
+                                   order[cur.scale_mode], abs(cur.offset), cur.offset):
+            best[key] = r
+    return best

@@ -1,0 +1,145 @@
+"""Writing report files: deterministic names, strict JSON, CSV, tabulate text, and matplotlib (Agg) figures.
+
+Every file goes through ``Outputs``, which records its section and title for index.html. JSON is strict
+(no NaN/Infinity tokens): NaN becomes null and ±Inf the strings "inf" / "-inf".
+"""
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+def slug(value: object) -> str:
+    """A deterministic, safe file-name part."""
+    s = re.sub(r"[^A-Za-z0-9._-]+", "_", str(value)).strip("._")
+    return s[:80] or "none"
+
+
+def clean(obj: object) -> object:
+    """JSON-ready copy: numpy scalars to Python, NaN to None, ±Inf to strings, tuple keys joined."""
+    if isinstance(obj, dict):
+        return {(k if isinstance(k, str) else "/".join(map(str, k)) if isinstance(k, tuple) else str(k)): clean(v)
+                for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [clean(v) for v in obj]
+    if isinstance(obj, np.generic):
+        obj = obj.item()
+    if isinstance(obj, np.ndarray):
+        return clean(obj.tolist())
+    if isinstance(obj, float):
+        if math.isnan(obj):
+            return None
+        if math.isinf(obj):
+            return "inf" if obj > 0 else "-inf"
+    return obj
+
+
+def fmt_num(v: object) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        if v != 0 and (abs(v) >= 1e5 or abs(v) < 1e-3):
+            return f"{v:.4g}"
+        return f"{v:.4f}".rstrip("0").rstrip(".") if not v.is_integer() else str(int(v))
+    return str(v)
+
+
+@dataclass(frozen=True)
+class Entry:
+    path: str  # relative to the report root
+    section: str
+    title: str
+    kind: str  # "figure" | "table" | "data"
+
+
+class Outputs:
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.entries: list[Entry] = []
+
+    def _path(self, rel: str) -> Path:
+        p = self.root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        return p
+
+    def json(self, rel: str, obj: object, section: str, title: str) -> Path:
+        p = self._path(rel)
+        p.write_text(json.dumps(clean(obj), indent=1, sort_keys=True, allow_nan=False) + "\n")
+        self.entries.append(Entry(rel, section, title, "data"))
+        return p
+
+    def text(self, rel: str, text: str, section: str, title: str) -> Path:
+        p = self._path(rel)
+        p.write_text(text if text.endswith("\n") else text + "\n")
+        self.entries.append(Entry(rel, section, title, "table"))
+        return p
+
+    def csv(self, rel: str, header: list[str], rows: list[list], section: str, title: str) -> Path:
+        p = self._path(rel)
+        with open(p, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(header)
+            for r in rows:
+                w.writerow(["" if v is None else clean(v) for v in r])
+        self.entries.append(Entry(rel, section, title, "data"))
+        return p
+
+    def figure(self, rel: str, fig, section: str, title: str) -> Path:
+        import matplotlib.pyplot as plt
+
+        p = self._path(rel)
+        fig.savefig(p, dpi=110, metadata={"Software": None})  # no timestamps: same bytes for the same data
+        plt.close(fig)
+        self.entries.append(Entry(rel, section, title, "figure"))
+        return p
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (never a display)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def heatmap(ax, data: np.ndarray, rows: list, cols: list, label: str, cmap: str = "viridis", fmt: str = "{:.2g}"):
+    """Annotated heatmap; NaN cells (no data) are grey."""
+    plt = pyplot()
+    masked = np.ma.masked_invalid(data)
+    cm = plt.get_cmap(cmap).with_extremes(bad="#dddddd")
+    im = ax.imshow(masked, aspect="auto", cmap=cm, interpolation="nearest")
+    ax.set_yticks(range(len(rows)), [str(r) for r in rows])
+    ax.set_xticks(range(len(cols)), [str(c) for c in cols], rotation=45, ha="right")
+    cb = ax.figure.colorbar(im, ax=ax)
+    cb.set_label(label)
+    if data.size <= 400:
+        for i in range(data.shape[0]):
+            for j in range(data.shape[1]):
+                if np.isfinite(data[i, j]):
+                    ax.text(j, i, fmt.format(data[i, j]), ha="center", va="center", fontsize=7, color="white",
+                            path_effects=_outline())
+    return im
+
+
+def _outline():
+    import matplotlib.patheffects as pe
+
+    return [pe.withStroke(linewidth=1.5, foreground="black")]
+
+
+def sort_key(v: object) -> tuple:
+    return (v is None, str(type(v)), v if v is not None else 0)

@@ -1,0 +1,127 @@
+"""Over/underflow summary across formats (txt, csv, json) and underflow by layer x direction x role.
+
+For each format, of the high-precision tensors: *saturated* = finite elements whose magnitude after the
+format's scaling exceeds its max normal; *flushed* = non-zero elements that round to zero (magnitude at
+most half the smallest subnormal). Element formats are taken unscaled; MX formats after their OCP
+``floor`` block scale; both are read exactly off the fixed-bin histograms (every threshold but
+MXINT8's 127/64 and fp16's 65504 is a bin edge; a value exactly at HiF8's 2**-23 tie counts as
+flushed). NVFP4 comes from the sampled blocks (its block scales are not powers of two): marked
+``sampled``.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+from tabulate import tabulate
+
+from fxquant.analysis import bins
+from fxquant.analysis.aggregate import FLOW_KEY, Aggregator, format_thresholds
+from fxquant.analysis.outputs import Outputs, fmt_num, heatmap, pyplot, slug, sort_key
+
+SECTION = "Over/underflow across formats"
+
+
+def _method(name: str) -> str:
+    if name == "nvfp4":
+        return "sampled blocks"
+    sat_t, flush_t, emax = format_thresholds(name)
+    exact = bins.edge_index(sat_t) is not None and bins.edge_index(flush_t) is not None
+    base = "floor block scale" if emax is not None else "unscaled"
+    return f"{base}, {'exact' if exact else 'within one bin'}"
+
+
+def _pct(c: np.ndarray) -> tuple[float | None, float | None]:
+    return (100.0 * c[2] / c[1] if c[1] else None, 100.0 * c[3] / c[0] if c[0] else None)
+
+
+def rollup(agg: Aggregator, copy: str, by: tuple[str, ...]) -> dict[tuple, dict[str, np.ndarray]]:
+    idx = [FLOW_KEY.index(b) for b in by]
+    ci = FLOW_KEY.index("copy")
+    out: dict[tuple, dict[str, np.ndarray]] = defaultdict(dict)
+    for key, per in agg.flows.items():
+        if key[ci] != copy:
+            continue
+        k = tuple(key[i] for i in idx)
+        for name, c in per.items():
+            out[k][name] = c + out[k].get(name, 0)
+    return out
+
+
+def write(agg: Aggregator, out: Outputs, plots: bool = True) -> dict:
+    copies = {k[FLOW_KEY.index("copy")] for k in agg.flows}
+    copy = "hp" if "hp" in copies else ("quantized" if copies else None)
+    if copy is None:
+        out.text("overflow/summary.txt", "no tensors with stored values: nothing to summarise", SECTION, "Summary")
+        return {}
+    total = rollup(agg, copy, ())
+    rows = []
+    for name in agg.config.formats:
+        c = total.get((), {}).get(name)
+        if c is None:
+            continue
+        fl, sat = _pct(c)
+        rows.append({"format": name, "numel": int(c[0]), "nonzero": int(c[1]), "flushed": int(c[2]),
+                     "flushed_pct": fl, "saturated": int(c[3]), "saturated_pct": sat, "method": _method(name)})
+    detail = []
+    by = ("scheme", "layer", "direction", "role")
+    for key, per in sorted(rollup(agg, copy, by).items(), key=lambda kv: tuple(sort_key(v) for v in kv[0])):
+        for name in agg.config.formats:
+            c = per.get(name)
+            if c is None:
+                continue
+            fl, sat = _pct(c)
+            detail.append({**dict(zip(by, key)), "format": name, "numel": int(c[0]), "nonzero": int(c[1]),
+                           "flushed": int(c[2]), "flushed_pct": fl, "saturated": int(c[3]), "saturated_pct": sat})
+    result = {"copy": copy, "summary": rows, "by_layer_direction_role": detail}
+    out.json("overflow/summary.json", result, SECTION, "Summary (JSON)")
+    head = ["format", "numel", "nonzero", "flushed", "flushed_pct", "saturated", "saturated_pct", "method"]
+    out.csv("overflow/summary.csv", head, [[r[h] for h in head] for r in rows], SECTION, "Summary (CSV)")
+    dhead = [*by, "format", "numel", "nonzero", "flushed", "flushed_pct", "saturated", "saturated_pct"]
+    out.csv("overflow/by_layer_direction_role.csv", dhead, [[r[h] for h in dhead] for r in detail], SECTION,
+            "Per layer x direction x role (CSV)")
+    txt = (f"Over/underflow of {copy} tensors per format (flushed % of non-zero elements, saturated % of all)\n\n"
+           + tabulate([[r[h] if isinstance(r[h], str) else fmt_num(r[h]) for h in head] for r in rows], headers=head,
+                      disable_numparse=True))
+    out.text("overflow/summary.txt", txt, SECTION, "Summary (text)")
+    if plots:
+        _plots(agg, out, copy, rows)
+    return result
+
+
+def _plots(agg: Aggregator, out: Outputs, copy: str, rows: list[dict]) -> None:
+    if not rows:
+        return
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(rows) + 2), 4))
+    x = np.arange(len(rows))
+    ax.bar(x - 0.2, [r["flushed_pct"] or 0 for r in rows], 0.4, label="flushed to zero (% of non-zero)")
+    ax.bar(x + 0.2, [r["saturated_pct"] or 0 for r in rows], 0.4, label="saturated (% of elements)")
+    ax.set_xticks(x, [r["format"] for r in rows], rotation=30, ha="right")
+    ax.set_ylabel("% of elements")
+    ax.set_yscale("symlog", linthresh=1e-3)
+    ax.set_title(f"Over/underflow of {copy} tensors per format")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    out.figure("overflow/summary.png", fig, SECTION, "Flushed and saturated % per format")
+    per = rollup(agg, copy, ("layer", "direction", "role"))
+    layers = sorted({k[0] for k in per}, key=sort_key)
+    cols = sorted({(k[1], k[2]) for k in per}, key=lambda c: tuple(sort_key(v) for v in c))
+    for r in rows:
+        name = r["format"]
+        data = np.full((len(layers), len(cols)), np.nan)
+        for (layer, direction, role), fm in per.items():
+            c = fm.get(name)
+            if c is not None and c[1]:
+                data[layers.index(layer), cols.index((direction, role))] = 100.0 * c[2] / c[1]
+        if np.isnan(data).all():
+            continue
+        fig, ax = plt.subplots(figsize=(max(5.0, 0.8 * len(cols) + 3), max(3.0, 0.3 * len(layers) + 2)))
+        heatmap(ax, data, ["-" if v is None else v for v in layers], [f"{d}/{ro}" for d, ro in cols],
+                "flushed to zero (% of non-zero)", "magma")
+        ax.set_xlabel("direction / role")
+        ax.set_ylabel("layer")
+        ax.set_title(f"{name}: underflow by layer x direction x role")
+        fig.tight_layout()
+        out.figure(f"overflow/underflow_{slug(name)}.png", fig, SECTION, f"{name}: underflow by layer x direction x role")

@@ -1,0 +1,146 @@
+"""Planning an analysis: open capture sets, filter records, refuse what cannot be read, cut the work into tasks.
+
+A *unit* is every record of one site at one moment (rank directory, iteration, micro-batch, module,
+role): the high-precision tensor and the quantized copies of it, so a worker can pair them. Units are
+sorted by shard file and key (sequential reads) and packed into *tasks* of about ``task_bytes`` of
+stored tensors; each task goes to one worker. Records of a rank directory written by a newer capture
+format (``run.json`` ``format_version`` above what this fxquant reads) are skipped with a warning, as
+is a capture directory the reader refuses (corrupt manifest, not a capture set).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import zlib
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fxquant.capture import layout
+from fxquant.capture.reader import CaptureReadError, CaptureSet, open_capture
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_VERSION = layout.FORMAT_VERSION
+_ITEMSIZE = {str(d).replace("torch.", ""): torch.empty((), dtype=d).element_size() for d in layout.ST_DTYPES}
+
+
+@dataclass(frozen=True)
+class Item:
+    index: int  # position in the plan
+    root: str  # capture directory (as opened)
+    rank_dir: str
+    fields: dict
+    nbytes: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class Task:
+    number: int
+    units: tuple[tuple[Item, ...], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(i.nbytes for u in self.units for i in u)
+
+    @property
+    def records(self) -> int:
+        return sum(len(u) for u in self.units)
+
+
+@dataclass
+class Plan:
+    sets: dict[str, CaptureSet]
+    tasks: list[Task]
+    problems: list[str]
+    records: int
+    nbytes: int
+
+
+def stored_bytes(fields: dict) -> int:
+    if fields.get("key") is None:
+        return 0
+    shape = fields.get("stored_shape") or fields.get("shape") or []
+    return math.prod(shape) * _ITEMSIZE.get(str(fields.get("dtype")), 4)
+
+
+def _version_of(meta: dict, fields: dict) -> int:
+    v = fields.get("format_version", fields.get("schema_version"))
+    if v is None:
+        v = (meta.get("run") or {}).get("format_version", SUPPORTED_VERSION)
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return SUPPORTED_VERSION + 1  # unreadable version: treat as unknown (newer)
+
+
+def open_sets(dirs: list[str | Path], problems: list[str]) -> dict[str, CaptureSet]:
+    out: dict[str, CaptureSet] = {}
+    for d in dirs:
+        key = str(d)
+        if key in out:
+            continue
+        try:
+            out[key] = open_capture(d)
+        except (CaptureReadError, OSError, ValueError) as exc:
+            msg = f"{d}: skipped, cannot be read as a capture set: {exc}"
+            log.warning(msg)
+            problems.append(msg)
+    return out
+
+
+def build(dirs: list[str | Path], where: dict | None = None, workers: int = 1,
+          task_bytes: int = 64 << 20, max_task_records: int = 512) -> Plan:
+    """Open ``dirs``, keep records matching ``where`` (CaptureSet.query conditions), and plan the tasks."""
+    problems: list[str] = []
+    sets = open_sets(dirs, problems)
+    units: dict[tuple, list[tuple[tuple, dict, str, str]]] = defaultdict(list)
+    skipped_dirs: set[tuple[str, str]] = set()
+    for root, cs in sets.items():
+        sel = cs.query(**where) if where else cs
+        for rec in sel:
+            f = rec.fields
+            rdir = str(rec.rank_dir)
+            meta = cs.meta.get(Path(rdir).name, {})
+            if _version_of(meta, f) > SUPPORTED_VERSION:
+                if (root, rdir) not in skipped_dirs:
+                    skipped_dirs.add((root, rdir))
+                    msg = (f"{rdir}: written by a newer capture format (version {_version_of(meta, f)}, this fxquant "
+                           f"reads up to {SUPPORTED_VERSION}); its records are skipped")
+                    log.warning(msg)
+                    problems.append(msg)
+                continue
+            site = (root, rdir, f.get("iteration"), f.get("micro_batch"), f.get("module"), f.get("role"))
+            order = (str(f.get("file") or ""), str(f.get("key") or ""), int(f.get("seq") or 0))
+            units[site].append((order, f, root, rdir))
+    ordered = sorted(units.values(), key=lambda u: (u[0][2], u[0][3], min(x[0] for x in u)))
+    items_units: list[tuple[Item, ...]] = []
+    index = 0
+    for u in ordered:
+        row = []
+        for _, f, root, rdir in sorted(u, key=lambda x: x[0]):
+            seed = zlib.crc32(f"{f.get('run_id')}:{f.get('rank')}:{f.get('seq')}".encode())
+            row.append(Item(index, root, rdir, f, stored_bytes(f), seed))
+            index += 1
+        items_units.append(tuple(row))
+    total = sum(i.nbytes for u in items_units for i in u)
+    if workers > 1 and items_units:  # enough tasks to keep every worker busy
+        task_bytes = max(1, min(task_bytes, total // (4 * workers) or 1))
+        max_task_records = max(1, min(max_task_records, -(-index // (2 * workers))))
+    tasks: list[Task] = []
+    cur: list[tuple[Item, ...]] = []
+    cur_bytes = cur_n = 0
+    for u in items_units:
+        ub = sum(i.nbytes for i in u)
+        if cur and (cur_bytes + ub > task_bytes or cur_n + len(u) > max_task_records):
+            tasks.append(Task(len(tasks), tuple(cur)))
+            cur, cur_bytes, cur_n = [], 0, 0
+        cur.append(u)
+        cur_bytes += ub
+        cur_n += len(u)
+    if cur:
+        tasks.append(Task(len(tasks), tuple(cur)))
+    return Plan(sets, tasks, problems, index, total)

@@ -1,0 +1,170 @@
+"""Per-tensor summaries, computed in a worker process: everything the report needs from one stored tensor.
+
+``summarize(record, tensor, config, partner)`` returns a ``RecordSummary``: moments, the signed,
+binade and block-relative histograms (bins.py, sent sparse), the quantization error of a quantized GEMM
+operand against its high-precision partner, the MX scaling-study sums and the NVFP4 sample counts.
+A statistics-only record is summarised from the manifest (moments and the exponent histogram only).
+Only these summaries travel back to the parent; tensors never do.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from fxquant.analysis import bins, moments, mx_study
+from fxquant.formats.tensor_quant import TensorQuant
+
+# roles whose tensors are GEMM operands (the MX study and NVFP4 sample look at these only)
+OPERAND_ROLES = frozenset({"input", "weight", "grad_output", "query", "key", "value", "probs", "grad_probs",
+                           "grad_scores"})
+
+
+@dataclass(frozen=True)
+class AnalysisConfig:
+    """What the workers compute; validated names (fxquant.formats) in canonical form."""
+
+    formats: tuple[str, ...]  # over/underflow and distribution pages
+    mx_formats: tuple[str, ...]  # MX scaling study
+    offsets: tuple[int, ...] = (-2, -1, 0, 1, 2)
+    sample_blocks: int = 128
+    quantiles: tuple[float, ...] = (0.001, 0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99, 0.999)
+
+    def __post_init__(self) -> None:
+        from fxquant import formats
+
+        object.__setattr__(self, "formats", tuple(dict.fromkeys(formats.canonical_name(f) for f in self.formats)))
+        mx = tuple(dict.fromkeys(formats.canonical_name(f) for f in self.mx_formats))
+        for f in mx:
+            if formats.get(f).block_size != 32 or not hasattr(formats.get(f), "element") or f == "nvfp4":
+                raise ValueError(f"mx_formats={f!r}: the MX study takes MX block formats only "
+                                 f"({[n for n in formats.names() if n.startswith('mx')]})")
+        object.__setattr__(self, "mx_formats", mx)
+        if isinstance(self.sample_blocks, bool) or not isinstance(self.sample_blocks, int) or self.sample_blocks < 0:
+            raise ValueError(f"sample_blocks={self.sample_blocks!r}: must be an int >= 0")
+        if any(not 0 <= q <= 1 for q in self.quantiles):
+            raise ValueError(f"quantiles={self.quantiles!r}: each must lie in [0, 1]")
+
+
+def sparse(h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    idx = np.flatnonzero(h).astype(np.int32)
+    return idx, h[idx]
+
+
+def dense(sp: tuple[np.ndarray, np.ndarray] | None, n: int) -> np.ndarray:
+    out = np.zeros(n, dtype=np.int64)
+    if sp is not None:
+        out[sp[0]] = sp[1]
+    return out
+
+
+@dataclass
+class RecordSummary:
+    index: int  # position in the analysis plan (the parent merges in this order)
+    fields: dict  # the record's manifest fields used for grouping
+    moments: moments.Moments
+    signed: tuple | None = None  # sparse signed histogram
+    binade: tuple | None = None  # sparse exponent-field histogram
+    rel: tuple | None = None  # sparse block-relative histogram
+    qerr: dict | None = None
+    study: dict = field(default_factory=dict)
+    nvfp4: np.ndarray | None = None
+    problems: list[str] = field(default_factory=list)
+
+
+def binade_from_exp_hist(exp_hist: dict, zeros: int) -> np.ndarray:
+    """Exponent-field histogram from a manifest ``exp_hist`` ({exponent: count}); subnormals -> field 0."""
+    h = np.zeros(bins.NBINADE, dtype=np.int64)
+    for e, c in exp_hist.items():
+        h[max(int(e) + 127, 0)] += int(c)
+    h[0] += zeros
+    return h
+
+
+def block_dim(fields: dict, ndim: int) -> int:
+    d = fields.get("blocked_dim")
+    if isinstance(d, int) and ndim and -ndim <= d < ndim:
+        return d % ndim
+    return max(ndim - 1, 0)
+
+
+def summarize(index: int, fields: dict, tensor: torch.Tensor | None, config: AnalysisConfig,
+              partner: torch.Tensor | None = None, seed: int = 0) -> RecordSummary:
+    stats = fields.get("stats") or None
+    numel = math.prod(fields.get("shape") or [0]) if tensor is None else tensor.numel()
+    if tensor is None:
+        m = moments.from_manifest(stats, numel) if stats else moments.Moments(n=numel, tensors=1)
+        s = RecordSummary(index, fields, m)
+        if stats and stats.get("exp_hist") is not None:
+            s.binade = sparse(binade_from_exp_hist(stats["exp_hist"], m.zeros))
+        return s
+    x = tensor if tensor.dtype in (torch.float32, torch.bfloat16) else tensor.float()
+    b, a, sh, esh = bins.magnitude_bits(x)
+    j = bins.mag_bins(a, sh)
+    signed = bins.signed_hist(b, j)
+    zeros = int(signed[0] + signed[bins.NMAG])
+    nonfinite = int(signed[bins.INF_BIN:bins.NMAG].sum() + signed[bins.NMAG + bins.INF_BIN:].sum())
+    use_manifest = stats is not None and fields.get("sample") is None and stats.get("min", 0) is not None
+    if use_manifest:
+        m = moments.from_manifest(stats, numel)
+    else:
+        m = moments.from_tensor(x, nan=None if nonfinite else 0, inf=None if nonfinite else 0, zeros=zeros)
+    m.zeros = zeros
+    shape = tuple(x.shape)
+    d = block_dim(fields, len(shape))
+    s = RecordSummary(index, fields, m, signed=sparse(signed), binade=sparse(bins.binade_hist(a, esh)))
+    s.rel = sparse(bins.block_relative_hist(a, j, esh, shape, d, zeros > 0))
+    del b, a, j
+    copy = fields.get("copy", "hp")
+    if copy == "quantized" and partner is not None:
+        s.qerr = operand_error(x, partner, fields)
+    elif copy == "quantized":
+        s.qerr = manifest_error(stats)
+    if copy != "quantized" and fields.get("role") in OPERAND_ROLES and config.sample_blocks and x.numel():
+        xb = mx_study.sample_blocks(x, d, config.sample_blocks, seed)
+        s.study = mx_study.study(xb, config.mx_formats, config.offsets)
+        if "nvfp4" in config.formats:
+            s.nvfp4 = mx_study.nvfp4_sample(xb, m.amax if m.n_finite else math.nan)
+    return s
+
+
+def manifest_error(stats: dict | None) -> dict | None:
+    """Quantization error of a quantized operand from the capture-time statistics (no max error there)."""
+    if not stats or stats.get("mse") is None and stats.get("sqnr_db") is None:
+        return None
+    return {k: stats.get(k) for k in ("mse", "sqnr_db", "cosine", "saturated_pct", "flushed_pct")} | {
+        "max_err": None, "source": "manifest"}
+
+
+def operand_error(q: torch.Tensor, x: torch.Tensor, fields: dict) -> dict:
+    """SQNR, MSE, cosine, max |error| of quantized operand ``q`` against its high-precision source ``x``,
+    plus saturated % and flushed % after the format's scaling (from the manifest, or recomputed)."""
+    if q.numel() != x.numel():
+        return {"problem": f"quantized copy has {q.numel()} elements but its high-precision partner {x.numel()}"}
+    qf, xf = q.detach().reshape(-1).float(), x.detach().reshape(-1).float()
+    ok = torch.isfinite(qf) & torch.isfinite(xf)
+    if not bool(ok.all()):
+        qf, xf = qf[ok], xf[ok]
+    err = qf - xf
+    n = xf.numel()
+    e2, r2, q2 = float(torch.dot(err, err)), float(torch.dot(xf, xf)), float(torch.dot(qf, qf))
+    out = {
+        "n": n, "mse": e2 / n if n else None, "max_err": float(err.abs().max()) if n else None,
+        "sqnr_db": (10 * math.log10(r2 / e2) if e2 > 0 else math.inf) if r2 > 0 else None,
+        "cosine": float(torch.dot(qf, xf)) / math.sqrt(r2 * q2) if r2 > 0 and q2 > 0 else None,
+        "err_sq": e2, "ref_sq": r2, "source": "tensors",
+    }
+    st = fields.get("stats") or {}
+    if st.get("saturated_pct") is not None:
+        out["saturated_pct"], out["flushed_pct"] = st["saturated_pct"], st.get("flushed_pct")
+    elif fields.get("qspec"):
+        from fxquant.capture import stats as capture_stats
+
+        tq = TensorQuant.from_spec(fields["qspec"])
+        ref = x.detach().reshape(q.shape).float()
+        d = block_dim(fields, q.dim())
+        cs = capture_stats.compute(q.float(), ref, tq, d)
+        out["saturated_pct"], out["flushed_pct"] = cs["saturated_pct"], cs["flushed_pct"]
+    return out

@@ -1,0 +1,137 @@
+"""`fxquant report`, `fxquant quant-error`, `fxquant mx-sweep`: analysis of capture sets and training runs.
+
+`report` writes everything (docs/analysis.md) and index.html; `quant-error` and `mx-sweep` print one
+analysis as a table (the predecessor's quantization-error CLI and MX scaling sweep) and can write JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _where(items: list[str]) -> dict:
+    cond: dict = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--where {item!r}: expected FIELD=VALUE or FIELD=V1,V2")
+        vals = [int(v) if v.lstrip("-").isdigit() else (None if v == "None" else v) for v in value.split(",")]
+        cond[key] = vals if len(vals) > 1 else vals[0]
+    return cond
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dirs", nargs="*", metavar="DIR", help="capture directories (fxquant.capture sets)")
+    p.add_argument("-j", "--workers", type=int, default=1, help="worker processes (default 1: in this process)")
+    p.add_argument("--where", action="append", default=[], metavar="FIELD=VALUE",
+                   help="keep records whose manifest FIELD equals VALUE (repeatable; V1,V2 for any of several)")
+    p.add_argument("--formats", default=None, help="comma-separated formats for the over/underflow summary and the "
+                   "distribution pages (default: common formats plus those captured)")
+    p.add_argument("--mx-formats", default=None, help="comma-separated MX formats of the scaling study")
+    p.add_argument("--offsets", default="-2,-1,0,1,2", help="shared-exponent offsets of the MX study")
+    p.add_argument("--sample-blocks", type=int, default=128, help="32-element blocks sampled per tensor for the "
+                   "MX study and NVFP4 (0: no study)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("report", help="statistics, plots and index.html over capture sets and training runs")
+    _common(p)
+    p.add_argument("-o", "--out", default="fxquant-report", help="report directory (default ./fxquant-report)")
+    p.add_argument("--metrics", action="append", default=[], metavar="RUN",
+                   help="a training run's metrics.jsonl or run directory (repeatable)")
+    p.add_argument("--reference", default="bf16", help="label of the reference run for relative errors")
+    p.add_argument("--last-n", type=int, default=10, help="iterations in the 'last N' mean relative error")
+    p.add_argument("--no-plots", action="store_true", help="tables only")
+    p.set_defaults(func=run_report)
+    q = sub.add_parser("quant-error", help="per-site quantization error of captured quantized GEMM operands")
+    _common(q)
+    q.add_argument("--json", action="store_true", help="print the per-site rows as JSON lines")
+    q.set_defaults(func=run_quant_error)
+    m = sub.add_parser("mx-sweep", help="MX scaling study: scale rules x exponent offsets, with a recommendation")
+    _common(m)
+    m.add_argument("--json", action="store_true", help="print the study as JSON")
+    m.set_defaults(func=run_mx_sweep)
+
+
+def _kwargs(args: argparse.Namespace) -> dict:
+    if isinstance(args.workers, int) and args.workers < 1:
+        raise ValueError(f"--workers {args.workers}: must be >= 1")
+    try:
+        offsets = tuple(int(v) for v in args.offsets.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"--offsets {args.offsets!r}: expected comma-separated integers") from None
+    split = (lambda s: None if s is None else [v.strip() for v in s.split(",") if v.strip()])
+    return {"workers": args.workers, "where": _where(args.where) or None, "formats": split(args.formats),
+            "mx_formats": split(args.mx_formats), "offsets": offsets, "sample_blocks": args.sample_blocks,
+            "progress": not args.quiet}
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from fxquant.analysis import report
+
+    if not args.dirs and not args.metrics:
+        raise ValueError("nothing to report: give capture DIRs and/or --metrics RUN")
+    res = report(args.dirs, args.out, metrics=args.metrics, reference=args.reference, last_n=args.last_n,
+                 plots=not args.no_plots, **_kwargs(args))
+    for p in res.problems:
+        print(f"warning: {p}", file=sys.stderr)
+    print(f"{res.records} records ({res.tensors} tensors, {res.bytes / 1e6:.1f} MB) with {res.workers} worker(s) "
+          f"in {res.seconds:.1f} s -> {res.index}")
+    return 0
+
+
+def _analyse(args: argparse.Namespace, plots: bool = False):
+    import tempfile
+
+    from fxquant.analysis import report
+
+    if not args.dirs:
+        raise ValueError("give at least one capture DIR")
+    with tempfile.TemporaryDirectory() as tmp:
+        res = report(args.dirs, tmp, plots=plots, **_kwargs(args))
+        for p in res.problems:
+            print(f"warning: {p}", file=sys.stderr)
+        return res.aggregator
+
+
+def run_quant_error(args: argparse.Namespace) -> int:
+    from tabulate import tabulate
+
+    from fxquant.analysis import quant_error
+    from fxquant.analysis.outputs import clean, fmt_num
+
+    args.sample_blocks = 0  # no MX study needed
+    agg = _analyse(args)
+    if args.json:
+        for s in agg.sites:
+            print(json.dumps(clean(s), sort_keys=True))
+        return 0
+    cols = ["scheme", "module", "role", "gemm", "format", "rank", "iteration", "sqnr_db", "mse", "cosine", "max_err",
+            "saturated_pct", "flushed_pct"]
+    print(tabulate([[fmt_num(s.get(c)) for c in cols] for s in agg.sites], headers=cols, disable_numparse=True))
+    summary = quant_error.summary_rows(agg.sites)
+    print(f"\n{len(agg.sites)} quantized operand(s) in {len(summary)} group(s)")
+    return 0
+
+
+def run_mx_sweep(args: argparse.Namespace) -> int:
+    from fxquant.analysis import mx_report, mx_study
+    from fxquant.analysis.outputs import clean
+
+    agg = _analyse(args)
+    rows = mx_report.rows_of(agg)
+    best = mx_study.recommend(rows)
+    if args.json:
+        import dataclasses
+
+        print(json.dumps(clean({"rows": [dataclasses.asdict(r) for r in rows],
+                                "recommendation": {f"{f}/{g}": dataclasses.asdict(r) for (f, g), r in best.items()}}),
+                         indent=1, sort_keys=True))
+        return 0
+    print(mx_report.study_table([r for r in rows if r.group == "all"]))
+    for (f, g), r in sorted(best.items()):
+        if g == "all":
+            print(f"recommended for {f}: scale_mode={r.scale_mode} offset={r.offset:+d} (SQNR {r.sqnr_db:.2f} dB)")
+    return 0

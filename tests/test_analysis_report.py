@@ -1,0 +1,168 @@
+"""The report over capture sets written by the real capture writer: numbers against direct computation,
+real parallel workers with identical results, per-site quantization error, CLI verbs, robustness."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from fxquant import analysis, capture
+from fxquant.capture import layout
+from fxquant.cli import main
+
+from tests.analysis_helpers import write_set, write_tensors
+
+FAST = {"formats": ["hifp8", "mxfp8_e4m3", "mxfp4_e2m1", "nvfp4"], "mx_formats": ["mxfp8_e4m3"],
+        "offsets": (-1, 0, 1), "sample_blocks": 16, "progress": False}
+
+
+@pytest.fixture(scope="module")
+def sets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("captures")
+    sent_q = write_set(root / "mxfp8", ranks=2, layers=3)
+    sent_b = write_set(root / "bf16", scheme="bf16", quantized=False, ranks=1, layers=3, seed=1)
+    return root, sent_q, sent_b
+
+
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def test_global_statistics_equal_direct_computation(sets, tmp_path):
+    root, sent_q, sent_b = sets
+    res = analysis.report([root / "mxfp8", root / "bf16"], tmp_path / "r", plots=False, **FAST)
+    assert res.records == 2 * len(sent_q) + len(sent_b) and res.problems == []
+    st = _json(tmp_path / "r/stats/global_stats.json")["groupings"]
+    hp = next(g for g in st["copy"] if g["group"]["copy"] == "hp")
+    allx = torch.cat([t.reshape(-1) for t in sent_q + sent_b]).double()
+    assert hp["numel"] == allx.numel() and hp["tensors"] == len(sent_q) + len(sent_b)
+    assert (hp["min"], hp["max"]) == (allx.min().item(), allx.max().item())
+    assert hp["mean"] == pytest.approx(allx.mean().item(), rel=1e-5, abs=1e-9)
+    assert hp["std"] == pytest.approx(allx.std().item(), rel=1e-5)
+    q50 = hp["quantiles"]["q0.5"]
+    assert abs(q50 - allx.median().item()) <= abs(allx.median().item()) / 16 + 1e-6
+    by_scheme = {g["group"]["scheme"]: g for g in st["scheme"]}
+    assert set(by_scheme) == {"FA_linear_mxfp8", "bf16"} and by_scheme["bf16"]["tensors"] == len(sent_b)
+    layers = {g["group"]["layer"] for g in st["layer"]}
+    assert layers == {0, 1, 2} and {g["group"]["rank"] for g in st["rank"]} == {0, 1}
+    assert {g["group"]["direction"] for g in st["direction"]} == {"forward", "backward"}
+    text = (tmp_path / "r/stats/global_stats.txt").read_text()
+    assert "== by layer ==" in text and "grad_output" in text
+
+
+def test_quant_error_per_site_equals_the_tensors(sets, tmp_path):
+    root, sent_q, _ = sets
+    analysis.report([root / "mxfp8"], tmp_path / "r", plots=False, **FAST)
+    sites = _json(tmp_path / "r/quant_error/sites.json")["sites"]
+    assert len(sites) == len(sent_q) and all(s["source"] == "tensors" for s in sites)
+    cs = capture.open(root / "mxfp8")
+    for s in sites[:6]:
+        q_rec = next(iter(cs.query(seq=s["seq"], rank=s["rank"])))
+        hp_rec = next(iter(cs.query(rank=s["rank"], module=s["module"], role=s["role"], copy="hp",
+                                    iteration=s["iteration"])))
+        q, x = cs.load(q_rec).double().reshape(-1), cs.load(hp_rec).double().reshape(-1)
+        err = q - x
+        assert s["max_err"] == pytest.approx(err.abs().max().item(), rel=1e-6)
+        assert s["sqnr_db"] == pytest.approx(10 * math.log10(x.square().sum() / err.square().sum()), rel=1e-5)
+        assert s["mse"] == pytest.approx(err.square().mean().item(), rel=1e-5)
+        assert s["cosine"] == pytest.approx((q @ x / (q.norm() * x.norm())).item(), rel=1e-6)
+        assert s["saturated_pct"] == q_rec.stats["saturated_pct"]
+    summary = (tmp_path / "r/quant_error/summary.txt").read_text()
+    assert "mxfp8_e5m2" in summary and "dgrad" in summary
+
+
+def test_workers_really_run_in_parallel_and_give_the_same_report(sets, tmp_path):
+    root, _, _ = sets
+    one = analysis.report([root / "mxfp8", root / "bf16"], tmp_path / "one", workers=1, plots=False, **FAST)
+    two = analysis.report([root / "mxfp8", root / "bf16"], tmp_path / "two", workers=2, plots=False, **FAST)
+    assert set(one.worker_pids) == {os.getpid()}
+    assert len(set(two.worker_pids)) == 2 and os.getpid() not in two.worker_pids
+    assert one.files == two.files  # deterministic names
+    for rel in one.files:
+        if rel != "report.json":
+            assert (tmp_path / "one" / rel).read_bytes() == (tmp_path / "two" / rel).read_bytes(), rel
+
+
+def test_overflow_summary_and_mx_study_outputs(sets, tmp_path):
+    root, _, _ = sets
+    analysis.report([root / "mxfp8"], tmp_path / "r", plots=False, **FAST)
+    ov = _json(tmp_path / "r/overflow/summary.json")
+    names = [r["format"] for r in ov["summary"]]
+    assert names == ["hifp8", "mxfp8_e4m3", "mxfp4_e2m1", "nvfp4"]
+    assert next(r for r in ov["summary"] if r["format"] == "nvfp4")["method"] == "sampled blocks"
+    assert {"layer", "direction", "role", "flushed_pct"} <= set(ov["by_layer_direction_role"][0])
+    assert (tmp_path / "r/overflow/summary.csv").read_text().startswith("format,numel,nonzero,flushed")
+    study = _json(tmp_path / "r/mx_study/study.json")
+    assert {(r["scale_mode"], r["offset"]) for r in study["rows"] if r["group"] == "all"} == {
+        (m, k) for m in ("floor", "rceil", "ceil", "even") for k in (-1, 0, 1)}
+    assert "mxfp8_e4m3/all" in study["recommendation"]
+    assert "Recommendation" in (tmp_path / "r/mx_study/study.txt").read_text()
+
+
+def test_cli_verbs(sets, tmp_path, capsys):
+    root, sent_q, _ = sets
+    out = tmp_path / "cli"
+    rc = main(["report", str(root / "mxfp8"), "--out", str(out), "-j", "1", "--no-plots", "-q",
+               "--formats", "hifp8,mxfp4", "--mx-formats", "mxfp4", "--offsets", "0", "--where", "layer=0,1"])
+    assert rc == 0 and (out / "index.html").is_file()
+    assert _json(out / "report.json")["records"] == 2 * len(sent_q) * 2 // 3
+    capsys.readouterr()
+    assert main(["quant-error", str(root / "mxfp8"), "-q", "--where", "role=weight"]) == 0
+    text = capsys.readouterr().out
+    assert "weight" in text and "input" not in text.split("\n", 2)[2] and "6 quantized operand(s)" in text
+    assert main(["mx-sweep", str(root / "mxfp8"), "-q", "--mx-formats", "mxfp4_e2m1", "--offsets=-1,0",
+                 "--formats", "hifp8"]) == 0
+    assert "recommended for mxfp4_e2m1" in capsys.readouterr().out
+    assert main(["report", "--out", str(out)]) == 2  # nothing to report: a clear error, not a traceback
+    assert main(["report", str(root / "mxfp8"), "--formats", "mxfp9", "-q", "--out", str(out)]) == 2
+    assert "did you mean" in capsys.readouterr().err
+
+
+def test_robust_to_degenerate_tensors_and_an_empty_set(tmp_path):
+    tensors = [torch.zeros(4, 64), torch.full((4, 64), math.nan), torch.tensor([[math.inf, -math.inf] * 32]),
+               torch.randn(1, 3), torch.tensor(2.5)]
+    write_tensors(tmp_path / "odd", tensors)
+    res = analysis.report([tmp_path / "odd"], tmp_path / "r", **{**FAST, "formats": ["hifp8", "mxfp4_e2m1"]})
+    assert res.records == 5 and res.problems == []
+    st = {g["group"]["layer"]: g for g in _json(tmp_path / "r/stats/global_stats.json")["groupings"]["layer"]}
+    assert st[0]["zero_fraction"] == 1.0 and st[0]["std"] == 0.0
+    assert st[1]["nan"] == 256 and st[1]["mean"] is None and st[1]["quantiles"]["q0.5"] is None
+    assert st[2]["inf"] == 64 and st[2]["min"] is None
+    assert st[4]["numel"] == 1 and st[4]["min"] == 2.5
+    # an empty capture set (a session that captured nothing) and a single tensor
+    write_tensors(tmp_path / "empty", [])
+    res = analysis.report([tmp_path / "empty"], tmp_path / "e", **FAST)
+    assert res.records == 0 and (tmp_path / "e/index.html").is_file()
+    write_tensors(tmp_path / "one", [torch.randn(8, 32)])
+    res = analysis.report([tmp_path / "one"], tmp_path / "o", workers=2, plots=False, **FAST)
+    assert res.records == 1 and res.tensors == 1
+
+
+def test_newer_schema_version_and_hostile_files_are_skipped_with_a_reason(tmp_path):
+    write_tensors(tmp_path / "new", [torch.randn(4, 32)])
+    run_json = tmp_path / "new/rank-00000" / layout.RUN_INFO
+    info = json.loads(run_json.read_text())
+    info["format_version"] = layout.FORMAT_VERSION + 1
+    run_json.write_text(json.dumps(info))  # hand-edited on purpose: a file from a newer fxquant
+    write_tensors(tmp_path / "ok", [torch.randn(4, 32), torch.randn(4, 32)])
+    write_tensors(tmp_path / "evil", [torch.randn(4, 32), torch.randn(4, 32)])
+    shard = next((tmp_path / "evil/rank-00000/shards").glob("*.safetensors"))
+
+    class Boom:  # unpickling this would run code: the reader must refuse the file instead
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    shard.write_bytes(pickle.dumps(Boom()))
+    (tmp_path / "junk").mkdir()
+    res = analysis.report([tmp_path / "new", tmp_path / "ok", tmp_path / "evil", tmp_path / "junk"],
+                          tmp_path / "r", workers=2, plots=False, **FAST)
+    assert not (tmp_path / "pwned").exists()
+    assert res.tensors == 2  # only the readable set
+    text = "\n".join(res.problems)
+    assert "newer capture format" in text and "pickle" in text and "junk" in text
+    assert "Problems" in (tmp_path / "r/index.html").read_text()
