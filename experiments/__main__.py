@@ -25,6 +25,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-prefix", help="indexed dataset prefix (overrides $FXQUANT_WIKIPEDIA_PREFIX / $FXQUANT_DOLMA_PREFIX)")
     p.add_argument("--iters", type=int, help="override the config's train_iters")
     p.add_argument("--control-iter", type=int, help="stop after N iterations (predecessor's --control-iter)")
+    p.add_argument("--eval-interval", type=int, help="validation loss every N iterations (0 = off; default: config's)")
+    p.add_argument("--eval-iters", type=int, help="global batches of the validation split per evaluation")
     p.add_argument("--backend", default="aot_eager", choices=["inductor", "aot_eager", "eager", "none"])
     p.add_argument("--attention", default="sdpa", choices=["sdpa", "local"])
 
@@ -33,7 +35,8 @@ def _resolve(args, model, dataset, scheme):
     return resolve(model=model, dataset=dataset, scheme=scheme, config=args.config, variant=args.variant,
                    capture=args.capture, nproc=args.nproc, tp=args.tp, pp=args.pp, out=args.out,
                    tokenizer=args.tokenizer, data_prefix=args.data_prefix, iters=args.iters,
-                   backend=args.backend, attention=args.attention, control_iter=args.control_iter)
+                   backend=args.backend, attention=args.attention, control_iter=args.control_iter,
+                   eval_interval=args.eval_interval, eval_iters=args.eval_iters)
 
 
 def cmd_list(args) -> int:
@@ -83,19 +86,21 @@ def cmd_matrix(args) -> int:
         print(f"[start] {name}", flush=True)
         outcome = supervise(launch, args.timeout, echo=False)
         losses = compare.read_losses(Path(launch.run.output_dir) / "metrics.jsonl")
+        val_losses = compare.read_losses(Path(launch.run.output_dir) / "metrics.jsonl", key="val_loss")
         records.append({"run": name, "model": model, "dataset": dataset, "scheme": scheme, "status": outcome.status,
                         "seconds": round(outcome.seconds, 1), "iterations": len(losses),
-                        "final_loss": losses[-1] if losses else None, "run_dir": launch.run.output_dir,
+                        "final_loss": losses[-1] if losses else None,
+                        "final_val_loss": val_losses[-1] if val_losses else None, "run_dir": launch.run.output_dir,
                         "log": str(outcome.log)})
         print(f"[{outcome.status}] {name} in {outcome.seconds:.0f}s", flush=True)
     comparison = compare.against_bf16(records, last_n=args.last_n)
     for r in records:
-        rows.append((r["run"], r["status"], r.get("iterations", ""), r.get("final_loss", ""),
+        rows.append((r["run"], r["status"], r.get("iterations", ""), r.get("final_loss", ""), r.get("final_val_loss", ""),
                      comparison.get(r["run"], {}).get("mre_all", ""), comparison.get(r["run"], {}).get("mre_last", "")))
     out.mkdir(parents=True, exist_ok=True)
     summary = {"runs": records, "loss_vs_bf16": comparison, "last_n": args.last_n}
     (out / "matrix_summary.json").write_text(json.dumps(summary, indent=2))
-    table = tabulate(rows, headers=["run", "status", "iters", "final loss", "MRE vs bf16", f"MRE last {args.last_n}"])
+    table = tabulate(rows, headers=["run", "status", "iters", "final loss", "val loss", "MRE vs bf16", f"MRE last {args.last_n}"])
     (out / "matrix_summary.txt").write_text(table + "\n")
     print(table)
     plot = compare.plot_curves(records, out / "loss_curves.png")

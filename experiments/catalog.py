@@ -13,9 +13,9 @@ Training configs `standard` and `fast` are the predecessor's (PREDECESSOR.md); `
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from fxquant.megatron_glue.config import MLAConfig, ModelConfig, MoEConfig, RopeScaling
+from fxquant.megatron_glue.config import LoadBalancing, MLAConfig, ModelConfig, MoEConfig, RopeScaling
 from fxquant.megatron_glue.run_config import OptimConfig, TrainConfig
 
 MODELS: dict[str, ModelConfig] = {
@@ -36,7 +36,7 @@ MODELS: dict[str, ModelConfig] = {
                       rope_scaling_factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
                       beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707),
         moe=MoEConfig(num_experts=64, top_k=6, expert_ffn_hidden_size=1408, shared_expert_ffn_hidden_size=2 * 1408,
-                      first_k_dense=1, aux_loss_coeff=0.001)),
+                      first_k_dense=1, aux_loss_coeff=0.001, load_balancing=LoadBalancing.SEQ_AUX_LOSS)),
 }
 
 BYTE_VOCAB = 257  # fxquant's built-in byte tokenizer
@@ -49,13 +49,16 @@ TINY: dict[str, ModelConfig] = {
     "llama32-1b": MODELS["llama32-1b"].with_(
         name="llama32-1b-tiny", num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4,
         num_query_groups=2, kv_channels=16, vocab_size=BYTE_VOCAB, max_position_embeddings=1024),
+    # MLA (kv latent smaller than hidden and than heads x (k nope + v); q/k nope:rope = 2:1; v = nope; YaRN),
+    # MoE (routed top-k + 2 shared experts, sequence aux loss) after one dense layer. Every GEMM reduction
+    # dim is a multiple of 32 (one MX block), as in the full model.
     "deepseek2_lite": MODELS["deepseek2_lite"].with_(
-        name="deepseek2_lite-tiny", num_layers=2, hidden_size=64, ffn_hidden_size=172, num_attention_heads=4,
+        name="deepseek2_lite-tiny", num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4,
         vocab_size=BYTE_VOCAB, max_position_embeddings=1024,
-        mla=MLAConfig(kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
-                      rope_scaling_factor=40.0, original_max_position_embeddings=64),
-        moe=MoEConfig(num_experts=8, top_k=2, expert_ffn_hidden_size=32, shared_expert_ffn_hidden_size=64,
-                      first_k_dense=1)),
+        mla=replace(MODELS["deepseek2_lite"].mla, kv_lora_rank=32, qk_head_dim=64, qk_pos_emb_head_dim=32,
+                    v_head_dim=64, original_max_position_embeddings=64),
+        moe=replace(MODELS["deepseek2_lite"].moe, num_experts=8, top_k=2, expert_ffn_hidden_size=32,
+                    shared_expert_ffn_hidden_size=2 * 32)),
 }
 
 CONFIGS: dict[str, TrainConfig] = {
@@ -66,7 +69,7 @@ CONFIGS: dict[str, TrainConfig] = {
     "fast": TrainConfig(seq_length=2048, micro_batch_size=1, global_batch_size=32, train_iters=1000 // 32,
                         optim=OptimConfig(lr=1e-4, min_lr=1e-5, warmup_iters=3)),
     "cpu": TrainConfig(seq_length=64, micro_batch_size=2, global_batch_size=8, train_iters=40,
-                       optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_iters=4)),
+                       optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_iters=4), eval_interval=10, eval_iters=2),
 }
 
 

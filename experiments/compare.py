@@ -5,10 +5,12 @@ import json
 from pathlib import Path
 
 
-def read_losses(metrics: Path) -> list[float]:
+def read_losses(metrics: Path, key: str = "loss") -> list[float]:
+    """The `key` values of a metrics JSONL in iteration order (records without `key` are skipped)."""
     if not metrics.is_file():
         return []
-    return [json.loads(line)["loss"] for line in metrics.read_text().splitlines() if line.strip()]
+    records = (json.loads(line) for line in metrics.read_text().splitlines() if line.strip())
+    return [r[key] for r in records if key in r]
 
 
 def mean_relative_error(losses: list[float], reference: list[float]) -> float | None:

@@ -53,7 +53,8 @@ class Launch:
 def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", variant: str = "tiny",
             capture: str | None = None, nproc: int = 1, tp: int = 1, pp: int = 1, out: str = "runs",
             tokenizer: str | None = None, data_prefix: str | None = None, iters: int | None = None,
-            backend: str = "aot_eager", attention: str = "sdpa", control_iter: int | None = None) -> Launch:
+            backend: str = "aot_eager", attention: str = "sdpa", control_iter: int | None = None,
+            eval_interval: int | None = None, eval_iters: int | None = None) -> Launch:
     model = _pick("model", model, catalog.MODELS)
     dataset = _pick("dataset", dataset, catalog.DATASETS)
     scheme = _pick("scheme", scheme, catalog.scheme_names())
@@ -64,7 +65,9 @@ def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", varia
         raise ValueError(f"nproc={nproc} must be a positive multiple of tp*pp = {tp}*{pp}")
     mcfg.check_parallel(tp, pp)
     tcfg = catalog.CONFIGS[config]
-    tcfg = replace(tcfg, train_iters=iters or tcfg.train_iters, control_iter=control_iter)
+    tcfg = replace(tcfg, train_iters=iters or tcfg.train_iters, control_iter=control_iter,
+                   eval_interval=tcfg.eval_interval if eval_interval is None else eval_interval,
+                   eval_iters=eval_iters or tcfg.eval_iters)
     dp = nproc // (tp * pp)
     if tcfg.global_batch_size % (tcfg.micro_batch_size * dp):
         raise ValueError(f"config {config!r}: global batch {tcfg.global_batch_size} is not divisible by "

@@ -1,9 +1,15 @@
-"""`SDPACoreAttention`: a Megatron core-attention module computed by `F.scaled_dot_product_attention`.
+"""Core-attention modules for Megatron's layer specs: `SDPACoreAttention` and `MLADotProductAttention`.
 
-A drop-in for Megatron's `DotProductAttention` in a layer spec's `core_attention` slot (same constructor
-and forward signature, same [s, b, heads, dim] layout in and [s, b, heads * v_dim] out). It runs on any
-device, handles grouped-query attention (`enable_gqa`) and MLA (value head dim != query head dim), and
-appears in the Dynamo graph as one `F.scaled_dot_product_attention` call that fxquant's passes match.
+`SDPACoreAttention` computes attention with `F.scaled_dot_product_attention`. A drop-in for Megatron's
+`DotProductAttention` in a layer spec's `core_attention` slot (same constructor and forward signature,
+same [s, b, heads, dim] layout in and [s, b, heads * v_dim] out). It runs on any device, handles
+grouped-query attention (`enable_gqa`) and MLA (value head dim != query head dim; MLA passes `k_channels`
+/ `v_channels`), and appears in the Dynamo graph as one `F.scaled_dot_product_attention` call that
+fxquant's passes match.
+
+`MLADotProductAttention` is Megatron's unfused `DotProductAttention` accepting the `k_channels` /
+`v_channels` that multi-latent attention passes (0.16.1's local class takes neither, and shapes its output
+by `kv_channels`); the computation is Megatron's own.
 
 Mask convention: Megatron's boolean masks are True where attention is *forbidden*; SDPA's are True where it
 is *allowed*. With no mask and a causal mask type, `is_causal=True` is used.
@@ -15,6 +21,7 @@ import math
 import torch
 import torch.nn.functional as F
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -34,6 +41,8 @@ class SDPACoreAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection: ProcessGroupCollection | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
     ) -> None:
         super().__init__(config=config)
         if config.context_parallel_size != 1:
@@ -46,7 +55,8 @@ class SDPACoreAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.num_heads_per_partition = divide(config.num_attention_heads, tp)
         self.num_groups_per_partition = divide(config.num_query_groups or config.num_attention_heads, tp)
-        self.softmax_scale = 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
+        head_dim = k_channels or config.kv_channels  # MLA passes k_channels = nope + rope head dim
+        self.softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
@@ -67,3 +77,18 @@ class SDPACoreAttention(MegatronModule):
         )
         # [b, n, s, dv] -> [s, b, n * dv]
         return out.permute(2, 0, 1, 3).reshape(out.size(2), out.size(0), -1)
+
+
+class MLADotProductAttention(DotProductAttention):
+    """Megatron's unfused core attention for MLA: query/key head dim `k_channels`, value head dim `v_channels`."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection: ProcessGroupCollection | None = None,
+                 k_channels: int | None = None, v_channels: int | None = None) -> None:
+        if softmax_scale is None and k_channels is not None:
+            softmax_scale = 1.0 / math.sqrt(k_channels)
+        super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
+                         softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+        if v_channels is not None:  # the output is [s, b, heads_per_partition * v_channels]
+            self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels

@@ -38,6 +38,13 @@ class RopeScaling(enum.Enum):
     YARN = "yarn"      # DeepSeek-V2 YaRN (MLA only)
 
 
+class LoadBalancing(enum.Enum):
+    """The MoE router's auxiliary load-balancing loss (Megatron's `moe_router_load_balancing_type`)."""
+
+    AUX_LOSS = "aux_loss"          # Switch-Transformer loss over all tokens of the micro-batch
+    SEQ_AUX_LOSS = "seq_aux_loss"  # the same per sequence, averaged (DeepSeek-V2's `seq_aux: true`)
+
+
 def _parse_enum(cls: type[enum.Enum], value, argument: str):
     if isinstance(value, cls):
         return value
@@ -85,6 +92,7 @@ class MoEConfig:
     shared_expert_ffn_hidden_size: int | None = None  # all shared experts together (DeepSeek: n_shared x ffn)
     first_k_dense: int = 0                            # leading layers with a dense MLP instead of MoE
     aux_loss_coeff: float = 0.001
+    load_balancing: LoadBalancing = LoadBalancing.AUX_LOSS
 
     def __post_init__(self) -> None:
         _positive("MoEConfig", num_experts=self.num_experts, top_k=self.top_k,
@@ -94,6 +102,9 @@ class MoEConfig:
             raise ValueError(f"MoEConfig.top_k={self.top_k} exceeds num_experts={self.num_experts}")
         if self.first_k_dense < 0:
             raise ValueError(f"MoEConfig.first_k_dense must be >= 0, got {self.first_k_dense}")
+        if not isinstance(self.load_balancing, LoadBalancing):
+            object.__setattr__(self, "load_balancing", _parse_enum(LoadBalancing, self.load_balancing,
+                                                                   "MoEConfig.load_balancing"))
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,11 @@ class HostRNGStatesTracker(megatron_random.CudaRNGStatesTracker):
 
 
 class HostRotaryEmbedding(RotaryEmbedding):
-    """Megatron's RotaryEmbedding without the move of `inv_freq` to CUDA on first use."""
+    """Megatron's RotaryEmbedding built on the host, without the move of `inv_freq` to CUDA on first use."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs["use_cpu_initialization"] = True
+        super().__init__(*args, **kwargs)
 
     def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
         freqs = self.get_freqs_non_repeated(max_seq_len, offset)

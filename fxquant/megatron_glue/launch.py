@@ -12,11 +12,21 @@ import sys
 import warnings
 
 
+def format_progress(record: dict, total: int) -> str:
+    """One progress line: loss, lr, grad norm, throughput, step time; MoE aux and validation loss if present."""
+    line = (f"iter {record['iteration']:>6}/{total} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "
+            f"grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:.0f} tok/s | "
+            f"{record['step_time_s'] * 1000:.0f} ms")
+    for key in sorted(k for k in record if k.endswith("load_balancing_loss")):
+        line += f" | {key.replace('_loss', '')} {record[key]:.3f}"
+    if "val_loss" in record:
+        line += f" | val loss {record['val_loss']:.4f}"
+    return line
+
+
 def _progress(total: int):
     def show(record: dict) -> None:
-        print(f"iter {record['iteration']:>6}/{total} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "
-              f"grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:.0f} tok/s | "
-              f"{record['step_time_s'] * 1000:.0f} ms", flush=True)
+        print(format_progress(record, total), flush=True)
     return show
 
 
@@ -37,8 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = train(run, progress=_progress(run.train.train_iters))
         if result.records:
+            validated = [r["val_loss"] for r in result.records if "val_loss" in r]
             summary = {"run_dir": str(result.run_dir), "iterations": result.iterations,
                        "final_loss": result.records[-1]["loss"], "metrics": str(result.metrics_path),
+                       "final_val_loss": validated[-1] if validated else None,
                        "checkpoints": str(result.checkpoint_dir) if result.checkpoint_dir else None,
                        "stopped_by_control_iter": result.stopped_by_control_iter}
             print("FXQUANT_RESULT " + json.dumps(summary), flush=True)

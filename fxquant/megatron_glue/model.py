@@ -6,7 +6,8 @@
   (no Transformer Engine) spec, MoE layers where `cfg.moe` says, and the core attention chosen by
   `AttentionKind`: Megatron's unfused `DotProductAttention` (LOCAL) or `SDPACoreAttention` (SDPA).
 - `build_gpt_model(cfg, attention=...)` -> a `GPTModel` for this rank's pipeline stage and TP shard,
-  on the parallel state's device, with `HostRotaryEmbedding` off CUDA (host.py), and weights drawn
+  on the parallel state's device, with `HostRotaryEmbedding` off CUDA (host.py) and the host MLA / MoE
+  modules (host_moe_mla.py) in the spec, and weights drawn
   per *global* parameter name (`global_parameter_name`): the model computes the same function for any
   TP/PP layout, which is what lets a 2-process run be compared with a single-process one.
 - `causal_attention_mask(seq)`: the explicit boolean mask Megatron needs on CPU (trap 10).
@@ -27,9 +28,10 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from fxquant.megatron_glue.attention import SDPACoreAttention
+from fxquant.megatron_glue.attention import MLADotProductAttention, SDPACoreAttention
 from fxquant.megatron_glue.config import Activation, AttentionKind, ModelConfig, RopeScaling
 from fxquant.megatron_glue.host import HostRotaryEmbedding
+from fxquant.megatron_glue.host_moe_mla import swap_mla_moe_modules
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,7 @@ def transformer_config(cfg: ModelConfig, *, params_dtype: torch.dtype = torch.fl
         masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
+        qk_layernorm=cfg.mla is not None,  # MLA: RMSNorm on the compressed kv (DeepSeek-V2 kv_a_layernorm)
     )
     if cfg.moe is not None:
         m = cfg.moe
@@ -77,8 +80,10 @@ def transformer_config(cfg: ModelConfig, *, params_dtype: torch.dtype = torch.fl
             num_moe_experts=m.num_experts, moe_router_topk=m.top_k, moe_ffn_hidden_size=m.expert_ffn_hidden_size,
             moe_shared_expert_intermediate_size=m.shared_expert_ffn_hidden_size,
             moe_layer_freq=[0] * m.first_k_dense + [1] * (cfg.num_layers - m.first_k_dense),
-            moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=m.aux_loss_coeff,
-            moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False, moe_router_dtype="fp32",
+            moe_router_load_balancing_type=m.load_balancing.value, moe_aux_loss_coeff=m.aux_loss_coeff,
+            # all-to-all builds a torch.cuda.Stream; all-gather routes identically at EP = 1 (host_moe_mla.py)
+            moe_token_dispatcher_type="alltoall" if on_cuda else "allgather",
+            moe_grouped_gemm=False, moe_router_dtype="fp32",
             moe_router_score_function="softmax", moe_router_pre_softmax=True,
         )
     kwargs.update(overrides)
@@ -95,13 +100,19 @@ def transformer_config(cfg: ModelConfig, *, params_dtype: torch.dtype = torch.fl
     )
 
 
-def layer_spec(cfg: ModelConfig, tcfg: TransformerConfig, attention: AttentionKind):
-    """This pipeline stage's decoder block spec (local modules) with the chosen core attention."""
+def layer_spec(cfg: ModelConfig, tcfg: TransformerConfig, attention: AttentionKind,
+               device: torch.device | str = "cpu"):
+    """This pipeline stage's decoder block spec (local modules) with the chosen core attention; off CUDA,
+    with the host replacements of Megatron's MLA and MoE modules (host_moe_mla.py)."""
     spec = copy.deepcopy(get_gpt_decoder_block_spec(tcfg, use_transformer_engine=False,
                                                     normalization=cfg.normalization.value))
-    core = SDPACoreAttention if attention is AttentionKind.SDPA else DotProductAttention
+    if attention is AttentionKind.SDPA:
+        core = SDPACoreAttention
+    else:
+        core = MLADotProductAttention if cfg.mla is not None else DotProductAttention
     for layer in spec.layer_specs:
         layer.submodules.self_attention.submodules.core_attention = core
+    swap_mla_moe_modules(spec, host=torch.device(device).type != "cuda")
     return spec
 
 
@@ -120,7 +131,7 @@ def build_gpt_model(cfg: ModelConfig, *, attention: AttentionKind | str = Attent
     tcfg = transformer_config(cfg, params_dtype=params_dtype, bf16=bf16, device=device, **config_overrides)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     model = GPTModel(
-        config=tcfg, transformer_layer_spec=layer_spec(cfg, tcfg, attention),
+        config=tcfg, transformer_layer_spec=layer_spec(cfg, tcfg, attention, device),
         vocab_size=padded_vocab_size(cfg.vocab_size, tp),
         max_sequence_length=max_sequence_length or cfg.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -132,21 +143,9 @@ def build_gpt_model(cfg: ModelConfig, *, attention: AttentionKind | str = Attent
     )
     if device.type != "cuda" and hasattr(model, "rotary_pos_emb"):
         model.rotary_pos_emb.__class__ = HostRotaryEmbedding  # same state, no move to CUDA (host.py)
-    _swap_mla_rotary(model, device)
     model.to(device)
     initialize_weights(model, cfg, seed=seed)
     return model
-
-
-def _swap_mla_rotary(model: GPTModel, device: torch.device) -> None:
-    """MLA layers own their rotary embedding; the plain RoPE variant moves to CUDA too: keep it on the host."""
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-
-    if device.type == "cuda":
-        return
-    for module in model.modules():
-        if type(module) is RotaryEmbedding:
-            module.__class__ = HostRotaryEmbedding
 
 
 _LAYER = re.compile(r"(?<![\w.])(decoder\.layers\.)(\d+)\.")

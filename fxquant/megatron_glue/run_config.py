@@ -116,9 +116,11 @@ class TrainConfig:
     save_interval: int = 0  # 0 = no checkpoints
     seed: int = 1234
     control_iter: int | None = None  # stop after this many iterations (predecessor's --control-iter)
+    eval_interval: int = 0  # validation loss every N iterations and at the end; 0 = never
+    eval_iters: int = 1     # global batches of the validation split per evaluation (the same ones each time)
 
     def __post_init__(self) -> None:
-        for name in ("seq_length", "micro_batch_size", "global_batch_size", "train_iters"):
+        for name in ("seq_length", "micro_batch_size", "global_batch_size", "train_iters", "eval_iters"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.global_batch_size % self.micro_batch_size:
@@ -128,6 +130,17 @@ class TrainConfig:
             raise ValueError(f"control_iter must be >= 1, got {self.control_iter}")
         if self.save_interval < 0:
             raise ValueError(f"save_interval must be >= 0, got {self.save_interval}")
+        if self.eval_interval < 0:
+            raise ValueError(f"TrainConfig.eval_interval must be >= 0 (0 = no validation), got {self.eval_interval}")
+
+    @property
+    def eval_samples(self) -> int:
+        """Samples of the validation split one evaluation reads (0 when validation is off)."""
+        return self.eval_iters * self.global_batch_size if self.eval_interval else 0
+
+    def evaluates_at(self, iteration: int) -> bool:
+        """Whether the validation loss is computed after `iteration` (1-based) completes."""
+        return bool(self.eval_interval) and (iteration % self.eval_interval == 0 or iteration == self.train_iters)
 
     def bf16_on(self, device: torch.device) -> bool:
         if self.precision is Precision.AUTO:

@@ -3,8 +3,9 @@
 One iteration = `global_batch_size` samples = micro-batches of `micro_batch_size` on each of the
 data-parallel ranks, run by `schedule.forward_backward` (Megatron's schedules on CUDA), then the
 optimizer step (`optim`), Megatron's LR scheduler, metrics (JSONL per iteration: loss, lr, grad norm,
-tokens/s, step time; optional TensorBoard), periodic checkpoints (`checkpoint`) and auto-resume from
-the run directory. `control_iter` stops the run after that many iterations (the predecessor's
+tokens/s, step time, MoE aux losses; optional TensorBoard), the validation loss every `eval_interval`
+iterations (`evaluation.Validator`, recorded as `val_loss`), periodic checkpoints (`checkpoint`) and
+auto-resume from the run directory. `control_iter` stops the run after that many iterations (the predecessor's
 `--control-iter`). The model is compiled through `compile_model` (fxquant.compile with the run's
 scheme) while `graph_breaks.quiet_tp_group_lookup()` is held, so Megatron's model is one graph.
 Configuration types and their JSON form live in `run_config`.
@@ -19,12 +20,12 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.distributed as dist
-from megatron.core import parallel_state
 
 from fxquant.megatron_glue import checkpoint
 from fxquant.megatron_glue.data import PretrainingSampler, batch_iterator, build_datasets
+from fxquant.megatron_glue.evaluation import Validator, mean_loss
 from fxquant.megatron_glue.graph_breaks import quiet_tp_group_lookup
+from fxquant.megatron_glue.host_moe_mla import MoEAuxLosses
 from fxquant.megatron_glue.model import build_gpt_model, causal_attention_mask
 from fxquant.megatron_glue.optim import HostOptimizer, MegatronOptimizerSetup, lr_scheduler
 from fxquant.megatron_glue.parallel import initialize_parallel
@@ -35,6 +36,7 @@ from fxquant.megatron_glue.tokenizer import load_tokenizer
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+SITES_FILE = "fxquant_sites.json"  # what fxquant.compile matched and rewrote (logging rank's model)
 
 
 @dataclass
@@ -45,6 +47,7 @@ class TrainResult:
     metrics_path: Path | None = None
     checkpoint_dir: Path | None = None
     stopped_by_control_iter: bool = False
+    sites: list[dict] = field(default_factory=list)  # fxquant sites of the logging rank's model (SITES_FILE)
 
 
 def compile_model(model: torch.nn.Module, run: RunConfig) -> torch.nn.Module:
@@ -99,6 +102,8 @@ class _MetricsSink:
         if self.writer is not None:
             for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
                 self.writer.add_scalar(f"train/{key}", record[key], record["iteration"])
+            if "val_loss" in record:
+                self.writer.add_scalar("valid/loss", record["val_loss"], record["iteration"])
 
     def close(self) -> None:
         if self.writer is not None:
@@ -127,11 +132,11 @@ def train(run: RunConfig, progress: Callable[[dict], None] | None = None) -> Tra
     if device.type == "cuda":
         setup = MegatronOptimizerSetup(model, t.optim, bf16=bf16)
         optimizer, runnable = setup, setup.model
-        runnable.module = compile_model(model, run)  # DDP keeps the grad hooks; it runs the compiled module
+        runnable.module = compiled = compile_model(model, run)  # DDP keeps the grad hooks, runs the compiled module
     else:
         shared = model.shared_embedding_or_output_weight() if run.model.tie_embeddings else None
         optimizer = HostOptimizer(model, t.optim, shared_embedding=shared)
-        runnable = compile_model(model, run)
+        runnable = compiled = compile_model(model, run)
     scheduler = lr_scheduler(optimizer, t.optim, t.train_iters)
 
     ckpt_dir = run_dir / "checkpoints"
@@ -140,8 +145,10 @@ def train(run: RunConfig, progress: Callable[[dict], None] | None = None) -> Tra
         start, consumed, _ = checkpoint.load(ckpt_dir, model=model, optimizer=optimizer, scheduler=scheduler)
         log.info("resumed from %s at iteration %d", ckpt_dir, start)
 
-    train_ds, _ = build_datasets(run.data, tokenizer, seq_length=t.seq_length,
-                                 train_samples=t.train_iters * t.global_batch_size, seed=t.seed)
+    train_ds, valid_ds = build_datasets(run.data, tokenizer, seq_length=t.seq_length,
+                                        train_samples=t.train_iters * t.global_batch_size,
+                                        valid_samples=t.eval_samples, seed=t.seed)
+    validator = Validator(valid_ds, t, info, num_micro) if t.eval_interval else None
     sampler = PretrainingSampler(len(train_ds), consumed, t.micro_batch_size, info.dp_rank, info.dp_size)
     batches = batch_iterator(train_ds, sampler)
     mask = causal_attention_mask(t.seq_length, device)
@@ -160,6 +167,8 @@ def train(run: RunConfig, progress: Callable[[dict], None] | None = None) -> Tra
 
     sink = _MetricsSink(run_dir, start, info.is_logging_rank, run.tensorboard)
     result = TrainResult(run_dir=run_dir, iterations=start, metrics_path=sink.path if info.is_logging_rank else None)
+    moe_aux = MoEAuxLosses(model.config)
+    moe_aux.start(device)
     runnable.train()
     try:
         with quiet_tp_group_lookup():
@@ -169,6 +178,9 @@ def train(run: RunConfig, progress: Callable[[dict], None] | None = None) -> Tra
                     break
                 record = _one_iteration(run, iteration, forward_step_func, batches, runnable, optimizer,
                                         scheduler, num_micro, info)
+                record.update(moe_aux.collect(iteration + 1, num_micro))
+                if validator is not None and t.evaluates_at(iteration + 1):
+                    record["val_loss"] = validator.loss(forward_step_func, runnable)
                 consumed += t.global_batch_size
                 result.iterations = iteration + 1
                 if info.is_logging_rank:
@@ -184,7 +196,22 @@ def train(run: RunConfig, progress: Callable[[dict], None] | None = None) -> Tra
                     result.checkpoint_dir = ckpt_dir
     finally:
         sink.close()
+    if compiled is not model and info.is_logging_rank:
+        result.sites = write_sites_report(compiled, run_dir / SITES_FILE)
     return result
+
+
+def write_sites_report(compiled: torch.nn.Module, path: Path) -> list[dict]:
+    """What fxquant.compile matched in this rank's model (module path, op, kind, layer, status): JSON at `path`."""
+    from fxquant.api import compile_state
+
+    state = compile_state(compiled)
+    sites = [{"module_path": s.site.module_path, "op": s.op.value, "kind": s.site.kind.value, "layer": s.site.layer,
+              "status": s.status.value, "note": s.note} for s in state.sites()]
+    unmatched = [{"target": u.target, "module_path": u.module_path, "shapes": list(u.shapes)}
+                 for u in state.unmatched()]
+    path.write_text(json.dumps({"scheme": state.scheme.name, "sites": sites, "unmatched": unmatched}, indent=2))
+    return sites
 
 
 def _one_iteration(run, iteration, forward_step_func, batches, runnable, optimizer, scheduler, num_micro, info) -> dict:
@@ -197,16 +224,10 @@ def _one_iteration(run, iteration, forward_step_func, batches, runnable, optimiz
                               micro_batch_size=t.micro_batch_size)
     stats = optimizer.step()
     scheduler.step(1)
-    loss = torch.zeros((), dtype=torch.float64)
-    if parallel_state.is_pipeline_last_stage():
-        loss = torch.stack([d["lm loss"].double().cpu() for d in losses]).mean()
-        if info.dp_size > 1:
-            loss_dp = loss.to(info.device)
-            dist.all_reduce(loss_dp, group=parallel_state.get_data_parallel_group())
-            loss = loss_dp.cpu() / info.dp_size
+    loss = mean_loss(losses, info)
     if info.device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    return {"iteration": iteration + 1, "loss": loss.item(), "lr": lr, "grad_norm": stats.grad_norm,
+    return {"iteration": iteration + 1, "loss": loss, "lr": lr, "grad_norm": stats.grad_norm,
             "skipped": stats.skipped, "step_time_s": seconds,
             "tokens_per_s": t.global_batch_size * t.seq_length / seconds}
