@@ -34,6 +34,15 @@ def _tile_ptrs(base, offs_l, offs_c, n_l, n_c, stride_l):
 
 
 @triton.jit
+def _key_stop(len_k, pid_m, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    """End of the key range query tile ``pid_m`` visits: under the causal mask, its last row + 1."""
+    hi = len_k
+    if CAUSAL:
+        hi = tl.minimum(len_k, (pid_m + 1) * BLOCK_M)
+    return hi
+
+
+@triton.jit
 def _flash_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     sm_scale, n_heads, len_q, len_k, head_d, head_dv,
@@ -58,10 +67,7 @@ def _flash_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    hi = len_k
-    if CAUSAL:
-        hi = tl.minimum(len_k, (pid_m + 1) * BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
+    for start_n in range(0, _key_stop(len_k, pid_m, BLOCK_M, CAUSAL), BLOCK_N):
         offs_n = start_n + offs_n0
         k_ptrs, k_mask = _tile_ptrs(k_base, offs_n, offs_d, len_k, head_d, head_d)
         kq = quant_tile(load_f32(k_ptrs, k_mask), 1, QK_K)
@@ -171,10 +177,7 @@ def _flash_bwd_dq_kernel(
     lse = tl.load(lse_ptr + bh * len_q + offs_m, mask=offs_m < len_q, other=0.0)
     delta = tl.load(delta_ptr + bh * len_q + offs_m, mask=offs_m < len_q, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    hi = len_k
-    if CAUSAL:
-        hi = tl.minimum(len_k, (pid_m + 1) * BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
+    for start_n in range(0, _key_stop(len_k, pid_m, BLOCK_M, CAUSAL), BLOCK_N):
         offs_n = start_n + offs_n0
         k_ptrs, k_mask = _tile_ptrs(k_base, offs_n, offs_d, len_k, head_d, head_d)
         k = load_f32(k_ptrs, k_mask)
