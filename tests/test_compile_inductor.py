@@ -56,7 +56,7 @@ def test_inductor_linear_site_is_bitwise_equal_to_eager():
     torch.testing.assert_close(got[0], ref[0], rtol=0, atol=0)
     torch.testing.assert_close(got[1][0], ref[1][0], rtol=0, atol=0)  # dgrad
     torch.testing.assert_close(got[2]["fc1.weight"], ref[2]["fc1.weight"], rtol=0, atol=0)  # wgrad
-    torch.testing.assert_close(got[2]["fc1.bias"], ref[2]["fc1.bias"], rtol=1e-6, atol=1e-6)  # a sum: order differs
+    torch.testing.assert_close(got[2]["fc1.bias"], ref[2]["fc1.bias"], rtol=1e-5, atol=1e-5)  # a sum: order differs
 
 
 def test_inductor_sdpa_site_is_bitwise_equal_to_eager():
