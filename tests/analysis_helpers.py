@@ -50,7 +50,7 @@ def write_set(root: Path, *, scheme: str = "FA_linear_mxfp8", layers: int = 3, r
                         hp = Tap(Component.LINEAR, role, module, (0,), kind, layer)
                         torch.ops.fxquant.capture(x, hp.encode())
                         if quantized:
-                            tq = TensorQuant(fmt or f)
+                            tq = TensorQuant.from_spec(fmt or f)
                             x2 = x.reshape(-1, x.shape[-1])
                             q = tq.quantize(x2, dim)
                             tap = Tap(Component.LINEAR, role, module, (0,), kind, layer, copy=Copy.QUANTIZED,

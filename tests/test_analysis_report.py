@@ -166,3 +166,24 @@ def test_newer_schema_version_and_hostile_files_are_skipped_with_a_reason(tmp_pa
     text = "\n".join(res.problems)
     assert "newer capture format" in text and "pickle" in text and "junk" in text
     assert "Problems" in (tmp_path / "r/index.html").read_text()
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4_e2m1", "mxfp8_e4m3:scale_mode=rceil", "hifp8"])
+def test_clip_percentages_without_capture_statistics_match_the_reference(tmp_path, fmt):
+    """what: full (no capture-time statistics): saturated/flushed % come from the histograms (floor MX,
+    element formats) or the reference (other scale rules) and equal the capture's own statistics."""
+    from fxquant.capture import stats as capture_stats
+    from fxquant.formats.tensor_quant import TensorQuant
+
+    write_set(tmp_path / "c", ranks=1, layers=2, what="full", fmt=fmt, shape=(2, 8, 96))
+    analysis.report([tmp_path / "c"], tmp_path / "r", plots=False, **FAST)
+    sites = _json(tmp_path / "r/quant_error/sites.json")["sites"]
+    cs = capture.open(tmp_path / "c")
+    assert len(sites) == 6
+    for s in sites:
+        q_rec = next(iter(cs.query(seq=s["seq"])))
+        hp = cs.load(next(iter(cs.query(module=s["module"], role=s["role"], copy="hp"))))
+        tq = TensorQuant.from_spec(q_rec.qspec)
+        ref = capture_stats.compute(cs.load(q_rec), hp.reshape(q_rec.shape), tq, q_rec.blocked_dim)
+        assert s["saturated_pct"] == pytest.approx(ref["saturated_pct"], abs=1e-9)
+        assert s["flushed_pct"] == pytest.approx(ref["flushed_pct"], abs=1e-9)

@@ -99,15 +99,11 @@ def binade_hist(a: torch.Tensor, esh: int) -> np.ndarray:
 def block_relative_hist(a: torch.Tensor, j: torch.Tensor, esh: int, shape: tuple[int, ...], dim: int,
                         has_zeros: bool) -> np.ndarray:
     """Block-relative histogram (NREL bins) with 32-element blocks along ``dim`` of ``shape``."""
-    a = a.reshape(shape)
-    j = j.reshape(shape)
-    if len(shape) == 0:
-        a, j = a.reshape(1), j.reshape(1)
-    else:
-        a, j = a.movedim(dim, -1), j.movedim(dim, -1)
-    length = a.shape[-1] if a.dim() else 1
-    a2 = a.reshape(-1, length)
-    j2 = j.reshape(-1, length)
+    length = shape[dim] if shape else 1
+    if len(shape) > 1 and dim != len(shape) - 1:
+        a = a.reshape(shape).movedim(dim, -1)
+        j = j.reshape(shape).movedim(dim, -1)
+    a2, j2 = a.reshape(-1, length), j.reshape(-1, length)
     pad = (-length) % BLOCK
     if pad:  # a short last block behaves as if padded with zeros (FORMATS.md); pads are removed below
         a2 = torch.nn.functional.pad(a2, (0, pad))
@@ -115,15 +111,23 @@ def block_relative_hist(a: torch.Tensor, j: torch.Tensor, esh: int, shape: tuple
     rows = a2.shape[0]
     nb = a2.shape[1] // BLOCK
     amax = a2.reshape(rows, nb, BLOCK).amax(dim=-1)
-    eb = amax.bitwise_right_shift(esh)
-    eb = torch.where(amax == 0, 255, eb).to(j2.dtype)
-    shift = (REL_OFFSET - SUB * eb.to(torch.int32)).to(torch.int32)
-    rel = j2.to(torch.int32).reshape(rows, nb, BLOCK) + shift.unsqueeze(-1)
+    eb = amax.bitwise_right_shift(esh).to(torch.int32)
+    eb = torch.where(amax == 0, 255, eb)
+    shift = (REL_OFFSET - SUB * eb).to(j2.dtype)  # fits int16: 0..4080
+    rel = j2.reshape(rows, nb, BLOCK) + shift.unsqueeze(-1)  # < 4097 + 4080 + 1: fits int16
     if has_zeros or pad:
         rel = rel.masked_fill_(j2.reshape(rows, nb, BLOCK) == 0, REL_ZERO)
     h = torch.bincount(rel.reshape(-1), minlength=NREL).numpy().astype(np.int64)
     h[REL_ZERO] -= pad * rows
     return h
+
+
+def bf16_magnitude_table() -> tuple[np.ndarray, np.ndarray]:
+    """(float64 value, exponent field) of every bf16 magnitude pattern 0..32767."""
+    pat = np.arange(1 << 15, dtype=np.uint32)
+    with np.errstate(invalid="ignore"):  # NaN patterns
+        vals = (pat << 16).view(np.float32).astype(np.float64)
+    return vals, (pat >> 7).astype(np.int64)
 
 
 # -- reading histograms ---------------------------------------------------------------------------------

@@ -209,7 +209,7 @@ def _layer_rank(agg: Aggregator, out: Outputs, name: str, copy: str, d: str, sec
         for (l, r), c in cells.items():
             denom = c[1] if col == 2 else c[0]
             data[layers.index(l), ranks.index(r)] = 100.0 * c[col] / denom if denom else np.nan
-        heatmap(ax, data, ["-" if v is None else v for v in layers], [f"rank {r}" for r in ranks], label, "magma")
+        heatmap(ax, data, ["-" if v is None else v for v in layers], [f"rank {r}" for r in ranks], label, "magma", vmin=0.0)
         ax.set_xlabel("rank")
         ax.set_ylabel("layer")
         ax.set_title(label, fontsize=9)

@@ -87,12 +87,17 @@ def run_task(task: Task, config: AnalysisConfig, sets: _Sets | None = None) -> T
                 tensors[item.index] = False  # unreadable: skipped, not summarised
         hp = next((tensors[i.index] for i in unit
                    if i.fields.get("copy", "hp") != "quantized" and isinstance(tensors.get(i.index), torch.Tensor)), None)
-        for item in unit:
+        hp_summary = None
+        for item in sorted(unit, key=lambda i: i.fields.get("copy", "hp") == "quantized"):  # hp first
             t = tensors[item.index]
             if t is False:
                 continue
             try:
-                out.summaries.append(summarize(item.index, item.fields, t, config, partner=hp, seed=item.seed))
+                s = summarize(item.index, item.fields, t, config, partner=hp, seed=item.seed,
+                              partner_summary=hp_summary)
+                if hp_summary is None and item.fields.get("copy", "hp") != "quantized" and t is not None:
+                    hp_summary = s
+                out.summaries.append(s)
             except (ValueError, TypeError, RuntimeError) as exc:
                 out.problems.append(f"{item.rank_dir}: record seq={item.fields.get('seq')}: cannot summarise: {exc}")
         tensors.clear()

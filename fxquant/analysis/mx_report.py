@@ -81,6 +81,7 @@ def _plots(rows: list[mx_study.StudyRow], out: Outputs) -> None:
         axes[1].set_yscale("symlog", linthresh=1e-3)
         axes[1].set_title("saturated % / flushed % (of non-zero)")
         for ax in axes:
+            ax.set_xticks(offsets)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
         fig.tight_layout()

@@ -116,12 +116,13 @@ def pyplot():
     return plt
 
 
-def heatmap(ax, data: np.ndarray, rows: list, cols: list, label: str, cmap: str = "viridis", fmt: str = "{:.2g}"):
+def heatmap(ax, data: np.ndarray, rows: list, cols: list, label: str, cmap: str = "viridis", fmt: str = "{:.2g}",
+            vmin: float | None = None):
     """Annotated heatmap; NaN cells (no data) are grey."""
     plt = pyplot()
     masked = np.ma.masked_invalid(data)
     cm = plt.get_cmap(cmap).with_extremes(bad="#dddddd")
-    im = ax.imshow(masked, aspect="auto", cmap=cm, interpolation="nearest")
+    im = ax.imshow(masked, aspect="auto", cmap=cm, interpolation="nearest", vmin=vmin)
     ax.set_yticks(range(len(rows)), [str(r) for r in rows])
     ax.set_xticks(range(len(cols)), [str(c) for c in cols], rotation=45, ha="right")
     cb = ax.figure.colorbar(im, ax=ax)

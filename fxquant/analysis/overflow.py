@@ -119,7 +119,7 @@ def _plots(agg: Aggregator, out: Outputs, copy: str, rows: list[dict]) -> None:
             continue
         fig, ax = plt.subplots(figsize=(max(5.0, 0.8 * len(cols) + 3), max(3.0, 0.3 * len(layers) + 2)))
         heatmap(ax, data, ["-" if v is None else v for v in layers], [f"{d}/{ro}" for d, ro in cols],
-                "flushed to zero (% of non-zero)", "magma")
+                "flushed to zero (% of non-zero)", "magma", vmin=0.0)
         ax.set_xlabel("direction / role")
         ax.set_ylabel("layer")
         ax.set_title(f"{name}: underflow by layer x direction x role")

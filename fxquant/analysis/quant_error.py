@@ -88,11 +88,12 @@ def _heatmaps(sites: list[dict], out: Outputs) -> None:
             data = np.full((len(layers), len(roles)), np.nan)
             for (layer, role), vals in cells.items():
                 data[layers.index(layer), roles.index(role)] = float(np.mean(vals))
-            fig, ax = plt.subplots(figsize=(max(5.0, 0.9 * len(roles) + 3), max(3.0, 0.35 * len(layers) + 2)))
-            heatmap(ax, data, ["-" if v is None else v for v in layers], roles, label, cmap)
+            fig, ax = plt.subplots(figsize=(max(7.0, 0.9 * len(roles) + 3), max(3.5, 0.35 * len(layers) + 2.5)))
+            heatmap(ax, data, ["-" if v is None else v for v in layers], roles, label, cmap,
+                    vmin=None if metric == "sqnr_db" else 0.0)
             ax.set_xlabel("operand role / GEMM")
             ax.set_ylabel("layer")
-            ax.set_title(f"{label} of quantized operands, scheme {scheme} (mean over captures)")
+            ax.set_title(f"{label} of quantized operands\nscheme {scheme}, mean over captures", fontsize=10)
             fig.tight_layout()
             out.figure(f"quant_error/heatmap_{metric}_{slug(scheme)}.png", fig, SECTION,
                        f"{label}: layer x role, scheme {scheme}")

@@ -91,7 +91,8 @@ def block_dim(fields: dict, ndim: int) -> int:
 
 
 def summarize(index: int, fields: dict, tensor: torch.Tensor | None, config: AnalysisConfig,
-              partner: torch.Tensor | None = None, seed: int = 0) -> RecordSummary:
+              partner: torch.Tensor | None = None, seed: int = 0,
+              partner_summary: "RecordSummary | None" = None) -> RecordSummary:
     stats = fields.get("stats") or None
     numel = math.prod(fields.get("shape") or [0]) if tensor is None else tensor.numel()
     if tensor is None:
@@ -106,20 +107,26 @@ def summarize(index: int, fields: dict, tensor: torch.Tensor | None, config: Ana
     signed = bins.signed_hist(b, j)
     zeros = int(signed[0] + signed[bins.NMAG])
     nonfinite = int(signed[bins.INF_BIN:bins.NMAG].sum() + signed[bins.NMAG + bins.INF_BIN:].sum())
-    use_manifest = stats is not None and fields.get("sample") is None and stats.get("min", 0) is not None
-    if use_manifest:
-        m = moments.from_manifest(stats, numel)
+    if x.dtype == torch.bfloat16:  # exact magnitudes from one 32768-bin histogram of the bit patterns
+        hm = torch.bincount(a.reshape(-1), minlength=1 << 15).numpy().astype(np.int64)
+        binade = np.bincount(_BF16_EXP, weights=hm, minlength=bins.NBINADE).astype(np.int64)
+    else:
+        hm, binade = None, bins.binade_hist(a, esh)
+    if stats is not None and fields.get("sample") is None and stats.get("min", 0) is not None:
+        m = moments.from_manifest(stats, numel)  # the whole tensor, as the capture saw it
+    elif hm is not None and not nonfinite:
+        m = _bf16_moments(x, hm, zeros)
     else:
         m = moments.from_tensor(x, nan=None if nonfinite else 0, inf=None if nonfinite else 0, zeros=zeros)
     m.zeros = zeros
     shape = tuple(x.shape)
     d = block_dim(fields, len(shape))
-    s = RecordSummary(index, fields, m, signed=sparse(signed), binade=sparse(bins.binade_hist(a, esh)))
+    s = RecordSummary(index, fields, m, signed=sparse(signed), binade=sparse(binade))
     s.rel = sparse(bins.block_relative_hist(a, j, esh, shape, d, zeros > 0))
     del b, a, j
     copy = fields.get("copy", "hp")
     if copy == "quantized" and partner is not None:
-        s.qerr = operand_error(x, partner, fields)
+        s.qerr = operand_error(x, partner, fields, partner_summary)
     elif copy == "quantized":
         s.qerr = manifest_error(stats)
     if copy != "quantized" and fields.get("role") in OPERAND_ROLES and config.sample_blocks and x.numel():
@@ -130,6 +137,21 @@ def summarize(index: int, fields: dict, tensor: torch.Tensor | None, config: Ana
     return s
 
 
+_BF16_VALUES, _BF16_EXP = bins.bf16_magnitude_table()
+
+
+def _bf16_moments(x: torch.Tensor, hm: np.ndarray, zeros: int) -> moments.Moments:
+    """Exact moments of a finite bf16 tensor: sum of squares and amax from the pattern histogram."""
+    n = x.numel()
+    lo, hi = torch.aminmax(x.reshape(-1))
+    total = float(x.sum(dtype=torch.float32)) if n >= (1 << 16) else float(x.sum(dtype=torch.float64))
+    sumsq = float(np.dot(hm.astype(np.float64), _BF16_VALUES * _BF16_VALUES))
+    mean = total / n
+    return moments.Moments(n=n, zeros=zeros, n_finite=n, min=float(lo), max=float(hi), mean=mean,
+                           m2=max(sumsq - total * mean, 0.0), amax=float(_BF16_VALUES[np.flatnonzero(hm)[-1]]),
+                           tensors=1)
+
+
 def manifest_error(stats: dict | None) -> dict | None:
     """Quantization error of a quantized operand from the capture-time statistics (no max error there)."""
     if not stats or stats.get("mse") is None and stats.get("sqnr_db") is None:
@@ -138,7 +160,7 @@ def manifest_error(stats: dict | None) -> dict | None:
         "max_err": None, "source": "manifest"}
 
 
-def operand_error(q: torch.Tensor, x: torch.Tensor, fields: dict) -> dict:
+def operand_error(q: torch.Tensor, x: torch.Tensor, fields: dict, partner_summary: "RecordSummary | None" = None) -> dict:
     """SQNR, MSE, cosine, max |error| of quantized operand ``q`` against its high-precision source ``x``,
     plus saturated % and flushed % after the format's scaling (from the manifest, or recomputed)."""
     if q.numel() != x.numel():
@@ -160,11 +182,38 @@ def operand_error(q: torch.Tensor, x: torch.Tensor, fields: dict) -> dict:
     if st.get("saturated_pct") is not None:
         out["saturated_pct"], out["flushed_pct"] = st["saturated_pct"], st.get("flushed_pct")
     elif fields.get("qspec"):
-        from fxquant.capture import stats as capture_stats
-
-        tq = TensorQuant.from_spec(fields["qspec"])
-        ref = x.detach().reshape(q.shape).float()
-        d = block_dim(fields, q.dim())
-        cs = capture_stats.compute(q.float(), ref, tq, d)
-        out["saturated_pct"], out["flushed_pct"] = cs["saturated_pct"], cs["flushed_pct"]
+        out.update(_clip_stats(q, x, fields, partner_summary))
     return out
+
+
+def _clip_stats(q: torch.Tensor, x: torch.Tensor, fields: dict, hp: "RecordSummary | None") -> dict:
+    """Saturated % and flushed % of a quantized copy: exact from its partner's histograms where the format
+    allows (MX with the floor rule blocked along the partner's last dim, unscaled element formats), else
+    from the reference on sampled blocks (``clip_source: sampled``)."""
+    from fxquant.analysis.aggregate import flow_counts
+    from fxquant.formats.mx import MXFormat
+    from fxquant.formats.options import ScaleMode, Scaling
+
+    tq = TensorQuant.from_spec(fields["qspec"])
+    o = tq.options
+    d = block_dim(fields, q.dim())
+    is_mx = isinstance(tq.fmt, MXFormat)
+    exact = tq.format != "nvfp4" and o.scaling is Scaling.NONE and (
+        not is_mx or (o.scale_mode is ScaleMode.FLOOR and d == q.dim() - 1 and x.shape[-1] == q.shape[-1]))
+    if exact and hp is not None:
+        c = flow_counts(hp, tq.format)
+        if c is not None:
+            return {"saturated_pct": 100.0 * c[3] / c[0] if c[0] else 0.0,
+                    "flushed_pct": 100.0 * c[2] / c[1] if c[1] else 0.0, "clip_source": "histogram"}
+    from fxquant.capture import stats as capture_stats
+
+    ref = x.detach().reshape(q.shape).float()
+    if is_mx:  # whole blocks along the blocked dim, the same ones from both tensors
+        ref = mx_study.sample_blocks(ref, d, 2048, 0)
+        qq = mx_study.sample_blocks(q.float(), d, 2048, 0)
+        d = -1
+    else:
+        qq = q.float()
+    cs = capture_stats.compute(qq, ref, tq, d)
+    return {"saturated_pct": cs["saturated_pct"], "flushed_pct": cs["flushed_pct"],
+            "clip_source": "sampled" if is_mx and ref.numel() < q.numel() else "reference"}
