@@ -139,6 +139,23 @@ class LocalTopKRouter(TopKRouter):
         return _RouterGatingLinear.apply(input, self.weight, self.bias, router_dtype)
 
 
+def check_host_layout(cfg, tp: int, ep: int, device: torch.device | str) -> None:
+    """Refuse the layouts whose MLA / MoE communication Megatron 0.16.1 allocates on CUDA.
+
+    Off CUDA, tensor parallelism of MLA (the kv / q down-projections are gathered by
+    `tensor_parallel.mappings._gather_along_last_dim`) and of MoE (the all-gather dispatcher), and expert
+    parallelism, all reach `torch.empty(..., device=torch.cuda.current_device())`. Pipeline and data
+    parallelism work.
+    """
+    if torch.device(device).type == "cuda" or (cfg.mla is None and cfg.moe is None):
+        return
+    parts = " + ".join(name for name, on in (("MLA", cfg.mla is not None), ("MoE", cfg.moe is not None)) if on)
+    if tp > 1 or ep > 1:
+        raise ValueError(f"model {cfg.name!r} ({parts}) with tp={tp}, ep={ep} cannot run on {device}: Megatron-core "
+                         f"0.16.1 gathers MLA/MoE activations across tensor/expert-parallel ranks into CUDA-only "
+                         f"buffers; use tp=1 and ep=1 off CUDA (pipeline and data parallelism work)")
+
+
 def swap_mla_moe_modules(spec, host: bool) -> None:
     """Swap into a decoder block spec (in place): `LocalMLASelfAttention` (`HostMLASelfAttention` when
     `host`) for MLASelfAttention; `LocalTopKRouter` for the MoE layers' TopKRouter when `host` or when

@@ -31,7 +31,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 from fxquant.megatron_glue.attention import MLADotProductAttention, SDPACoreAttention
 from fxquant.megatron_glue.config import Activation, AttentionKind, ModelConfig, RopeScaling
 from fxquant.megatron_glue.host import HostRotaryEmbedding
-from fxquant.megatron_glue.host_moe_mla import swap_mla_moe_modules
+from fxquant.megatron_glue.host_moe_mla import check_host_layout, swap_mla_moe_modules
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +128,9 @@ def build_gpt_model(cfg: ModelConfig, *, attention: AttentionKind | str = Attent
     attention = AttentionKind.parse(attention)
     device = torch.device(device) if device is not None else (
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
-    tcfg = transformer_config(cfg, params_dtype=params_dtype, bf16=bf16, device=device, **config_overrides)
     tp = parallel_state.get_tensor_model_parallel_world_size()
+    check_host_layout(cfg, tp, parallel_state.get_expert_model_parallel_world_size(), device)
+    tcfg = transformer_config(cfg, params_dtype=params_dtype, bf16=bf16, device=device, **config_overrides)
     model = GPTModel(
         config=tcfg, transformer_layer_spec=layer_spec(cfg, tcfg, attention, device),
         vocab_size=padded_vocab_size(cfg.vocab_size, tp),
