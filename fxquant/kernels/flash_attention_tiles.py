@@ -41,7 +41,7 @@ def _round_elem(v, ELEM: tl.constexpr, ROUNDING: tl.constexpr, OVF: tl.constexpr
     elif ELEM == 6:
         y = round_element(v, v, -22, 3, 32768.0, True, True, False, OVF, ROUNDING)
     elif ELEM == 7:
-        y = round_element(v, v, -126, 7, 3.3895313892515355e38, False, True, True, OVF, ROUNDING)
+        y = round_element(v, v, -126, 7, 3.3895313892515355e+38, False, True, True, OVF, ROUNDING)
     else:
         y = round_element(v, v, -14, 10, 65504.0, False, True, True, OVF, ROUNDING)
     return y
