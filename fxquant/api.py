@@ -13,6 +13,7 @@ reads it, ``fxquant.counters`` uses it for the expected-vs-executed quantize cou
 """
 from __future__ import annotations
 
+import atexit
 import copy
 import logging
 from dataclasses import dataclass, field
@@ -61,6 +62,16 @@ def _unimplemented_counts() -> dict[str, int]:
     return dict(counters["unimplemented"])
 
 
+def _capture_spec(capture: object):
+    from fxquant.capture import CaptureSpec, load_spec
+
+    if isinstance(capture, CaptureSpec):
+        return capture
+    if not isinstance(capture, (str, Path)):
+        raise TypeError(f"capture must be a CaptureSpec, a spec YAML path or a shipped spec name, got {type(capture).__name__}")
+    return load_spec(capture)
+
+
 @dataclass
 class CompileState:
     """What ``fxquant.compile`` knows about one compiled module."""
@@ -68,8 +79,11 @@ class CompileState:
     backend: FxquantBackend
     model: nn.Module
     strict: bool
+    capture_session: object = None  # the session ``compile(capture_dir=...)`` started, if any
     checked_reports: int = 0
+    _warned_no_session: bool = field(default=False, repr=False)
     _patch: object = field(default=None, repr=False)
+    _calls: int = field(default=0, repr=False)
     _breaks: dict = field(default_factory=dict, repr=False)
     _unimpl: dict = field(default_factory=dict, repr=False)
 
@@ -90,6 +104,18 @@ class CompileState:
     # -- hooks -------------------------------------------------------------------------------------------
     def before_call(self, module: nn.Module, args: tuple) -> None:
         self._breaks, self._unimpl = _graph_break_counts(), _unimplemented_counts()
+        if self.capture_session is not None:
+            self.capture_session.set_iteration(self.capture_session.iteration + (self._calls > 0))
+            self._calls += 1
+        elif self.backend.capture is not None and not self._warned_no_session:
+            from fxquant.capture import active_session
+
+            if active_session() is None:
+                self._warned_no_session = True
+                log.warning(
+                    "fxquant: a capture spec is compiled in but no capture session is active, so nothing is "
+                    "written; start one with fxquant.capture.start(spec, dir) or pass capture_dir= to compile"
+                )
         if self.strict:
             self._patch = torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
             self._patch.__enter__()
@@ -121,6 +147,7 @@ def compile(
     scheme: str | Path | Scheme,
     *,
     capture: object = None,
+    capture_dir: str | Path | None = None,
     backend: str = "inductor",
     strict: bool = False,
     dynamic: bool | None = None,
@@ -133,20 +160,33 @@ def compile(
     strict: raise ``QuantizationError`` when a selected site was not rewritten, a graph break split one,
         or a frame fell back to eager; otherwise the same is logged at WARNING.
     dynamic: passed to ``torch.compile``.
-    capture: tensor-capture placement spec; not available in this version (must be None).
+    capture: a tensor-capture placement spec (``fxquant.capture.CaptureSpec``, a spec YAML path, or a
+        shipped spec name such as "predecessor"): capture taps are inserted around the sites it selects,
+        in the forward and backward graphs. They write while a capture session is active.
+    capture_dir: start that session now, writing under this directory; its iteration advances by one
+        at every call of the returned module (``compile_state(m).capture_session``; close it to commit).
+        Training loops with micro-batches start their own with ``fxquant.capture.start`` and drive
+        ``set_iteration`` / ``set_micro_batch`` instead.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if capture is not None:
-        raise ValueError(f"capture={capture!r}: tensor capture is not available in this version of fxquant; pass None")
+    spec = None if capture is None else _capture_spec(capture)
+    if capture_dir is not None and spec is None:
+        raise ValueError("capture_dir is only meaningful with a capture spec (capture=...)")
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
     if dynamic not in (None, True, False):
         raise ValueError(f"dynamic={dynamic!r}; allowed: None, True, False")
     resolved = _scheme(scheme)
-    fx_backend = FxquantBackend(resolved, inner=_inner(backend), strict=strict, root=model)
+    fx_backend = FxquantBackend(resolved, inner=_inner(backend), strict=strict, root=model, capture=spec)
     compiled = torch.compile(model, backend=fx_backend, dynamic=dynamic)
-    state = CompileState(fx_backend, model, strict)
+    session = None
+    if capture_dir is not None:
+        from fxquant import capture as capture_api
+
+        session = capture_api.start(spec, capture_dir, scheme=resolved.name)
+        atexit.register(session.close)  # drain the writer and commit, even if the caller never closes it
+    state = CompileState(fx_backend, model, strict, capture_session=session)
     object.__setattr__(compiled, STATE_ATTR, state)
     compiled.register_forward_pre_hook(state.before_call)
     compiled.register_forward_hook(state.after_call, always_call=True)

@@ -53,8 +53,10 @@ class FxquantBackend:
     """A torch.compile backend; ``reports`` holds one GraphReport per Dynamo graph it compiled."""
 
     def __init__(self, scheme: Scheme, *, inner: Inner = Inner.INDUCTOR, strict: bool = False,
-                 root: nn.Module | None = None, dry_run: bool = False) -> None:
+                 root: nn.Module | None = None, dry_run: bool = False, capture: object = None) -> None:
         self.scheme = scheme
+        self.capture = capture  # a CaptureSpec: taps are inserted after the rewrite passes
+        self.tap_reports: list = []
         self.inner = Inner(inner)
         self.strict = strict
         self.dry_run = dry_run
@@ -76,6 +78,13 @@ class FxquantBackend:
             self.pending.append(exc)
             return self.compile_inner(gm, example_inputs)
         self.reports.append(graph_report)
+        if self.capture is not None and not self.dry_run:
+            from fxquant.passes.capture_taps import insert_capture_taps
+
+            tap_report = insert_capture_taps(gm, self.capture)
+            self.tap_reports.append(tap_report)
+            for note in tap_report.unavailable:
+                log.warning("fxquant capture: %s", note)
         n_rewritten = sum(s.status.value == "rewritten" for s in graph_report.sites)
         log.info("fxquant: graph %d: %d sites matched, %d rewritten, %d matmul-like ops unmatched",
                  graph_report.index, len(graph_report.sites), n_rewritten, len(graph_report.unmatched))

@@ -10,20 +10,14 @@ from torch import nn
 from fxquant import capture, schemes
 from fxquant.backend import FxquantBackend
 from fxquant.formats.tensor_quant import TensorQuant
-from fxquant.passes.capture_taps import insert_capture_taps
 from tests.models import make_llama, make_tokens, next_token_loss
 
 
 class TapBackend(FxquantBackend):
-    """fxquant's backend with the tap pass run after its rewrite passes (the hook fxquant.compile will use)."""
+    """fxquant's backend with a capture spec: the tap pass runs after its rewrite passes (as in fxquant.compile)."""
 
     def __init__(self, scheme, spec, **kw):
-        super().__init__(schemes.get(scheme), **kw)
-        self.spec, self.tap_reports = spec, []
-
-    def compile_inner(self, gm, example_inputs):
-        self.tap_reports.append(insert_capture_taps(gm, self.spec))
-        return super().compile_inner(gm, example_inputs)
+        super().__init__(schemes.get(scheme), capture=spec, **kw)
 
 
 def eager_hooks(model: nn.Module, run) -> dict:

@@ -74,11 +74,6 @@ def test_block_format_along_a_zero_length_dimension_is_rejected():
         model(torch.randn(3, 0))
 
 
-def test_capture_is_not_available_yet():
-    with pytest.raises(ValueError, match="capture"):
-        fxquant.compile(make_llama(), "bf16", capture="capture.yaml")
-
-
 class SplitLinear(torch.nn.Linear):
     """A linear whose GEMM ends up after a graph break, as a bare matmul nobody recognises."""
 

@@ -1,0 +1,70 @@
+"""fxquant.compile(..., capture=...): the public path from a spec to records on disk."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import fxquant
+from fxquant import capture
+from fxquant.api import compile_state
+from tests.models import make_llama, make_tokens, next_token_loss
+
+
+def train_steps(model, tokens, steps: int) -> None:
+    for _ in range(steps):
+        next_token_loss(model(tokens), tokens).backward()
+
+
+def test_capture_dir_starts_a_session_and_counts_iterations(tmp_path):
+    model = make_llama()
+    tokens = make_tokens(model.cfg)
+    compiled = fxquant.compile(model, "linear_hifp8", capture="linear_io", capture_dir=tmp_path, backend="aot_eager")
+    train_steps(compiled, tokens, 2)
+    session = compile_state(compiled).capture_session
+    summary = session.close()
+    assert summary is not None
+    cs = capture.open(tmp_path)
+    assert cs.committed
+    assert sorted(set(cs.values("iteration"))) == [0, 1]
+    assert set(cs.values("role")) == {"input", "grad_output"}
+    assert set(cs.values("scheme")) == {"linear_hifp8"}
+    # Every selected linear (q, k, v, o, gate, up, down per layer) in both iterations, both roles.
+    n_linears = sum(1 for _, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in _)
+    assert len(cs.query(iteration=0, role="input")) == n_linears
+    assert len(cs.query(iteration=1, role="grad_output")) == n_linears
+    rec = cs.query(iteration=0, role="input", module="layers.0.mlp.down_proj")[0]
+    assert cs.load(rec).shape[-1] == model.layers[0].mlp.down_proj.in_features
+    assert cs.verify() == []
+
+
+def test_capture_spec_without_session_warns_and_writes_nothing(tmp_path, caplog):
+    model = make_llama()
+    tokens = make_tokens(model.cfg)
+    compiled = fxquant.compile(model, "bf16", capture="linear_io", backend="aot_eager")
+    with caplog.at_level(logging.WARNING, logger="fxquant.api"):
+        train_steps(compiled, tokens, 1)
+    assert any("no capture session is active" in r.message for r in caplog.records)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_explicit_session_with_compiled_capture(tmp_path):
+    model = make_llama()
+    tokens = make_tokens(model.cfg)
+    compiled = fxquant.compile(model, "bf16", capture="linear_io", backend="aot_eager")
+    with capture.start(capture.load_spec("linear_io"), tmp_path, scheme="bf16") as session:
+        for it in (5, 6):
+            session.set_iteration(it)
+            train_steps(compiled, tokens, 1)
+    assert sorted(set(capture.open(tmp_path).values("iteration"))) == [5, 6]
+
+
+def test_capture_argument_errors(tmp_path):
+    model = make_llama()
+    with pytest.raises(ValueError, match="capture_dir is only meaningful"):
+        fxquant.compile(model, "bf16", capture_dir=tmp_path)
+    with pytest.raises(TypeError, match="capture must be a CaptureSpec"):
+        fxquant.compile(model, "bf16", capture=3)
+    with pytest.raises(FileNotFoundError, match=r"neither a file nor a shipped spec \['linear_io', 'predecessor'"):
+        fxquant.compile(model, "bf16", capture="no_such_spec")
