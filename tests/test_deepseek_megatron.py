@@ -94,6 +94,9 @@ def test_model_is_built_with_host_modules_and_scoped_rebinding(single_process):
         assert attn.linear_q_proj.weight.shape == (4 * 96, 64)
         assert type(attn.kv_layernorm).__name__ == "RMSNorm"
         assert all(p.device.type == "cpu" for p in layer.parameters())
+    # Megatron built exactly the parameters the config accounts for (+ the vocabulary padding 257 -> 384).
+    built = sum(p.numel() for p in model.parameters())
+    assert built == _tiny().num_parameters() + (384 - 257) * 64 * 2
     # The rebinding lasted only while the attention modules were built.
     assert multi_latent_attention.YarnRotaryEmbedding is YarnRotaryEmbedding
     assert multi_latent_attention.HAVE_TE is have_te

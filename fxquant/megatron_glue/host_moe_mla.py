@@ -1,21 +1,24 @@
-"""DeepSeek-V2 blocks (MLA + MoE) of Megatron-core 0.16.1 on a non-CUDA device: what is swapped, and how.
+"""MLA and MoE blocks (DeepSeek-V2) of Megatron-core 0.16.1 off CUDA and without Transformer Engine.
 
-Megatron's multi-latent attention and mixture-of-experts modules allocate on CUDA in places a CPU run
-reaches. Each is replaced through the layer spec (`host_layer_spec`), never by patching Megatron globally:
+Megatron's multi-latent attention and mixture-of-experts modules allocate on CUDA, or need Transformer
+Engine, in places a CPU run reaches. Each is replaced through the layer spec (`swap_mla_moe_modules`,
+called by `model.layer_spec`); nothing of Megatron or torch stays patched:
 - `MLASelfAttention.__init__` builds its rotary embedding (`YarnRotaryEmbedding`, or `RotaryEmbedding` for
-  rope_type='rope') with no `use_cpu_initialization`, i.e. on `torch.cuda.current_device()`, and both move
-  their frequencies to CUDA on first use. `HostMLASelfAttention` (the spec's `self_attention.module`) runs
-  Megatron's constructor while `_host_rotary_classes()` rebinds those two names *in the
-  multi_latent_attention module only*, for the duration of that constructor, to `HostYarnRotaryEmbedding` /
-  `HostRotaryEmbedding` (built on the host, frequencies never moved). The bindings are restored on exit.
-- `TopKRouter.gating` moves the router weight to CUDA on every call: `HostTopKRouter` (the spec's
-  `mlp.submodules.router`) computes the same gating without the move.
+  rope_type='rope') without `use_cpu_initialization`, i.e. on `torch.cuda.current_device()`, and both
+  move their frequencies to CUDA on first use; and its `HAVE_TE` is True whenever Megatron's TE extension
+  module imports (it does without TE, with MagicMock classes), so `isinstance(.., TELinear)` raises.
+  `HostMLASelfAttention` (the spec's `self_attention.module`) runs Megatron's constructor while `_rebound`
+  rebinds those names in the multi_latent_attention module only, for the duration of that constructor, to
+  `HostYarnRotaryEmbedding` / `HostRotaryEmbedding` (built on the host, never moved) and the true TE flag.
+  `LocalMLASelfAttention` (used on CUDA) rebinds only the TE flag.
+- `TopKRouter.gating` moves the router weight to CUDA on every call and its gating function needs TE's
+  `te_general_gemm`: `LocalTopKRouter` (the spec's `mlp.submodules.router`) computes the same gating.
 - The all-to-all token dispatcher creates a `torch.cuda.Stream` when built: off CUDA the MoE layers use
   Megatron's all-gather dispatcher (`model.transformer_config`), which routes identically at EP = 1.
 - The aux-loss tracker: `track_moe_metrics(force_initialize=True)` creates missing entries with
-  `device="cuda"` (moe_utils.py, ~line 998). `MoEAuxLosses` creates them itself, on the run's device,
-  before calling Megatron's reduction and logging (`track_moe_metrics` without force_initialize).
-On CUDA none of this is used.
+  `device="cuda"` (moe_utils.py, ~line 998). `MoEAuxLosses` creates them on the run's device, then calls
+  Megatron's reduction and logging (`track_moe_metrics` without force_initialize).
+- `check_host_layout` refuses tensor/expert parallelism of MLA/MoE off CUDA (CUDA-only gather buffers).
 """
 from __future__ import annotations
 
@@ -181,7 +184,7 @@ class MoEAuxLosses:
 
     def __init__(self, config) -> None:
         self.config = config
-        self.names = [name for name in _AUX_LOSS_NAMES.get(config.moe_router_load_balancing_type, ())]
+        self.names = list(_AUX_LOSS_NAMES.get(config.moe_router_load_balancing_type, ()))
 
     @property
     def enabled(self) -> bool:
@@ -194,10 +197,9 @@ class MoEAuxLosses:
         # forward_step's `set_loss_scale(<[1]-shaped>)` then cannot copy.
         MoEAuxLossAutoScaler.main_loss_backward_scale = torch.ones(1, device=device)
         tracker = moe_utils.get_moe_layer_wise_logging_tracker()
-        for name in self.names:
-            if name not in tracker:
-                tracker[name] = {"values": torch.zeros(self._num_layers, device=device), "reduce_group": None,
-                                 "avg_group": None, "reduce_group_has_dp": False}
+        for name in self.names:  # fresh entries: an earlier model of this process may have left its own
+            tracker[name] = {"values": torch.zeros(self._num_layers, device=device), "reduce_group": None,
+                             "avg_group": None, "reduce_group_has_dp": False}
 
     @property
     def _num_layers(self) -> int:
