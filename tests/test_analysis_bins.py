@@ -134,3 +134,25 @@ def test_study_recommends_the_best_sqnr_and_prefers_floor_on_ties():
     same = [mx_study.StudyRow("f", m, k, "all", 1, 0.0, 0.0, 10.0, None, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0)
             for m in ("even", "rceil", "floor") for k in (1, -1, 0)]
     assert (mx_study.recommend(same)[("f", "all")].scale_mode, mx_study.recommend(same)[("f", "all")].offset) == ("floor", 0)
+
+
+def test_bf16_pattern_path_equals_the_float32_path():
+    cfg = AnalysisConfig(("hifp8", "mxfp8_e4m3"), (), sample_blocks=0)
+    x = _data(seed=6).reshape(32, -1).bfloat16()
+    for t in (x, torch.cat([x[:1], torch.tensor([[math.nan, math.inf, -math.inf] + [0.0] * (x.shape[1] - 3)])])
+              .bfloat16()):
+        s16 = summarize(0, {"copy": "hp", "role": "output"}, t, cfg)
+        s32 = summarize(0, {"copy": "hp", "role": "output"}, t.float(), cfg)
+        h16, h32 = (np.asarray(s.signed[1]) for s in (s16, s32))
+        d16 = np.zeros(bins.NSIGNED, dtype=np.int64)
+        d16[s16.signed[0]] = h16
+        d32 = np.zeros(bins.NSIGNED, dtype=np.int64)
+        d32[s32.signed[0]] = h32
+        d32[0] += d32[bins.NMAG]  # the bf16 path does not tell -0 from +0
+        d32[bins.NMAG] = 0
+        assert np.array_equal(d16, d32)
+        m16, m32 = s16.moments.to_dict(), s32.moments.to_dict()
+        for k in ("numel", "finite", "nan", "inf", "min", "max", "amax", "zero_fraction"):
+            assert m16[k] == m32[k], k
+        assert m16["mean"] == pytest.approx(m32["mean"], rel=1e-6)
+        assert m16["std"] == pytest.approx(t.float()[torch.isfinite(t.float())].double().std().item(), rel=1e-9)

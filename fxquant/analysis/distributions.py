@@ -95,17 +95,31 @@ def _xrange(mags: list[np.ndarray], name: str) -> tuple[float, float]:
     return lo, hi
 
 
-def write(agg: Aggregator, out: Outputs) -> dict:
+def write(agg: Aggregator, out: Outputs, workers: int = 1) -> dict:
+    """One page per format; with ``workers > 1`` the pages are drawn in that many processes."""
     by_copy = agg.groups[("copy",)]
     copy = "hp" if ("hp",) in by_copy else ("quantized" if ("quantized",) in by_copy else None)
-    result: dict = {}
     if copy is None:
-        return result
-    for name in agg.config.formats:
-        if name == "nvfp4":
-            continue  # no element domain from histograms (non-power-of-two block scales): see overflow/
-        result[name] = _format_page(agg, out, name, copy)
+        return {}
+    names = [n for n in agg.config.formats if n != "nvfp4"]  # NVFP4: no element domain from histograms
+    if workers <= 1 or len(names) <= 1:
+        return {name: _format_page(agg, out, name, copy) for name in names}
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    with cf.ProcessPoolExecutor(max_workers=min(workers, len(names)), mp_context=mp.get_context("forkserver")) as pool:
+        futures = [pool.submit(_page_job, agg, out.root, name, copy) for name in names]
+        result = {}
+        for name, fut in zip(names, futures):  # entries in format order: deterministic index.html
+            info, entries = fut.result()
+            out.entries.extend(entries)
+            result[name] = info
     return result
+
+
+def _page_job(agg: Aggregator, root, name: str, copy: str):
+    out = Outputs(root)
+    return _format_page(agg, out, name, copy), out.entries
 
 
 def _format_page(agg: Aggregator, out: Outputs, name: str, copy: str) -> dict:

@@ -126,8 +126,13 @@ def run(plan: Plan, config: AnalysisConfig, workers: int, merge: Callable[[TaskR
             sets = _Sets()
             for cs_root, cs in plan.sets.items():
                 sets.sets[cs_root] = cs
-            for task in plan.tasks:
-                done(run_task(task, config, sets))
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)  # bincount and int16 ops run several times slower with 2 threads here
+            try:
+                for task in plan.tasks:
+                    done(run_task(task, config, sets))
+            finally:
+                torch.set_num_threads(threads)
             return pids
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload([__name__])  # workers fork from a server that has imported torch already

@@ -33,19 +33,26 @@ MODES: tuple[ScaleMode, ...] = (ScaleMode.FLOOR, ScaleMode.RCEIL, ScaleMode.CEIL
 
 def sample_blocks(x: torch.Tensor, dim: int, max_blocks: int, seed: int, block: int = 32) -> torch.Tensor:
     """Up to ``max_blocks`` blocks of ``block`` elements along ``dim`` (float32 ``[n, block]``), zero-padded
-    like a short MX block; a seeded subset when there are more."""
-    x = x.detach().float()
+    like a short MX block; when there are more, evenly spaced blocks from a seeded starting offset."""
+    x = x.detach()
     x = x.reshape(1) if x.dim() == 0 else x
     x2 = x.movedim(dim, -1).reshape(-1, x.shape[dim])
+    nper = -(-x2.shape[1] // block)
+    total = x2.shape[0] * nper
+    if total > max_blocks:  # gather the chosen blocks before any conversion: never copy the whole tensor
+        g = torch.Generator().manual_seed(seed)
+        start = int(torch.randint(0, total // max_blocks, (1,), generator=g))
+        idx = torch.arange(max_blocks) * (total // max_blocks) + start
+        rows, cols = idx // nper, (idx % nper) * block
+        offs = cols.unsqueeze(1) + torch.arange(block)
+        valid = offs < x2.shape[1]
+        picked = x2[rows.unsqueeze(1), offs.clamp(max=x2.shape[1] - 1)].float()
+        return torch.where(valid, picked, 0.0).contiguous()
+    x2 = x2.float()
     pad = (-x2.shape[1]) % block
     if pad:
         x2 = torch.nn.functional.pad(x2, (0, pad))
-    b = x2.reshape(-1, block)
-    if b.shape[0] > max_blocks:
-        g = torch.Generator().manual_seed(seed)
-        idx = torch.randperm(b.shape[0], generator=g)[:max_blocks].sort().values
-        b = b.index_select(0, idx)
-    return b.contiguous()
+    return x2.reshape(-1, block).contiguous()
 
 
 def quantize_with_offset(xb: torch.Tensor, fmt: MXFormat, mode: ScaleMode, k: int) -> tuple[torch.Tensor, torch.Tensor]:

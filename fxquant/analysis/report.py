@@ -84,7 +84,7 @@ def report(dirs: list[str | Path] | str | Path = (), out: str | Path = "fxquant-
         results["stats"] = stats_report.write(agg, outputs, plots)
         results["quant_error"] = quant_error.write(agg, outputs, plots)
         if plots:
-            results["distributions"] = distributions.write(agg, outputs)
+            results["distributions"] = distributions.write(agg, outputs, workers)
         results["overflow"] = overflow.write(agg, outputs, plots)
         results["mx_study"] = mx_report.write(agg, outputs, plots)
     runs = []

@@ -104,18 +104,17 @@ def summarize(index: int, fields: dict, tensor: torch.Tensor | None, config: Ana
     x = tensor if tensor.dtype in (torch.float32, torch.bfloat16) else tensor.float()
     b, a, sh, esh = bins.magnitude_bits(x)
     j = bins.mag_bins(a, sh)
-    signed = bins.signed_hist(b, j)
+    bf16_moments = None
+    if x.dtype == torch.bfloat16:  # everything but the block-relative bins from two pattern histograms
+        signed, binade, bf16_moments = _bf16_patterns(b, a)
+    else:
+        signed, binade = bins.signed_hist(b, j), bins.binade_hist(a, esh)
     zeros = int(signed[0] + signed[bins.NMAG])
     nonfinite = int(signed[bins.INF_BIN:bins.NMAG].sum() + signed[bins.NMAG + bins.INF_BIN:].sum())
-    if x.dtype == torch.bfloat16:  # exact magnitudes from one 32768-bin histogram of the bit patterns
-        hm = torch.bincount(a.reshape(-1), minlength=1 << 15).numpy().astype(np.int64)
-        binade = np.bincount(_BF16_EXP, weights=hm, minlength=bins.NBINADE).astype(np.int64)
-    else:
-        hm, binade = None, bins.binade_hist(a, esh)
     if stats is not None and fields.get("sample") is None and stats.get("min", 0) is not None:
         m = moments.from_manifest(stats, numel)  # the whole tensor, as the capture saw it
-    elif hm is not None and not nonfinite:
-        m = _bf16_moments(x, hm, zeros)
+    elif bf16_moments is not None:
+        m = bf16_moments
     else:
         m = moments.from_tensor(x, nan=None if nonfinite else 0, inf=None if nonfinite else 0, zeros=zeros)
     m.zeros = zeros
@@ -137,19 +136,38 @@ def summarize(index: int, fields: dict, tensor: torch.Tensor | None, config: Ana
     return s
 
 
-_BF16_VALUES, _BF16_EXP = bins.bf16_magnitude_table()
+_BF16_VALUES, _BF16_EXP = bins.bf16_magnitude_table()  # noqa: E305
+_BF16_BIN = np.concatenate([[0], ((np.arange(1, 1 << 15) - 1) >> 3) + 1])  # magnitude bin of each pattern
 
 
-def _bf16_moments(x: torch.Tensor, hm: np.ndarray, zeros: int) -> moments.Moments:
-    """Exact moments of a finite bf16 tensor: sum of squares and amax from the pattern histogram."""
-    n = x.numel()
-    lo, hi = torch.aminmax(x.reshape(-1))
-    total = float(x.sum(dtype=torch.float32)) if n >= (1 << 16) else float(x.sum(dtype=torch.float64))
-    sumsq = float(np.dot(hm.astype(np.float64), _BF16_VALUES * _BF16_VALUES))
-    mean = total / n
-    return moments.Moments(n=n, zeros=zeros, n_finite=n, min=float(lo), max=float(hi), mean=mean,
-                           m2=max(sumsq - total * mean, 0.0), amax=float(_BF16_VALUES[np.flatnonzero(hm)[-1]]),
-                           tensors=1)
+def _bf16_patterns(b: torch.Tensor, a: torch.Tensor) -> tuple[np.ndarray, np.ndarray, moments.Moments]:
+    """Signed histogram, binade histogram and exact moments of a bf16 tensor from two bincounts over
+    its 16-bit patterns: all magnitudes, and the non-negative patterns (negatives clamped onto 0)."""
+    hm = torch.bincount(a.reshape(-1), minlength=1 << 15).numpy().astype(np.int64)
+    hpos = torch.bincount(b.reshape(-1).clamp(min=0), minlength=1 << 15).numpy().astype(np.int64)
+    hneg = hm - hpos  # exact for every non-zero pattern
+    hpos[0], hneg[0] = hm[0], 0  # hpos[0] also counted the clamped negatives; -0 and +0 are not told apart
+    signed = np.concatenate([np.bincount(_BF16_BIN, weights=hpos, minlength=bins.NMAG),
+                             np.bincount(_BF16_BIN, weights=hneg, minlength=bins.NMAG)]).astype(np.int64)
+    binade = np.bincount(_BF16_EXP, weights=hm, minlength=bins.NBINADE).astype(np.int64)
+    fin = np.arange(1 << 15) < 0x7F80
+    nan = int(hm[0x7F81:].sum())
+    inf = int(hm[0x7F80])
+    v = _BF16_VALUES[fin]
+    hp, hn = hpos[fin], hneg[fin]
+    nf = int(hp.sum() + hn.sum())
+    n = int(hm.sum())
+    m = moments.Moments(n=n, nan=nan, inf=inf, zeros=int(hm[0]), tensors=1)
+    if nf:
+        total = float(np.dot(hp - hn, v))
+        sumsq = float(np.dot(hp + hn, v * v))
+        mean = total / nf
+        pos_nz, neg_nz = np.flatnonzero(hp), np.flatnonzero(hn)
+        lo = -v[neg_nz[-1]] if neg_nz.size else v[pos_nz[0]]
+        hi = v[pos_nz[-1]] if pos_nz.size else -v[neg_nz[0]]
+        m = moments.Moments(n=n, nan=nan, inf=inf, zeros=int(hm[0]), n_finite=nf, min=float(lo), max=float(hi),
+                            mean=mean, m2=max(sumsq - total * mean, 0.0), amax=max(abs(lo), abs(hi)), tensors=1)
+    return signed, binade, m
 
 
 def manifest_error(stats: dict | None) -> dict | None:
