@@ -297,12 +297,13 @@ def model_step(args, dev: torch.device, timer: Timer) -> list[dict]:
         del model, run_model
         return s
 
-    bf16_s = measure(f"bf16 torch.compile ({backend})", lambda m: torch.compile(m, backend=backend))
+    bf16_s = measure(f"{str(dtype)[6:]} torch.compile ({backend})", lambda m: torch.compile(m, backend=backend))
+    rows[0]["x bf16"] = 1.0
     for preset in MODEL_PRESETS:
         measure(f"fxquant {preset} ({backend})", lambda m: fxquant.compile(m, preset, backend=backend), bf16_s)
         rows[-1]["target"] = TARGETS.get(preset)
     legacy = "legacy_FA_linear_mxfp8"
-    measure(f"predecessor approach {legacy} (eager torch ops)", lambda m: fxquant.compile(m, legacy, backend="eager"),
+    measure(f"predecessor approach {legacy} (eager torch ops, forward GEMMs only)", lambda m: fxquant.compile(m, legacy, backend="eager"),
             bf16_s, eager_ops=True)
     return rows
 
