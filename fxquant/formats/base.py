@@ -122,6 +122,12 @@ class Format(abc.ABC):
         """float32 ``[rows, L]`` values from canonical codes and scales."""
 
     # -- public API ----------------------------------------------------------------------------------------
+    def _prepare(self, x: torch.Tensor, dim: int, seed: int | None, **options: object) -> tuple[int, QuantOptions, int]:
+        """Validate the call: (dim normalised, resolved options, the stochastic-rounding seed)."""
+        d = check_tensor(x, dim)
+        opts = self.resolve(**options)
+        return d, opts, resolve_seed(opts.rounding, seed)
+
     def quantize(
         self,
         x: torch.Tensor,
@@ -139,9 +145,7 @@ class Format(abc.ABC):
         block formats. ``seed`` makes stochastic rounding reproducible (drawn from torch's generator
         when None).
         """
-        d = check_tensor(x, dim)
-        opts = self.resolve(rounding=rounding, scale_mode=scale_mode, saturate=saturate, **extra)
-        seed_ = resolve_seed(opts.rounding, seed)
+        d, opts, seed_ = self._prepare(x, dim, seed, rounding=rounding, scale_mode=scale_mode, saturate=saturate, **extra)
         if x.numel() == 0:
             return x.clone()
         y = self._quantize_canonical(to_canonical(x, d, self.canonical_float32), opts, seed_)
@@ -159,9 +163,7 @@ class Format(abc.ABC):
         **extra: object,
     ) -> Encoded:
         """Integer codes and scales of ``quantize(x, ...)``; ``decode(encode(x)) == quantize(x)`` bitwise."""
-        d = check_tensor(x, dim)
-        opts = self.resolve(rounding=rounding, scale_mode=scale_mode, saturate=saturate, **extra)
-        seed_ = resolve_seed(opts.rounding, seed)
+        d, opts, seed_ = self._prepare(x, dim, seed, rounding=rounding, scale_mode=scale_mode, saturate=saturate, **extra)
         x2 = to_canonical(x, d, self.canonical_float32)
         codes, scales, tscale = self._encode_canonical(x2, opts, seed_)
         codes = restore_layout(codes, x.shape, d)
