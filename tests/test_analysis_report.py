@@ -6,6 +6,7 @@ import json
 import math
 import os
 import pickle
+import shutil
 from pathlib import Path
 
 import pytest
@@ -158,6 +159,15 @@ def test_newer_schema_version_and_hostile_files_are_skipped_with_a_reason(tmp_pa
             return (os.system, (f"touch {tmp_path / 'pwned'}",))
 
     shard.write_bytes(pickle.dumps(Boom()))
+    manifest = tmp_path / "evil/rank-00000" / layout.MANIFEST
+    rec = json.loads(manifest.read_text().splitlines()[0])  # hand-crafted hostile records, on purpose
+    outside = tmp_path / "outside.safetensors"
+    shutil.copy(next((tmp_path / "ok/rank-00000/shards").glob("*.safetensors")), outside)
+    hostile = [{**rec, "seq": 90, "file": "../../outside.safetensors", "layer": [1, 2]},
+               {**rec, "seq": 91, "stats": [1, 2], "key": None},
+               {**rec, "seq": 92, "stats": None, "key": None, "layer": [1, 2]}]
+    with open(manifest, "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in hostile)
     (tmp_path / "junk").mkdir()
     res = analysis.report([tmp_path / "new", tmp_path / "ok", tmp_path / "evil", tmp_path / "junk"],
                           tmp_path / "r", workers=2, plots=False, **FAST)
@@ -165,6 +175,7 @@ def test_newer_schema_version_and_hostile_files_are_skipped_with_a_reason(tmp_pa
     assert res.tensors == 2  # only the readable set
     text = "\n".join(res.problems)
     assert "newer capture format" in text and "pickle" in text and "junk" in text
+    assert "outside its rank directory" in text and "seq=91" in text and "seq=92" not in text
     assert "Problems" in (tmp_path / "r/index.html").read_text()
 
 

@@ -6,6 +6,7 @@ counters per format, and one small row per quantized operand for the per-site er
 """
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -30,7 +31,12 @@ FLOW_FIELDS = ("numel", "nonzero", "flushed", "saturated")
 
 
 def key_of(fields: dict, names: tuple[str, ...]) -> tuple:
-    return tuple(fields.get(n) if n != "copy" else fields.get("copy", "hp") for n in names)
+    return tuple(_hashable(fields.get(n) if n != "copy" else fields.get("copy", "hp")) for n in names)
+
+
+def _hashable(v: object) -> object:
+    """Group keys from manifest values; a malformed (list/dict) value becomes its JSON text."""
+    return v if v is None or isinstance(v, (str, int, float, bool)) else json.dumps(v, sort_keys=True, default=str)
 
 
 @dataclass

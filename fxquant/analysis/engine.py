@@ -56,6 +56,14 @@ class _Sets:
 _WORKER_SETS = _Sets()
 
 
+def _inside(path: Path, root: Path) -> bool:
+    """A manifest's ``file`` must name a file under its own rank directory (no ``..``, no absolute path)."""
+    try:
+        return path.resolve().is_relative_to(root.resolve())
+    except (OSError, ValueError):
+        return False
+
+
 def _init_worker(barrier) -> None:
     """One intra-op thread per worker; wait until every worker has started, so all of them take tasks."""
     torch.set_num_threads(1)
@@ -80,7 +88,10 @@ def run_task(task: Task, config: AnalysisConfig, sets: _Sets | None = None) -> T
             try:
                 cs = sets.get(item.root)
                 opened.add(item.root)
-                tensors[item.index] = cs.load(Record(item.fields, Path(item.rank_dir)))
+                rec = Record(item.fields, Path(item.rank_dir))
+                if not _inside(rec.path, Path(item.rank_dir)):
+                    raise CaptureReadError(f"file {item.fields.get('file')!r} lies outside its rank directory; refused")
+                tensors[item.index] = cs.load(rec)
                 out.nbytes += item.nbytes
             except (CaptureReadError, OSError, ValueError) as exc:
                 out.problems.append(f"{item.rank_dir}: record seq={item.fields.get('seq')}: {exc}")
@@ -98,7 +109,7 @@ def run_task(task: Task, config: AnalysisConfig, sets: _Sets | None = None) -> T
                 if hp_summary is None and item.fields.get("copy", "hp") != "quantized" and t is not None:
                     hp_summary = s
                 out.summaries.append(s)
-            except (ValueError, TypeError, RuntimeError) as exc:
+            except (ValueError, TypeError, RuntimeError, AttributeError, KeyError) as exc:  # a malformed record
                 out.problems.append(f"{item.rank_dir}: record seq={item.fields.get('seq')}: cannot summarise: {exc}")
         tensors.clear()
     for root in opened:

@@ -114,7 +114,8 @@ def build(dirs: list[str | Path], where: dict | None = None, workers: int = 1,
                     problems.append(msg)
                 continue
             site = (root, rdir, f.get("iteration"), f.get("micro_batch"), f.get("module"), f.get("role"))
-            order = (str(f.get("file") or ""), str(f.get("key") or ""), int(f.get("seq") or 0))
+            seq = f.get("seq")
+            order = (str(f.get("file") or ""), str(f.get("key") or ""), seq if isinstance(seq, int) else -1)
             units[site].append((order, f, root, rdir))
     ordered = sorted(units.values(), key=lambda u: (u[0][2], u[0][3], min(x[0] for x in u)))
     items_units: list[tuple[Item, ...]] = []

@@ -42,21 +42,22 @@ class ReportResult:
 
 
 def _formats(fmts, seen: set[str], default) -> tuple[str, ...]:
-    from fxquant import formats
-
     if fmts is not None:
         return tuple(fmts)
-    present = []
-    for s in sorted(seen):
-        try:
-            present.append(formats.canonical_name(s))
-        except ValueError:
-            log.warning("records name an unknown format %r; not analysed as a format", s)
-    return tuple(dict.fromkeys([*default, *present]))
+    return tuple(dict.fromkeys([*default, *sorted(seen)]))
 
 
 def _present_formats(p: plan.Plan) -> set[str]:
-    return {str(i.fields["format"]) for t in p.tasks for u in t.units for i in u if i.fields.get("format")}
+    """Canonical names of the formats the selected records were quantized with (unknown names skipped)."""
+    from fxquant import formats
+
+    out = set()
+    for name in {str(i.fields["format"]) for t in p.tasks for u in t.units for i in u if i.fields.get("format")}:
+        try:
+            out.add(formats.canonical_name(name))
+        except ValueError:
+            log.warning("records name an unknown format %r; it is not analysed as a format", name)
+    return out
 
 
 def report(dirs: list[str | Path] | str | Path = (), out: str | Path = "fxquant-report", *, workers: int = 1,
@@ -69,9 +70,7 @@ def report(dirs: list[str | Path] | str | Path = (), out: str | Path = "fxquant-
     dirs = [dirs] if isinstance(dirs, (str, Path)) else list(dirs)
     p = plan.build(dirs, where, workers, task_bytes=task_bytes)
     present = _present_formats(p)
-    from fxquant import formats as fx_formats
-
-    mx_present = {f for f in present if f.startswith("mx") and fx_formats.canonical_name(f) in fx_formats.names()}
+    mx_present = {f for f in present if f.startswith("mx")}
     config = AnalysisConfig(formats=_formats(formats, present, DEFAULT_FORMATS),
                             mx_formats=_formats(mx_formats, mx_present, DEFAULT_MX), offsets=tuple(offsets),
                             sample_blocks=sample_blocks)
