@@ -99,6 +99,8 @@ def write(runs: list[Run], out: Outputs, reference: str = "bf16", last_n: int = 
     if not runs or not plots:
         return {"runs": rows}
     plt = pyplot()
+    from matplotlib.ticker import MaxNLocator
+
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     for ax, (key, label) in zip(axes.ravel(), SERIES):
         for r in runs:
@@ -107,6 +109,7 @@ def write(runs: list[Run], out: Outputs, reference: str = "bf16", last_n: int = 
                 its = sorted(s)
                 ax.plot(its, [s[i] for i in its], label=r.label, lw=2 if r.label == reference else 1)
         ax.set_xlabel("iteration")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(label)
         ax.set_title(label)
         ax.grid(alpha=0.3)
