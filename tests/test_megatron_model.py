@@ -115,14 +115,20 @@ def test_compiled_equals_eager_with_gradients(single_process):
 
 def test_quiet_tp_group_lookup_is_scoped_and_reentrant(single_process):
     from megatron.core import utils as megatron_utils
-    from megatron.core.tensor_parallel import mappings
+    from megatron.core.tensor_parallel import layers, mappings
 
     from fxquant.megatron_glue import graph_breaks
 
     original = megatron_utils.get_tensor_model_parallel_group_if_none
+    linear_fn = layers.LinearWithGradAccumulationAndAsyncCommunication
+    warned = layers.linear_with_grad_accumulation_and_async_allreduce.warned
     with graph_breaks.quiet_tp_group_lookup():
         patched = mappings.get_tensor_model_parallel_group_if_none
         assert patched is not original and graph_breaks.is_quiet()
+        # TP > 1: the linear's async dgrad all-reduce is done synchronously by a subclass of Megatron's Function
+        assert layers.LinearWithGradAccumulationAndAsyncCommunication is graph_breaks.SyncDgradLinear
+        assert issubclass(graph_breaks.SyncDgradLinear, linear_fn)
+        assert layers.linear_with_grad_accumulation_and_async_allreduce.warned is True
         with graph_breaks.quiet_tp_group_lookup():
             assert mappings.get_tensor_model_parallel_group_if_none is patched
         assert mappings.get_tensor_model_parallel_group_if_none is patched
@@ -130,6 +136,8 @@ def test_quiet_tp_group_lookup_is_scoped_and_reentrant(single_process):
         assert patched(None) is original(None)
     assert mappings.get_tensor_model_parallel_group_if_none is original
     assert megatron_utils.get_tensor_model_parallel_group_if_none is original
+    assert layers.LinearWithGradAccumulationAndAsyncCommunication is linear_fn
+    assert layers.linear_with_grad_accumulation_and_async_allreduce.warned is warned
     assert not graph_breaks.is_quiet()
     assert all(getattr(m, "get_tensor_model_parallel_group_if_none", original) is not graph_breaks._tp_group_if_none
                for m in list(sys.modules.values()) if m is not None)
