@@ -362,3 +362,20 @@ def test_two_ranks_torchrun_gloo_one_root(tmp_path):
     for rec in cs:
         assert torch.equal(cs.load(rec, check=True), torch.full((4, 4), float(10 * rec.rank + rec.iteration)))
     assert cs.verify() == []
+
+
+def test_reader_query_results_load_and_hostile_file_fields_are_refused(tmp_path):
+    """A queried subset loads tensors; a manifest 'file' escaping its rank directory is refused."""
+    with capture.start(spec_text(end=3), tmp_path, scheme="bf16"):
+        sent = emit(3)
+    cs = capture.open(tmp_path)
+    sub = cs.query(iteration=[1, 2])
+    assert len(sub) == 2 and torch.equal(sub.load(sub[0]), sent[1])
+    manifest = next(tmp_path.glob(f"rank-*/{layout.MANIFEST}"))
+    lines = manifest.read_text().splitlines()
+    rec = json.loads(lines[0])
+    rec["file"] = "../../outside.safetensors"
+    manifest.write_text("\n".join([json.dumps(rec)] + lines[1:]) + "\n")
+    hostile = capture.open(tmp_path)
+    with pytest.raises(CaptureReadError, match="outside"):
+        hostile.load(hostile.query(seq=rec["seq"])[0])

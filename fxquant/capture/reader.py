@@ -54,7 +54,14 @@ class Record:
 
     @property
     def path(self) -> Path | None:
-        return None if self.fields.get("file") is None else self.rank_dir / self.fields["file"]
+        """The shard holding this record's tensor; a ``file`` that escapes the rank directory is refused."""
+        name = self.fields.get("file")
+        if name is None:
+            return None
+        path = self.rank_dir / name
+        if not path.resolve().is_relative_to(self.rank_dir.resolve()):
+            raise CaptureReadError(f"record {self.fields.get('seq')} names shard {name!r} outside {self.rank_dir}")
+        return path
 
 
 def _read_manifest(path: Path) -> tuple[list[dict], int]:
@@ -91,8 +98,10 @@ def _check_shard(path: Path) -> None:
 class CaptureSet:
     """Every record of a capture directory (all ranks), filterable; tensors load lazily."""
 
-    def __init__(self, root: str | Path, records: list[Record] | None = None, _meta: dict | None = None):
+    def __init__(self, root: str | Path, records: list[Record] | None = None, _meta: dict | None = None,
+                 _handles: dict | None = None):
         self.root = Path(root)
+        self._handles: dict[Path, object] = {} if _handles is None else _handles  # shared by query() results
         if records is not None:
             self._records, self.meta = records, _meta or {}
             return
@@ -106,12 +115,15 @@ class CaptureSet:
             recs, torn = _read_manifest(d / layout.MANIFEST)
             committed = d / layout.COMMITTED
             info = json.loads((d / layout.RUN_INFO).read_text()) if (d / layout.RUN_INFO).is_file() else {}
+            version = info.get("format_version", layout.FORMAT_VERSION)
+            if isinstance(version, int) and version > layout.FORMAT_VERSION:
+                log.warning("%s was written in capture format %d; this fxquant reads format %d and may misread it",
+                            d, version, layout.FORMAT_VERSION)
             self.meta[d.name] = {
                 "run": info, "committed": json.loads(committed.read_text()) if committed.is_file() else None,
                 "torn_lines": torn,
             }
             self._records.extend(Record(r, d) for r in recs)
-        self._handles: dict[Path, object] = {}
 
     def close(self) -> None:
         """Drop the open shard handles (their memory maps)."""
@@ -155,7 +167,7 @@ class CaptureSet:
                     return False
             return True
 
-        out = CaptureSet(self.root, [r for r in self._records if ok(r)], self.meta)
+        out = CaptureSet(self.root, [r for r in self._records if ok(r)], self.meta, self._handles)
         out._handles = self._handles
         return out
 
