@@ -24,7 +24,7 @@ from torch import nn
 
 from fxquant.backend import FxquantBackend, Inner
 from fxquant.formats.options import did_you_mean
-from fxquant.passes import SiteMeta, UnmatchedOp, strict as checks
+from fxquant.passes import LayerNumbering, SiteMeta, UnmatchedOp, strict as checks
 from fxquant.schemes.scheme import Scheme
 
 log = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ class CompileState:
         new_breaks = [
             reason.splitlines()[0] for reason, n in _graph_break_counts().items() if n > self._breaks.get(reason, 0)
         ]
-        expected = checks.model_sites(self.model, self.backend.num_layers)
+        expected = checks.model_sites(self.model, self.backend.layers)
         return checks.coverage(expected, self.scheme, sites, new_breaks)
 
 
@@ -151,6 +151,8 @@ def compile(
     backend: str = "inductor",
     strict: bool = False,
     dynamic: bool | None = None,
+    layer_offset: int | None = None,
+    num_layers: int | None = None,
 ) -> nn.Module:
     """``torch.compile(model)`` with every GEMM operand the scheme selects quantized, forward and backward.
 
@@ -160,6 +162,10 @@ def compile(
     strict: raise ``QuantizationError`` when a selected site was not rewritten, a graph break split one,
         or a frame fell back to eager; otherwise the same is logged at WARNING.
     dynamic: passed to ``torch.compile``.
+    layer_offset, num_layers: the global numbering of layers (``fxquant.passes.layers``), for a pipeline stage
+        that holds a slice of the model: a site in ``layers.N`` is layer N + layer_offset, and ``num_layers``
+        is the whole model's count (for ``last_layers``). Default: automatic, from Megatron's
+        ``TransformerLayer.layer_number`` and ``config.num_layers`` when present, else the local ``layers.N``.
     capture: a tensor-capture placement spec (``fxquant.capture.CaptureSpec``, a spec YAML path, or a
         shipped spec name such as "predecessor"): capture taps are inserted around the sites it selects,
         in the forward and backward graphs. They write while a capture session is active.
@@ -178,7 +184,9 @@ def compile(
     if dynamic not in (None, True, False):
         raise ValueError(f"dynamic={dynamic!r}; allowed: None, True, False")
     resolved = _scheme(scheme)
-    fx_backend = FxquantBackend(resolved, inner=_inner(backend), strict=strict, root=model, capture=spec)
+    layers = LayerNumbering.of_model(model, layer_offset=layer_offset, num_layers=num_layers)
+    fx_backend = FxquantBackend(resolved, inner=_inner(backend), strict=strict, root=model, capture=spec,
+                                layers=layers)
     compiled = torch.compile(model, backend=fx_backend, dynamic=dynamic)
     session = None
     if capture_dir is not None:
@@ -201,16 +209,19 @@ def compile_state(compiled: nn.Module) -> CompileState:
     return state
 
 
-def explain(model: nn.Module, *example_args: object, scheme: str | Path | Scheme, **example_kwargs: object):
+def explain(model: nn.Module, *example_args: object, scheme: str | Path | Scheme, layer_offset: int | None = None,
+            num_layers: int | None = None, **example_kwargs: object):
     """Trace ``model(*example_args, **example_kwargs)`` once (forward only) and return an ``Explanation``:
     every matched site with its resolved per-operand formats, and every matmul-like op left unmatched.
-    The model is not modified and nothing is quantized; ``print(explanation)`` shows the table."""
+    The model is not modified and nothing is quantized; ``print(explanation)`` shows the table.
+    ``layer_offset`` / ``num_layers``: the global layer numbering, as in ``compile``."""
     from fxquant.passes.explanation import Explanation
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     resolved = _scheme(scheme)
-    fx_backend = FxquantBackend(resolved, inner=Inner.EAGER, root=model, dry_run=True)
+    layers = LayerNumbering.of_model(model, layer_offset=layer_offset, num_layers=num_layers)
+    fx_backend = FxquantBackend(resolved, inner=Inner.EAGER, root=model, dry_run=True, layers=layers)
     # Grad mode on, as in training: Megatron's linears are traced as autograd_function_apply then.
     torch.compile(model, backend=fx_backend)(*example_args, **example_kwargs)
     fx_backend.raise_pending()

@@ -19,9 +19,8 @@ import re
 import torch
 from torch import fx, nn
 
-from fxquant.passes import GraphReport, ModuleNames, run_passes
+from fxquant.passes import GraphReport, LayerNumbering, ModuleNames, run_passes
 from fxquant.passes.strict import QuantizationError, failed_sites, report
-from fxquant.schemes.model import Site
 from fxquant.schemes.scheme import Scheme
 
 log = logging.getLogger(__name__)
@@ -31,15 +30,6 @@ class Inner(str, enum.Enum):
     INDUCTOR = "inductor"
     AOT_EAGER = "aot_eager"
     EAGER = "eager"
-
-
-def num_layers_of(model: nn.Module | None) -> int | None:
-    """1 + the largest ``layers.N`` index among the model's module paths (None if it has no layer stack)."""
-    if model is None:
-        return None
-    layers = [Site.from_path(name).layer for name, _ in model.named_modules()]
-    found = [n for n in layers if n is not None]
-    return max(found) + 1 if found else None
 
 
 def scheme_text(scheme: Scheme) -> str:
@@ -53,7 +43,8 @@ class FxquantBackend:
     """A torch.compile backend; ``reports`` holds one GraphReport per Dynamo graph it compiled."""
 
     def __init__(self, scheme: Scheme, *, inner: Inner = Inner.INDUCTOR, strict: bool = False,
-                 root: nn.Module | None = None, dry_run: bool = False, capture: object = None) -> None:
+                 root: nn.Module | None = None, dry_run: bool = False, capture: object = None,
+                 layers: LayerNumbering | None = None) -> None:
         self.scheme = scheme
         self.capture = capture  # a CaptureSpec: taps are inserted after the rewrite passes
         self.tap_reports: list = []
@@ -61,7 +52,7 @@ class FxquantBackend:
         self.strict = strict
         self.dry_run = dry_run
         self.names = ModuleNames(root)
-        self.num_layers = num_layers_of(root)
+        self.layers = layers if layers is not None else LayerNumbering.of_model(root)  # global layer indices
         self.reports: list[GraphReport] = []
         self.pending: list[Exception] = []
         self._scheme_text = scheme_text(scheme)
@@ -71,7 +62,7 @@ class FxquantBackend:
         # failures are kept in ``pending`` instead and raised by fxquant.compile's hook after the call.
         try:
             graph_report = run_passes(
-                gm, self.scheme, self.names, num_layers=self.num_layers, index=len(self.reports),
+                gm, self.scheme, self.names, layers=self.layers, index=len(self.reports),
                 dry_run=self.dry_run, dedupe=self.inner is not Inner.EAGER and torch.is_grad_enabled(),
             )
         except ValueError as exc:

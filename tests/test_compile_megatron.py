@@ -11,20 +11,12 @@ from fxquant.counters import count_quantize_calls
 
 pytestmark = pytest.mark.megatron
 pytest.importorskip("megatron.core", reason="needs megatron-core")
-
-
-@pytest.fixture(scope="module")
-def single_process():
-    from fxquant.megatron_glue import parallel
-
-    yield parallel.initialize_parallel()
+from tests.megatron_helpers import fresh_dynamo, single_process  # noqa: E402,F401  (fixtures)
 
 
 @pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
+def _fresh_dynamo(fresh_dynamo):
     yield
-    torch._dynamo.reset()
 
 
 def megatron_batch(seq: int = 16, batch: int = 2, vocab: int = 256, seed: int = 0):

@@ -52,7 +52,7 @@ class RankInfo:
     pp_size: int = 1
     dp_rank: int | None = None
     dp_size: int | None = None
-    layer_offset: int = 0  # global layer = local layer index + this (pipeline stages)
+    layer_offset: int = 0  # this stage's first global layer, recorded in run info (taps carry global layers)
 
     @classmethod
     def detect(cls) -> "RankInfo":
@@ -243,10 +243,9 @@ class CaptureSession:
 
     def _record(self, tap: Tap, x: torch.Tensor, payload, seq: int, sample: dict | None, section: str) -> dict:
         fmt = None if tap.qspec is None else tap.qspec.split(":", 1)[0]
-        layer = None if tap.layer is None else tap.layer + self.config.rank.layer_offset
         return {
             **self._base, "format": fmt, "qspec": tap.qspec, "component": tap.component.value,
-            "module": tap.module, "kind": None if tap.kind is None else tap.kind.value, "layer": layer,
+            "module": tap.module, "kind": None if tap.kind is None else tap.kind.value, "layer": tap.layer,
             "role": tap.role.value, "copy": tap.copy.value, "gemm": None if tap.gemm is None else tap.gemm.value,
             "phase": tap.phase.value, "direction": tap.direction.value, "iteration": self.iteration,
             "micro_batch": self.micro_batch, "seq": seq, "section": section, "shard_dim": tap.shard_dim,

@@ -20,7 +20,7 @@ class Tap:
     module: str  # module path as in the model (``decoder.layers.0.self_attention.linear_qkv``)
     sections: tuple[int, ...]  # indices of the spec sections that selected this tap
     kind: ModuleKind | None = None
-    layer: int | None = None  # local layer index (the session adds the pipeline-stage offset)
+    layer: int | None = None  # global layer index (the compile pass numbers layers across pipeline stages)
     copy: Copy = Copy.HP
     gemm: Gemm | None = None  # for a quantized copy: the GEMM that consumed it
     qspec: str | None = None  # for a quantized copy: TensorQuant.spec() of its format

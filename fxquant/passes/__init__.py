@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from torch import fx
 
 from fxquant.passes.expected import expected_calls
+from fxquant.passes.layers import LayerNumbering
 from fxquant.passes.module_paths import ModuleNames
 from fxquant.passes.resolve import resolve_sites
 from fxquant.passes.rewrite_linear import rewrite_linear
@@ -31,7 +32,7 @@ from fxquant.passes.rewrite_unfused_attention import rewrite_unfused_attention
 from fxquant.passes.sites import META_KEY, OpKind, SiteMeta, Status, UnmatchedOp, find_sites
 from fxquant.schemes.scheme import Scheme
 
-__all__ = ["GraphReport", "META_KEY", "ModuleNames", "OpKind", "SiteMeta", "Status", "UnmatchedOp", "run_passes"]
+__all__ = ["GraphReport", "LayerNumbering", "META_KEY", "ModuleNames", "OpKind", "SiteMeta", "Status", "UnmatchedOp", "run_passes"]
 
 
 @dataclass
@@ -50,12 +51,12 @@ class GraphReport:
 
 
 def run_passes(
-    gm: fx.GraphModule, scheme: Scheme, names: ModuleNames, *, num_layers: int | None = None,
+    gm: fx.GraphModule, scheme: Scheme, names: ModuleNames, *, layers: LayerNumbering | None = None,
     index: int = 0, dry_run: bool = False, dedupe: bool = True,
 ) -> GraphReport:
     """Match, resolve and (unless ``dry_run``) rewrite ``gm`` in place; returns the report. ``dedupe``: count
     expected quantize calls as AOT autograd's CSE leaves them (False for the eager inner backend)."""
-    found = find_sites(gm, names, num_layers)
+    found = find_sites(gm, names, layers)
     metas = resolve_sites(found, scheme)
     if dry_run:
         metas = [dataclasses.replace(m, status=Status.DRY_RUN) if m.selected else m for m in metas]

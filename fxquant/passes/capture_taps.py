@@ -16,12 +16,20 @@ Effectful captures survive AOT/Inductor (trap 3); ``capture_grad`` is a module-l
 whose backward runs the capture in the backward graph. Only nodes created here are added; nothing is
 removed (trap 2). Points a site does not materialise (attention ``probs`` under fused SDPA, quantized
 copies of operands the scheme keeps in high precision or rounds stochastically) are listed in the
-returned report, never silently dropped. Megatron linear sites (autograd_function_apply) are reported
-as not tapped yet.
+returned report, never silently dropped.
+
+Megatron linear sites (``autograd_function_apply``; the quantize nodes live inside its bodies) are tapped
+on the node's own operands, which the fwd_body's matmul identifies (``operand_positions``): input and
+weight before the node, output after its ``getitem(.., 0)``, grad_output / grad_input / grad_weight by
+``capture_grad`` around them, quantized copies re-quantized as for ``F.linear`` (the bodies quantize the
+same [M, K] / [N, K] / [M, N] views along the same axes). At TP > 1 the captured values are this rank's:
+a ColumnParallelLinear's output shard, a RowParallelLinear's partial output before its all-reduce (its
+bias, if any, is added after), and grad_input after the linear's dgrad all-reduce.
 """
 from __future__ import annotations
 
 import logging
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -31,16 +39,19 @@ from fxquant.capture.runtime import capture_grad
 from fxquant.capture.spec import GEMM_OPERANDS, CaptureSpec, Component, Copy, Direction, Gemm, ModuleKind, Role
 from fxquant.capture.tap import Tap
 from fxquant.passes.graph_edit import copy_meta
-from fxquant.passes.sites import META_KEY, OpKind, SiteMeta, example_value
+from fxquant.passes.rewrite_megatron_linear import operand_positions
+from fxquant.passes.sites import META_KEY, OpKind, SiteMeta, body_modules, example_value
 
 log = logging.getLogger(__name__)
 
 CAPTURE = torch.ops.fxquant.capture.default
 
 # Graph position of each role per op kind: ("arg", i) = i-th operand, ("out",) = the site's result.
+_LINEAR_POSITIONS = {Role.INPUT: ("arg", 0), Role.WEIGHT: ("arg", 1), Role.OUTPUT: ("out",), Role.GRAD_OUTPUT: ("out",),
+                     Role.GRAD_INPUT: ("arg", 0), Role.GRAD_WEIGHT: ("arg", 1)}
 _POSITIONS: dict[OpKind, dict[Role, tuple]] = {
-    OpKind.LINEAR: {Role.INPUT: ("arg", 0), Role.WEIGHT: ("arg", 1), Role.OUTPUT: ("out",),
-                    Role.GRAD_OUTPUT: ("out",), Role.GRAD_INPUT: ("arg", 0), Role.GRAD_WEIGHT: ("arg", 1)},
+    OpKind.LINEAR: _LINEAR_POSITIONS,
+    OpKind.MEGATRON_LINEAR: _LINEAR_POSITIONS,  # arg 0 / 1 = the apply node's input / weight (_site_nodes)
     OpKind.SDPA: {Role.QUERY: ("arg", 0), Role.KEY: ("arg", 1), Role.VALUE: ("arg", 2), Role.OUTPUT: ("out",),
                   Role.GRAD_OUTPUT: ("out",), Role.GRAD_QUERY: ("arg", 0), Role.GRAD_KEY: ("arg", 1),
                   Role.GRAD_VALUE: ("arg", 2)},
@@ -62,6 +73,27 @@ class TapReport:
     unavailable: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class _SiteNodes:
+    """The graph nodes holding a site's operands (by position, as in _POSITIONS) and its result."""
+
+    operands: tuple[fx.Node | None, ...]
+    output: fx.Node | None
+
+
+def _site_nodes(gm: fx.GraphModule, node: fx.Node, op: OpKind) -> _SiteNodes:
+    if op is not OpKind.MEGATRON_LINEAR:
+        return _SiteNodes(tuple(_operand(node, op, i) for i in range(len(_ARG_NAMES[op]))), node)
+    bodies = body_modules(gm, node)
+    positions = None if bodies is None else operand_positions(bodies[0])
+    if positions is None:
+        return _SiteNodes((None, None), None)
+    tensors = node.args[2:]
+    operands = tuple(tensors[i] if i < len(tensors) and isinstance(tensors[i], fx.Node) else None for i in positions)
+    firsts = [u for u in node.users if u.target is operator.getitem and u.args[1] == 0]
+    return _SiteNodes(operands, firsts[0] if len(firsts) == 1 else None)
+
+
 def _operand(node: fx.Node, op: OpKind, i: int) -> fx.Node | None:
     if i < len(node.args):
         a = node.args[i]
@@ -77,7 +109,7 @@ def _quant_operands(meta: SiteMeta, role: Role) -> list[tuple[Gemm, object, int]
     c = meta.config
     if c is None:
         return []
-    if meta.op is OpKind.LINEAR:  # dims of the [M, K] / [N, K] / [M, N] views the GEMMs use
+    if meta.op in (OpKind.LINEAR, OpKind.MEGATRON_LINEAR):  # dims of the [M, K] / [N, K] / [M, N] GEMM views
         table = {Role.INPUT: [(Gemm.FPROP, c.fprop.a, 1), (Gemm.WGRAD, c.wgrad.b, 0)],
                  Role.WEIGHT: [(Gemm.FPROP, c.fprop.b, 1), (Gemm.DGRAD, c.dgrad.b, 0)],
                  Role.GRAD_OUTPUT: [(Gemm.DGRAD, c.dgrad.a, 1), (Gemm.WGRAD, c.wgrad.a, 0)]}
@@ -146,40 +178,41 @@ def insert_capture_taps(gm: fx.GraphModule, spec: CaptureSpec) -> TapReport:
         meta = node.meta.get(META_KEY)
         if not isinstance(meta, SiteMeta):
             continue
-        if meta.op is OpKind.MEGATRON_LINEAR:
-            if spec.sections_for(meta.site.module_path, _kind(meta), meta.site.layer):
-                report.unavailable.append(f"{meta.site.module_path}: Megatron linear sites are not tapped yet")
-            continue
         taps = _site_taps(meta, spec, report)
+        if not taps:
+            continue
+        nodes = _site_nodes(gm, node, meta.op)
         grad_out: list[str] = []
         grad_args: dict[int, list[str]] = {}
         for tap, where in taps:
+            target = nodes.output if where[0] == "out" else nodes.operands[where[1]]
+            if target is None:
+                report.unavailable.append(f"{meta.site.module_path} ({meta.op.value}): {tap.component.value}."
+                                          f"{tap.role.value}[{tap.copy.value}]: tensor not found in the graph")
+                continue
             report.taps.append(tap)
             backward = tap.direction is Direction.BACKWARD and tap.copy is Copy.HP
             backward |= tap.copy is Copy.QUANTIZED and tap.role in (Role.GRAD_OUTPUT, Role.GRAD_SCORES)
             if backward:
                 (grad_out if where[0] == "out" else grad_args.setdefault(where[1], [])).append(tap.encode())
             elif where[0] == "arg":
-                operand = _operand(node, meta.op, where[1])
-                if operand is not None:
-                    with graph.inserting_before(node):
-                        _new(graph, node, CAPTURE, (operand, tap.encode()))
+                with graph.inserting_before(node):
+                    _new(graph, node, CAPTURE, (target, tap.encode()))
             else:
-                with graph.inserting_after(node):
-                    _new(graph, node, CAPTURE, (node, tap.encode()))
+                with graph.inserting_after(target):
+                    _new(graph, node, CAPTURE, (target, tap.encode()))
         for i, texts in grad_args.items():
-            operand = _operand(node, meta.op, i)
-            if operand is None:
-                continue
+            operand = nodes.operands[i]
             with graph.inserting_before(node):
                 wrapped = _new(graph, node, capture_grad, (operand, tuple(texts)))
             node.replace_input_with(operand, wrapped)
         if grad_out:
-            users = list(node.users)
-            with graph.inserting_after(node):
-                wrapped = _new(graph, node, capture_grad, (node, tuple(grad_out)))
+            out = nodes.output
+            users = list(out.users)
+            with graph.inserting_after(out):
+                wrapped = _new(graph, node, capture_grad, (out, tuple(grad_out)))
             for user in users:
-                user.replace_input_with(node, wrapped)
+                user.replace_input_with(out, wrapped)
     for line in report.unavailable:
         log.warning("capture: %s", line)
     graph.lint()

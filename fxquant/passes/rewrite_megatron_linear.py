@@ -49,16 +49,35 @@ def _operands(mm: fx.Node) -> tuple[object, object]:
     return mm.args[0], mm.args[1]
 
 
-def locate_gemms(fwd: fx.GraphModule, bwd: fx.GraphModule) -> tuple[dict[str, fx.Node], str]:
-    """``{"fprop": node, "dgrad": node, "wgrad": node}`` found in the bodies, and a note on what is missing."""
+def _fprop(fwd: fx.GraphModule) -> tuple[fx.Node | None, set[fx.Node], set[fx.Node], str]:
+    """(fprop matmul, placeholders its input derives from, the weight's placeholder, note if unrecognised)."""
     f_mms = _mm_nodes(fwd.graph)
     if len(f_mms) != 1 or matmul_name(f_mms[0]) not in ("matmul", "mm"):
-        return {}, f"fwd_body has {len(f_mms)} matmul-like ops (expected one torch.matmul)"
-    fprop = f_mms[0]
-    a, b = _operands(fprop)
+        return None, set(), set(), f"fwd_body has {len(f_mms)} matmul-like ops (expected one torch.matmul)"
+    a, b = _operands(f_mms[0])
     x_ph, w_ph = _placeholder_ancestors(a), _placeholder_ancestors(b)
     if len(w_ph) != 1 or not x_ph or w_ph & x_ph:
-        return {FPROP: fprop}, "cannot tell the weight from the input in fwd_body's matmul"
+        return f_mms[0], x_ph, w_ph, "cannot tell the weight from the input in fwd_body's matmul"
+    return f_mms[0], x_ph, w_ph, ""
+
+
+def operand_positions(fwd: fx.GraphModule) -> tuple[int, int] | None:
+    """(input, weight) positions among the ``autograd_function_apply`` node's tensor arguments (its
+    ``args[2:]``, one per fwd_body placeholder), read from the fprop matmul's data flow; None if unclear."""
+    fprop, x_ph, w_ph, note = _fprop(fwd)
+    if fprop is None or note or len(x_ph) != 1:
+        return None
+    phs = [n for n in fwd.graph.nodes if n.op == "placeholder"]
+    return phs.index(next(iter(x_ph))), phs.index(next(iter(w_ph)))
+
+
+def locate_gemms(fwd: fx.GraphModule, bwd: fx.GraphModule) -> tuple[dict[str, fx.Node], str]:
+    """``{"fprop": node, "dgrad": node, "wgrad": node}`` found in the bodies, and a note on what is missing."""
+    fprop, x_ph, w_ph, note = _fprop(fwd)
+    if fprop is None:
+        return {}, note
+    if note:
+        return {FPROP: fprop}, note
     out = next(n for n in fwd.graph.nodes if n.op == "output").args[0]
     n_grads, saved = len(out[0]), out[1]
     origin = [_placeholder_ancestors(s) for s in saved]

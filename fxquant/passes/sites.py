@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from fxquant.passes.layers import LayerNumbering
 from fxquant.passes.module_paths import ModuleNames
 from fxquant.schemes.model import AttentionQuant, LinearQuant, Site, SiteKind, site_kind_for
 
@@ -174,8 +175,10 @@ def _site_path(names: ModuleNames, node: fx.Node, root: str | None) -> str:
     return root or ""
 
 
-def find_sites(gm: fx.GraphModule, names: ModuleNames, num_layers: int | None) -> FoundSites:
-    """Match the GEMM-bearing ops of a Dynamo graph (module docstring); nothing is modified."""
+def find_sites(gm: fx.GraphModule, names: ModuleNames, layers: LayerNumbering | None = None) -> FoundSites:
+    """Match the GEMM-bearing ops of a Dynamo graph (module docstring); nothing is modified. ``layers`` numbers
+    the sites' layers (global across pipeline stages, passes.layers); default: the local ``layers.N``."""
+    layers = layers or LayerNumbering()
     root = names.frame_root(gm.graph)
     matches: list[Match] = []
     unmatched: list[UnmatchedOp] = []
@@ -185,23 +188,23 @@ def find_sites(gm: fx.GraphModule, names: ModuleNames, num_layers: int | None) -
         path = _site_path(names, node, root)
         name = matmul_name(node)
         if name == "linear":
-            matches.append(Match(node, OpKind.LINEAR, Site.from_path(path, num_layers=num_layers)))
+            matches.append(Match(node, OpKind.LINEAR, layers.site(path)))
         elif name == "scaled_dot_product_attention":
-            matches.append(Match(node, OpKind.SDPA, Site.from_path(path, SiteKind.ATTENTION, num_layers)))
+            matches.append(Match(node, OpKind.SDPA, layers.site(path, SiteKind.ATTENTION)))
         elif node.op == "call_function" and node.target is AUTOGRAD_FUNCTION_APPLY:
             bodies = body_modules(gm, node)
             if _is_linear_apply(gm, node) and site_kind_for(path) is not SiteKind.ATTENTION:
-                matches.append(Match(node, OpKind.MEGATRON_LINEAR, Site.from_path(path, num_layers=num_layers)))
+                matches.append(Match(node, OpKind.MEGATRON_LINEAR, layers.site(path)))
             elif bodies is not None:
                 for body in bodies:
                     for sub in body.graph.nodes:
                         if matmul_name(sub) is not None:
                             unmatched.append(_unmatched(sub, _site_path(names, sub, root) or path))
         elif name in ("matmul", "@") and _innermost_class(names, node) in LINEAR_MODULE_CLASSES:
-            matches.append(Match(node, OpKind.MODULE_MATMUL, Site.from_path(path, num_layers=num_layers)))
+            matches.append(Match(node, OpKind.MODULE_MATMUL, layers.site(path)))
         elif name in ("baddbmm", "bmm") and site_kind_for(path) is SiteKind.ATTENTION:
             op = OpKind.UNFUSED_QK if name == "baddbmm" else OpKind.UNFUSED_PV
-            matches.append(Match(node, op, Site.from_path(path, SiteKind.ATTENTION, num_layers)))
+            matches.append(Match(node, op, layers.site(path, SiteKind.ATTENTION)))
         elif name is not None:
             unmatched.append(_unmatched(node, path))
     return FoundSites(matches, unmatched)

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
+from fxquant.passes.layers import LayerNumbering
 from fxquant.passes.sites import LINEAR_MODULE_CLASSES, SiteMeta, Status, UnmatchedOp
 from fxquant.schemes.model import Component, Site, SiteKind, site_kind_for
 from fxquant.schemes.scheme import Scheme
@@ -50,16 +51,16 @@ def failed_sites(sites: Iterable[SiteMeta]) -> list[str]:
     ]
 
 
-def model_sites(model: nn.Module, num_layers: int | None) -> list[Site]:
+def model_sites(model: nn.Module, layers: LayerNumbering) -> list[Site]:
     """The sites the model's module structure implies: linear modules and ``core_attention`` modules."""
     out = []
     for name, mod in model.named_modules():
         if not name:
             continue
         if isinstance(mod, nn.Linear) or type(mod).__name__ in LINEAR_MODULE_CLASSES:
-            out.append(Site.from_path(name, num_layers=num_layers))
+            out.append(layers.site(name))
         elif site_kind_for(name) is SiteKind.ATTENTION:
-            out.append(Site.from_path(name, SiteKind.ATTENTION, num_layers))
+            out.append(layers.site(name, SiteKind.ATTENTION))
     return out
 
 

@@ -1,0 +1,95 @@
+"""Layer numbering of sites: the global index of a module path's transformer layer (issue 3/4, PP).
+
+A site's layer comes from ``layers.N`` in its module path (``Site.from_path``), which is the index in the
+*local* layer stack. Under pipeline parallelism each stage holds a slice of the layers and its stack
+restarts at 0, so scheme layer selectors (``layers: [0]``, ``first_layers``/``last_layers``), explain
+output and capture records' ``layer`` would name the wrong layer. ``LayerNumbering`` maps a local path to
+the global index:
+
+- explicit: ``layer_offset=k`` (``fxquant.compile(..., layer_offset=k)``): global = local + k;
+- automatic (the default): a layer module that carries an int ``layer_number`` attribute (Megatron-core's
+  ``TransformerLayer``: 1-based and global across pipeline and virtual-pipeline stages) gives
+  ``layer_number - 1``; without one, the local index is kept (offset 0).
+
+``num_layers`` (for ``last_layers`` and negative indices) is the whole model's count: explicit, else the
+model's ``config.num_layers`` when its layers carry ``layer_number`` (Megatron), else 1 + the largest index.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from fxquant.schemes.model import Site, SiteKind
+
+# The layer-stack part of a path, as Site.from_path reads it (the last match wins).
+_LAYER_PATH_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?=\.|$)")
+
+
+def _layer_prefix(path: str) -> str | None:
+    """``decoder.layers.1`` for ``decoder.layers.1.mlp.linear_fc1`` (None outside a layer stack)."""
+    last = None
+    for last in _LAYER_PATH_RE.finditer(path):
+        pass
+    return path[: last.end()] if last else None
+
+
+def _check_count(name: str, value: object, minimum: int) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+        raise ValueError(f"{name}={value!r}: must be None or an int >= {minimum}")
+
+
+@dataclass(frozen=True)
+class LayerNumbering:
+    """Local module path -> Site with the global layer index (module docstring)."""
+
+    offset: int = 0
+    num_layers: int | None = None
+    numbers: dict[str, int] = field(default_factory=dict)  # layer module path -> global index
+
+    def __post_init__(self) -> None:
+        _check_count("layer_offset", self.offset, 0)
+        _check_count("num_layers", self.num_layers, 1)
+
+    def layer(self, path: str) -> int | None:
+        prefix = _layer_prefix(path)
+        if prefix is None:
+            return None
+        if prefix in self.numbers:
+            return self.numbers[prefix]
+        return int(prefix.rsplit(".", 1)[1]) + self.offset
+
+    def site(self, path: str, kind: SiteKind | str | None = None) -> Site:
+        local = Site.from_path(path, kind)
+        return dataclasses.replace(local, layer=self.layer(path), num_layers=self.num_layers)
+
+    @classmethod
+    def of_model(cls, model: nn.Module | None, *, layer_offset: int | None = None,
+                 num_layers: int | None = None) -> "LayerNumbering":
+        """The numbering of ``model``'s sites (module docstring); ``layer_offset`` disables the automatic one."""
+        _check_count("layer_offset", layer_offset, 0)
+        _check_count("num_layers", num_layers, 1)
+        if model is None:
+            return cls(layer_offset or 0, num_layers)
+        numbers: dict[str, int] = {}
+        local: list[int] = []
+        for name, mod in model.named_modules():
+            prefix = _layer_prefix(name)
+            if prefix != name:
+                continue
+            local.append(int(name.rsplit(".", 1)[1]))
+            number = getattr(mod, "layer_number", None)
+            if layer_offset is None and isinstance(number, int) and not isinstance(number, bool) and number >= 1:
+                numbers[name] = number - 1
+        if num_layers is None and numbers:
+            configured = getattr(getattr(model, "config", None), "num_layers", None)
+            num_layers = configured if isinstance(configured, int) and configured > max(numbers.values()) else None
+        found = list(numbers.values()) or [i + (layer_offset or 0) for i in local]
+        top = max(found) if found else None
+        if num_layers is None:
+            num_layers = None if top is None else top + 1
+        elif top is not None and top >= num_layers:
+            raise ValueError(f"num_layers={num_layers}: the model has a layer with global index {top}")
+        return cls(layer_offset or 0, num_layers, numbers)

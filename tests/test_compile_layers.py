@@ -1,0 +1,91 @@
+"""Global layer numbering (pipeline stages): ``fxquant.compile(..., layer_offset=, num_layers=)`` and the
+automatic numbering from Megatron-style ``layer_number`` attributes; scheme layer selectors, explain and
+capture records see global indices. The two-process Megatron PP=2 run is in test_tp_compile.py."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from torch import nn
+
+import fxquant
+from fxquant import capture, schemes
+from fxquant.passes.layers import LayerNumbering
+from tests.models import make_llama, make_tokens, next_token_loss
+
+# Quantize global layer 2 only; keep the last layer (of 4) in high precision even if a rule selected it.
+SCHEME = schemes.Scheme.from_yaml_text("""
+name: stage
+rules:
+  - match: {layers: [2, 3]}
+    linear: mxfp8
+  - match: {last_layers: 1}
+    priority: 1
+    linear: none
+""", "stage.yaml")
+
+
+def test_layer_offset_makes_sites_selectors_and_capture_global(tmp_path):
+    model = make_llama()  # layers.0, layers.1: the second stage (global layers 2, 3) of a 4-layer model
+    tokens = make_tokens(model.cfg)
+    spec = capture.load_spec("t.yaml", text="""
+sections:
+  - layers: {kinds: [fc2], indices: [3]}
+    points: [{component: linear, roles: [input]}]
+""")
+    compiled = fxquant.compile(model, SCHEME, backend="aot_eager", strict=True, capture=spec,
+                               capture_dir=tmp_path, layer_offset=2, num_layers=4)
+    next_token_loss(compiled(tokens), tokens).backward()
+    fxquant.compile_state(compiled).capture_session.close()
+    sites = {s.site.module_path: s for s in fxquant.compile_state(compiled).sites()}
+    assert sites["layers.0.mlp.down_proj"].site.layer == 2 and sites["layers.1.mlp.down_proj"].site.layer == 3
+    assert sites["layers.0.mlp.down_proj"].status.value == "rewritten"
+    assert not sites["layers.1.mlp.down_proj"].selected  # global layer 3 is the last of 4
+    assert sites["layers.0.mlp.down_proj"].site.num_layers == 4
+    (rec,) = capture.open(tmp_path).query(role="input")
+    assert rec.module == "layers.1.mlp.down_proj" and rec.layer == 3
+    table = str(fxquant.explain(make_llama(), tokens, scheme=SCHEME, layer_offset=2, num_layers=4))
+    assert any(row.split()[:2] == ["layers.1.mlp.down_proj", "3"] for row in table.splitlines())
+
+
+def test_without_the_offset_the_selector_matches_nothing():
+    model = make_llama()
+    compiled = fxquant.compile(model, SCHEME, backend="aot_eager")
+    tokens = make_tokens(model.cfg)
+    with pytest.raises(ValueError, match="match no site"):
+        compiled(tokens)
+
+
+class _Layer(nn.Module):
+    def __init__(self, number: int):
+        super().__init__()
+        self.layer_number = number  # Megatron's TransformerLayer: 1-based, global across pipeline stages
+        self.fc = nn.Linear(4, 4)
+
+
+class _Stage(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.config = types.SimpleNamespace(num_layers=8)
+        self.decoder = nn.Module()
+        self.decoder.layers = nn.ModuleList([_Layer(6), _Layer(7)])
+
+
+def test_automatic_numbering_from_layer_number():
+    numbering = LayerNumbering.of_model(_Stage())
+    site = numbering.site("decoder.layers.1.fc")
+    assert (site.layer, site.num_layers) == (6, 8)
+    assert numbering.site("embedding").layer is None
+    explicit = LayerNumbering.of_model(_Stage(), layer_offset=1)  # an explicit offset wins over layer_number
+    assert explicit.site("decoder.layers.1.fc").layer == 2
+    assert LayerNumbering.of_model(make_llama()).site("layers.1.attn").layer == 1  # no layer_number: local
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"layer_offset": -1}, "layer_offset=-1"), ({"layer_offset": 1.5}, "layer_offset=1.5"),
+    ({"num_layers": 0}, "num_layers=0"), ({"layer_offset": 2, "num_layers": 3}, "global index 3"),
+])
+def test_bad_numbering_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        fxquant.compile(make_llama(), "bf16", backend="aot_eager", **kwargs)
