@@ -5,18 +5,22 @@ import argparse
 import itertools
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from tabulate import tabulate
 
 from experiments import catalog, compare
 from experiments.launcher import resolve, supervise
+from fxquant.capture import compat
+from fxquant.megatron_glue.run_config import capture_from_args
 
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default="cpu", help="training config: " + ", ".join(catalog.CONFIGS))
     p.add_argument("--variant", default="tiny", choices=["tiny", "full"], help="model size (default tiny)")
-    p.add_argument("--capture", help="capture placement-spec YAML")
+    p.add_argument("--capture", metavar="SPEC", help="capture during training: a shipped spec name (predecessor, "
+                   "linear_io, stats_only) or a spec YAML path; captures go to RUN_DIR/captures (or --tensor-save-dir)")
     p.add_argument("--nproc", type=int, default=1, help="processes (torchrun --nproc-per-node)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
@@ -24,16 +28,21 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", help="local HuggingFace tokenizer dir (required for --variant full) or 'byte'")
     p.add_argument("--data-prefix", help="indexed dataset prefix (overrides $FXQUANT_WIKIPEDIA_PREFIX / $FXQUANT_DOLMA_PREFIX)")
     p.add_argument("--iters", type=int, help="override the config's train_iters")
-    p.add_argument("--control-iter", type=int, help="stop after N iterations (predecessor's --control-iter)")
     p.add_argument("--eval-interval", type=int, help="validation loss every N iterations (0 = off; default: config's)")
     p.add_argument("--eval-iters", type=int, help="global batches of the validation split per evaluation")
     p.add_argument("--backend", default="aot_eager", choices=["inductor", "aot_eager", "eager", "none"])
     p.add_argument("--attention", default="sdpa", choices=["sdpa", "local"])
+    compat.add_arguments(p)  # --save-tensors, --tensor-save-dir, --control-iter (stop after N iterations)
+    p.add_argument("--collect-micro-batches", type=int, metavar="M",
+                   help="with --save-tensors: capture micro-batches 0..M-1 of each collected iteration (default all)")
 
 
-def _resolve(args, model, dataset, scheme):
+def _resolve(args, model, dataset, scheme, per_run_capture_dir: bool = False):
+    capture = capture_from_args(args)
+    if per_run_capture_dir and capture is not None and capture.dir is not None:  # matrix: one root per run
+        capture = replace(capture, dir=str(Path(capture.dir) / model / dataset / scheme))
     return resolve(model=model, dataset=dataset, scheme=scheme, config=args.config, variant=args.variant,
-                   capture=args.capture, nproc=args.nproc, tp=args.tp, pp=args.pp, out=args.out,
+                   capture=capture, nproc=args.nproc, tp=args.tp, pp=args.pp, out=args.out,
                    tokenizer=args.tokenizer, data_prefix=args.data_prefix, iters=args.iters,
                    backend=args.backend, attention=args.attention, control_iter=args.control_iter,
                    eval_interval=args.eval_interval, eval_iters=args.eval_iters)
@@ -64,6 +73,9 @@ def cmd_run(args) -> int:
     outcome = supervise(launch, args.timeout)
     print(f"{outcome.status} in {outcome.seconds:.0f}s; log {outcome.log}; metrics "
           f"{Path(launch.run.output_dir) / 'metrics.jsonl'}")
+    if launch.run.capture is not None:
+        print(f"captures: {launch.run.capture.root(launch.run.output_dir)} (spec {launch.run.capture.spec}; "
+              f"`fxquant capture ls` / `fxquant report` read it)")
     return 0 if outcome.status == "ok" else 1
 
 
@@ -74,7 +86,7 @@ def cmd_matrix(args) -> int:
     for model, dataset, scheme in combos:
         name = f"{model}/{dataset}/{scheme}"
         try:
-            launch = _resolve(args, model, dataset, scheme)
+            launch = _resolve(args, model, dataset, scheme, per_run_capture_dir=True)
         except (ValueError, TypeError, FileNotFoundError) as exc:
             records.append({"run": name, "status": "refused", "error": str(exc)})
             print(f"[refused] {name}: {exc}", flush=True)
@@ -91,6 +103,8 @@ def cmd_matrix(args) -> int:
                         "seconds": round(outcome.seconds, 1), "iterations": len(losses),
                         "final_loss": losses[-1] if losses else None,
                         "final_val_loss": val_losses[-1] if val_losses else None, "run_dir": launch.run.output_dir,
+                        "captures": (str(launch.run.capture.root(launch.run.output_dir))
+                                     if launch.run.capture is not None else None),
                         "log": str(outcome.log)})
         print(f"[{outcome.status}] {name} in {outcome.seconds:.0f}s", flush=True)
     comparison = compare.against_bf16(records, last_n=args.last_n)

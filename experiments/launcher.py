@@ -20,8 +20,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from experiments import catalog
-from fxquant.megatron_glue.run_config import (AttentionKind, CompileBackend, DataConfig, DataKind, ParallelLayout,
-                                              RunConfig)
+from fxquant.megatron_glue.run_config import (AttentionKind, CaptureConfig, CompileBackend, DataConfig, DataKind,
+                                              ParallelLayout, RunConfig, stop_after)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,7 +51,7 @@ class Launch:
 
 
 def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", variant: str = "tiny",
-            capture: str | None = None, nproc: int = 1, tp: int = 1, pp: int = 1, out: str = "runs",
+            capture: CaptureConfig | str | None = None, nproc: int = 1, tp: int = 1, pp: int = 1, out: str = "runs",
             tokenizer: str | None = None, data_prefix: str | None = None, iters: int | None = None,
             backend: str = "aot_eager", attention: str = "sdpa", control_iter: int | None = None,
             eval_interval: int | None = None, eval_iters: int | None = None) -> Launch:
@@ -64,8 +64,14 @@ def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", varia
     if nproc < 1 or nproc % (tp * pp):
         raise ValueError(f"nproc={nproc} must be a positive multiple of tp*pp = {tp}*{pp}")
     mcfg.check_parallel(tp, pp)
+    if isinstance(capture, str):
+        capture = CaptureConfig(spec=capture)
+    if capture is not None:  # paths made absolute: the training processes run in the repository
+        _check_capture_spec(capture.spec)
+        spec = str(Path(capture.spec).resolve()) if Path(capture.spec).is_file() else capture.spec
+        capture = replace(capture, spec=spec, dir=None if capture.dir is None else str(Path(capture.dir).resolve()))
     tcfg = catalog.CONFIGS[config]
-    tcfg = replace(tcfg, train_iters=iters or tcfg.train_iters, control_iter=control_iter,
+    tcfg = replace(tcfg, train_iters=iters or tcfg.train_iters, control_iter=stop_after(capture, control_iter),
                    eval_interval=tcfg.eval_interval if eval_interval is None else eval_interval,
                    eval_iters=eval_iters or tcfg.eval_iters)
     dp = nproc // (tp * pp)
@@ -89,13 +95,21 @@ def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", varia
             raise ValueError(f"dataset {dataset!r}: {prefix}{missing[0]} not found; build it with `fxquant "
                              f"prepare-data ... -o {prefix}`, or point --data-prefix / ${ds.env} at it")
         data = DataConfig(DataKind.INDEXED, (prefix,), cache_dir=str(Path(out) / ".data-cache"))
-    if capture is not None and not Path(capture).is_file():
-        raise ValueError(f"--capture {capture!r}: no such file")
-    run_dir = Path(out) / mcfg.name / dataset / scheme
+    run_dir = Path(out).resolve() / mcfg.name / dataset / scheme  # absolute: torchrun runs in the repository
     run = RunConfig(model=mcfg, train=tcfg, data=data, output_dir=str(run_dir), tokenizer=tokenizer, scheme=scheme,
                     capture=capture, attention=AttentionKind.parse(attention), backend=CompileBackend(backend),
                     layout=ParallelLayout(tp=tp, pp=pp))
     return Launch(run=run, nproc=nproc, config_path=run_dir / "launch.json")
+
+
+def _check_capture_spec(spec: str) -> None:
+    """Load the spec now (unknown names get a did-you-mean; YAML problems are listed with file:line)."""
+    from fxquant.capture import SpecError, load_spec
+
+    try:
+        load_spec(spec)
+    except SpecError as exc:
+        raise ValueError(f"--capture {spec!r}: {exc}") from None
 
 
 @dataclass
@@ -121,7 +135,7 @@ def supervise(launch: Launch, timeout: float, echo: bool = True) -> Outcome:
         try:
             for line in proc.stdout:
                 handle.write(line)
-                if echo and (line.startswith("iter ") or line.startswith("FXQUANT_RESULT")):
+                if echo and line.startswith(("iter ", "FXQUANT_RESULT", "capture rank ")):
                     print(line.rstrip(), flush=True)
             proc.wait()
         finally:

@@ -2,12 +2,21 @@
 
 Reads a `RunConfig` JSON (written by `experiments`), trains, prints progress on the logging rank and
 a final JSON line (`FXQUANT_RESULT {...}`) the launcher parses. A process entry point, so it prints.
+
+Capture can be switched on here too, over the JSON: `--capture SPEC` (shipped name or YAML path) and the
+predecessor's `--save-tensors`, `--tensor-save-dir DIR`, `--control-iter N` and `TENSOR_SAVE_ENABLED`,
+`TENSOR_SAVE_DIR` (`run_config.capture_from_args`; with the predecessor's switch, training also stops after
+N iterations, as it did). Every rank prints one `capture rank R: ...` line (records, bytes, where, why it
+stopped). SIGTERM (torchrun forwards it; the experiment supervisor sends it on timeout) raises SystemExit in
+the training thread, so the capture session is drained and committed before the process ends.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
+import signal
 import sys
 import warnings
 
@@ -30,29 +39,57 @@ def _progress(total: int):
     return show
 
 
-def main(argv: list[str] | None = None) -> int:
+def with_capture_args(run, args: argparse.Namespace):
+    """`run` with the capture and `--control-iter` of the command line applied (None of them: unchanged)."""
+    from fxquant.megatron_glue.run_config import capture_from_args, stop_after
+
+    capture = capture_from_args(args)
+    train = run.train
+    if args.control_iter is not None or (capture is not None and capture.iterations is not None):
+        train = dataclasses.replace(train, control_iter=stop_after(capture, args.control_iter))
+    return dataclasses.replace(run, capture=capture or run.capture, train=train)
+
+
+def _terminate(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from fxquant.capture import compat
+
     parser = argparse.ArgumentParser(prog="python -m fxquant.megatron_glue.launch")
     parser.add_argument("--config", required=True, help="RunConfig JSON file")
+    parser.add_argument("--capture", help="capture spec: a shipped name (e.g. predecessor) or a YAML path")
+    compat.add_arguments(parser)
     parser.add_argument("-v", "--verbose", action="count", default=0)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING - 10 * min(args.verbose, 2),
                         format="%(levelname)s %(name)s: %(message)s")
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*")
     from fxquant.megatron_glue.parallel import destroy_parallel
     from fxquant.megatron_glue.run_config import RunConfig
     from fxquant.megatron_glue.train import train
+    from fxquant.megatron_glue.training_capture import describe
 
     with open(args.config) as handle:
-        run = RunConfig.from_dict(json.load(handle))
+        run = with_capture_args(RunConfig.from_dict(json.load(handle)), args)
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         result = train(run, progress=_progress(run.train.train_iters))
+        if result.capture is not None:
+            print(describe(result.capture), flush=True)
         if result.records:
             validated = [r["val_loss"] for r in result.records if "val_loss" in r]
             summary = {"run_dir": str(result.run_dir), "iterations": result.iterations,
                        "final_loss": result.records[-1]["loss"], "metrics": str(result.metrics_path),
                        "final_val_loss": validated[-1] if validated else None,
                        "checkpoints": str(result.checkpoint_dir) if result.checkpoint_dir else None,
-                       "stopped_by_control_iter": result.stopped_by_control_iter}
+                       "stopped_by_control_iter": result.stopped_by_control_iter,
+                       "captures": str(run.capture.root(run.output_dir)) if run.capture else None}
             print("FXQUANT_RESULT " + json.dumps(summary), flush=True)
     finally:
         destroy_parallel()

@@ -1,6 +1,8 @@
 """A training run as one frozen value: `RunConfig` (model, data, training, scheme, layout) and its JSON form.
 
-Also the run's parts: `ParallelLayout`, `DataKind`/`DataConfig`, `OptimConfig`, `TrainConfig`.
+Also the run's parts: `ParallelLayout`, `DataKind`/`DataConfig`, `OptimConfig`, `TrainConfig`,
+`CaptureConfig` (tensor capture during training; `capture_from_args` maps `--capture` and the
+predecessor's `--save-tensors` / `--tensor-save-dir` / `--control-iter` / `TENSOR_SAVE_*` to it).
 
 The launcher (`experiments/`) resolves a run, writes `RunConfig.to_dict()` as JSON, and starts
 `torchrun ... -m fxquant.megatron_glue.launch --config FILE`, which reads it back with
@@ -115,7 +117,7 @@ class TrainConfig:
     precision: Precision = Precision.AUTO
     save_interval: int = 0  # 0 = no checkpoints
     seed: int = 1234
-    control_iter: int | None = None  # stop after this many iterations (predecessor's --control-iter)
+    control_iter: int | None = None  # stop after this many iterations of this run (predecessor's --control-iter)
     eval_interval: int = 0  # validation loss every N iterations and at the end; 0 = never
     eval_iters: int = 1     # global batches of the validation split per evaluation (the same ones each time)
 
@@ -148,6 +150,79 @@ class TrainConfig:
         return self.precision is Precision.BF16
 
 
+DEFAULT_CAPTURE_SUBDIR = "captures"  # under the run directory when CaptureConfig.dir is None
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    """Tensor capture during training: one `fxquant.capture` session per rank (docs/megatron.md "Capture").
+
+    spec: a shipped spec name (`fxquant.capture.shipped_specs()`) or a spec YAML path.
+    dir: the capture root (per-rank subdirectories below it); None: `<run dir>/captures`.
+    iterations: the predecessor's `--control-iter N`: every micro-batch of the first N iterations this run
+        executes (0: all of them) replaces each section's window; None keeps the spec's own windows.
+    micro_batches: the predecessor's `--collect-micro-batches M`: with `iterations`, only micro-batches
+        0..M-1 of those iterations.
+    """
+
+    spec: str = "predecessor"
+    dir: str | None = None
+    iterations: int | None = None
+    micro_batches: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.spec, str) or not self.spec:
+            raise ValueError(f"CaptureConfig.spec must be a shipped spec name or a YAML path, got {self.spec!r}")
+        if self.iterations is not None and (isinstance(self.iterations, bool) or not isinstance(self.iterations, int)
+                                            or self.iterations < 0):
+            raise ValueError(f"CaptureConfig.iterations must be an integer >= 0 (0: no limit), got {self.iterations!r}")
+        if self.micro_batches is not None:
+            if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or self.micro_batches < 1:
+                raise ValueError(f"CaptureConfig.micro_batches (--collect-micro-batches) must be an integer >= 1, "
+                                 f"got {self.micro_batches!r}")
+            if self.iterations is None:
+                raise ValueError("CaptureConfig.micro_batches (--collect-micro-batches) narrows the predecessor's "
+                                 "window: it needs iterations (--save-tensors / --control-iter)")
+
+    def root(self, run_dir: str | Path) -> Path:
+        return Path(self.dir) if self.dir is not None else Path(run_dir) / DEFAULT_CAPTURE_SUBDIR
+
+
+def capture_from_args(args, env: dict | None = None) -> CaptureConfig | None:
+    """The run's capture from `--capture SPEC` and the predecessor's flags/environment
+    (`fxquant.capture.compat.add_arguments`): `--save-tensors` / `TENSOR_SAVE_ENABLED` turns capture on
+    with `SPEC` or the shipped `predecessor` spec, windowed to `--control-iter N` iterations (default 1);
+    `--tensor-save-dir` / `TENSOR_SAVE_DIR` is the root (default `./enhanced_tensor_logs`), and
+    `--collect-micro-batches M` keeps micro-batches 0..M-1. `--capture` alone keeps the spec's windows and
+    writes under the run directory (or `--tensor-save-dir` when given)."""
+    from fxquant.capture import compat
+
+    spec = getattr(args, "capture", None)
+    micro_batches = getattr(args, "collect_micro_batches", None)
+    legacy = compat.from_args(args, env=env)  # validates the flags and env; None when --save-tensors is off
+    if legacy is not None:
+        n = getattr(args, "control_iter", None)
+        return CaptureConfig(spec=spec or "predecessor", dir=str(legacy[1]["root"]), iterations=1 if n is None else n,
+                             micro_batches=micro_batches)
+    if micro_batches is not None:
+        raise ValueError("--collect-micro-batches narrows the predecessor's capture window: it needs --save-tensors "
+                         "(or TENSOR_SAVE_ENABLED=1)")
+    if spec is None:
+        return None
+    return CaptureConfig(spec=spec, dir=getattr(args, "tensor_save_dir", None))
+
+
+def stop_after(capture: CaptureConfig | None, control_iter: int | None) -> int | None:
+    """TrainConfig.control_iter for a command line's `--control-iter` (0: no limit): given, it is used;
+    absent, the predecessor's capture (`--save-tensors`, window of N iterations) stops training after N."""
+    if control_iter is None and capture is not None:
+        control_iter = capture.iterations
+    if control_iter is not None and (isinstance(control_iter, bool) or not isinstance(control_iter, int)
+                                     or control_iter < 0):
+        raise ValueError(f"--control-iter {control_iter!r}: must be an integer >= 0 (0: no limit)")
+    return control_iter or None
+
+
 @dataclass(frozen=True)
 class RunConfig:
     model: ModelConfig
@@ -156,7 +231,7 @@ class RunConfig:
     output_dir: str
     tokenizer: str = "byte"
     scheme: str = "bf16"
-    capture: str | None = None
+    capture: CaptureConfig | None = None
     attention: AttentionKind = AttentionKind.SDPA
     backend: CompileBackend = CompileBackend.AOT_EAGER
     layout: ParallelLayout = field(default_factory=ParallelLayout)

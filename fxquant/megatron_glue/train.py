@@ -5,13 +5,16 @@ data-parallel ranks, run by `schedule.forward_backward` (Megatron's schedules on
 optimizer step (`optim`), Megatron's LR scheduler, metrics (JSONL per iteration: loss, lr, grad norm,
 tokens/s, step time, MoE aux losses; optional TensorBoard), the validation loss every `eval_interval`
 iterations (`evaluation.Validator`, recorded as `val_loss`), periodic checkpoints (`checkpoint`) and
-auto-resume from the run directory. `control_iter` stops the run after that many iterations (the predecessor's
-`--control-iter`). The model is compiled through `compile_model` (fxquant.compile with the run's
-scheme) while `graph_breaks.quiet_tp_group_lookup()` is held, so Megatron's model is one graph.
-Configuration types and their JSON form live in `run_config`.
+auto-resume from the run directory. `control_iter` stops the run after that many iterations of this run (the
+predecessor's `--control-iter`). The model is compiled through `compile_model` (fxquant.compile with the run's
+scheme and capture spec) while `graph_breaks.quiet_tp_group_lookup()` is held, so Megatron's model is one
+graph. With `run.capture`, each rank writes one capture session (`training_capture.TrainingCapture`: iteration
+and micro-batch counters follow the schedule, forward and backward; closed and committed at the end, on error
+and on interrupt). Configuration types and their JSON form live in `run_config`.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -26,12 +29,13 @@ from fxquant.megatron_glue.data import PretrainingSampler, batch_iterator, build
 from fxquant.megatron_glue.evaluation import Validator, mean_loss
 from fxquant.megatron_glue.graph_breaks import quiet_tp_group_lookup
 from fxquant.megatron_glue.host_moe_mla import MoEAuxLosses
-from fxquant.megatron_glue.model import build_gpt_model, causal_attention_mask
+from fxquant.megatron_glue.model import build_gpt_model, causal_attention_mask, layer_offset
 from fxquant.megatron_glue.optim import HostOptimizer, MegatronOptimizerSetup, lr_scheduler
 from fxquant.megatron_glue.parallel import initialize_parallel
 from fxquant.megatron_glue.run_config import CompileBackend, RunConfig
 from fxquant.megatron_glue.schedule import forward_backward
 from fxquant.megatron_glue.tokenizer import load_tokenizer
+from fxquant.megatron_glue.training_capture import TrainingCapture
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +52,12 @@ class TrainResult:
     checkpoint_dir: Path | None = None
     stopped_by_control_iter: bool = False
     sites: list[dict] = field(default_factory=list)  # fxquant sites of the logging rank's model (SITES_FILE)
+    capture: dict | None = None  # this rank's capture summary (records, bytes, shards, stop_reason, dir, ...)
 
 
-def compile_model(model: torch.nn.Module, run: RunConfig) -> torch.nn.Module:
-    """The one place a run's model is compiled: fxquant.compile with the run's scheme, or eager."""
+def compile_model(model: torch.nn.Module, run: RunConfig, capture_spec=None) -> torch.nn.Module:
+    """The one place a run's model is compiled: fxquant.compile with the run's scheme (and capture spec,
+    a CaptureSpec), or eager."""
     if run.backend is CompileBackend.NONE:
         if run.scheme != "bf16" or run.capture is not None:
             raise ValueError(f"backend='none' runs the model uncompiled: only scheme 'bf16' without capture "
@@ -59,7 +65,7 @@ def compile_model(model: torch.nn.Module, run: RunConfig) -> torch.nn.Module:
         return model
     from fxquant.api import compile as fxquant_compile
 
-    kwargs = {"capture": run.capture} if run.capture is not None else {}
+    kwargs = {"capture": capture_spec} if capture_spec is not None else {}
     return fxquant_compile(model, run.scheme, backend=run.backend.value, **kwargs)
 
 
@@ -132,11 +138,9 @@ def train(run: RunConfig, progress: Callable[[dict], None] | None = None) -> Tra
     if device.type == "cuda":
         setup = MegatronOptimizerSetup(model, t.optim, bf16=bf16)
         optimizer, runnable = setup, setup.model
-        runnable.module = compiled = compile_model(model, run)  # DDP keeps the grad hooks, runs the compiled module
     else:
         shared = model.shared_embedding_or_output_weight() if run.model.tie_embeddings else None
         optimizer = HostOptimizer(model, t.optim, shared_embedding=shared)
-        runnable = compiled = compile_model(model, run)
     scheduler = lr_scheduler(optimizer, t.optim, t.train_iters)
 
     ckpt_dir = run_dir / "checkpoints"
@@ -144,43 +148,58 @@ def train(run: RunConfig, progress: Callable[[dict], None] | None = None) -> Tra
     if run.resume and checkpoint.latest_iteration(ckpt_dir) is not None:
         start, consumed, _ = checkpoint.load(ckpt_dir, model=model, optimizer=optimizer, scheduler=scheduler)
         log.info("resumed from %s at iteration %d", ckpt_dir, start)
-
-    train_ds, valid_ds = build_datasets(run.data, tokenizer, seq_length=t.seq_length,
-                                        train_samples=t.train_iters * t.global_batch_size,
-                                        valid_samples=t.eval_samples, seed=t.seed)
-    validator = Validator(valid_ds, t, info, num_micro) if t.eval_interval else None
-    sampler = PretrainingSampler(len(train_ds), consumed, t.micro_batch_size, info.dp_rank, info.dp_size)
-    batches = batch_iterator(train_ds, sampler)
-    mask = causal_attention_mask(t.seq_length, device)
-
-    def forward_step_func(data_iterator, module):
-        batch = next(data_iterator)
-        tokens, labels, positions = (batch[k].to(device, non_blocking=True) for k in ("tokens", "labels", "position_ids"))
-        loss_mask = batch["loss_mask"].to(device, non_blocking=True)
-        output = module(tokens, positions, mask, labels=labels)
-
-        def loss_func(per_token: torch.Tensor):
-            loss = (per_token.float() * loss_mask).sum() / loss_mask.sum().clamp(min=1)
-            return loss, {"lm loss": loss.detach().clone()}  # Megatron divides `loss` in place
-
-        return output, loss_func
-
-    sink = _MetricsSink(run_dir, start, info.is_logging_rank, run.tensorboard)
-    result = TrainResult(run_dir=run_dir, iterations=start, metrics_path=sink.path if info.is_logging_rank else None)
-    moe_aux = MoEAuxLosses(model.config)
-    moe_aux.start(device)
-    runnable.train()
+    capture = None
+    if run.capture is not None:  # after resume: the predecessor's window counts from the start iteration
+        capture = TrainingCapture.open(run, info, layer_offset(model), start)
+    sink = None
     try:
+        compiled = compile_model(model, run, None if capture is None else capture.spec)
+        if device.type == "cuda":
+            runnable.module = compiled  # DDP keeps the grad hooks, runs the compiled module
+        else:
+            runnable = compiled
+        train_ds, valid_ds = build_datasets(run.data, tokenizer, seq_length=t.seq_length,
+                                            train_samples=t.train_iters * t.global_batch_size,
+                                            valid_samples=t.eval_samples, seed=t.seed)
+        validator = Validator(valid_ds, t, info, num_micro) if t.eval_interval else None
+        sampler = PretrainingSampler(len(train_ds), consumed, t.micro_batch_size, info.dp_rank, info.dp_size)
+        batches = batch_iterator(train_ds, sampler)
+        mask = causal_attention_mask(t.seq_length, device)
+
+        def forward_step_func(data_iterator, module):
+            batch = next(data_iterator)
+            tokens, labels, positions = (batch[k].to(device, non_blocking=True)
+                                         for k in ("tokens", "labels", "position_ids"))
+            loss_mask = batch["loss_mask"].to(device, non_blocking=True)
+            if capture is None:
+                output = module(tokens, positions, mask, labels=labels)
+            else:  # micro-batch index for this forward and, through a grad hook, for its backward
+                output = capture.forward(lambda: module(tokens, positions, mask, labels=labels))
+
+            def loss_func(per_token: torch.Tensor):
+                loss = (per_token.float() * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+                return loss, {"lm loss": loss.detach().clone()}  # Megatron divides `loss` in place
+
+            return output, loss_func
+
+        sink = _MetricsSink(run_dir, start, info.is_logging_rank, run.tensorboard)
+        result = TrainResult(run_dir=run_dir, iterations=start, metrics_path=sink.path if info.is_logging_rank else None)
+        moe_aux = MoEAuxLosses(model.config)
+        moe_aux.start(device)
+        runnable.train()
         with quiet_tp_group_lookup():
             for iteration in range(start, t.train_iters):
-                if t.control_iter is not None and iteration >= t.control_iter:
+                if t.control_iter is not None and iteration >= start + t.control_iter:
                     result.stopped_by_control_iter = True
                     break
+                if capture is not None:
+                    capture.begin_iteration(iteration)
                 record = _one_iteration(run, iteration, forward_step_func, batches, runnable, optimizer,
                                         scheduler, num_micro, info)
                 record.update(moe_aux.collect(iteration + 1, num_micro))
                 if validator is not None and t.evaluates_at(iteration + 1):
-                    record["val_loss"] = validator.loss(forward_step_func, runnable)
+                    with capture.paused() if capture is not None else contextlib.nullcontext():
+                        record["val_loss"] = validator.loss(forward_step_func, runnable)
                 consumed += t.global_batch_size
                 result.iterations = iteration + 1
                 if info.is_logging_rank:
@@ -194,8 +213,15 @@ def train(run: RunConfig, progress: Callable[[dict], None] | None = None) -> Tra
                     checkpoint.save(ckpt_dir, result.iterations, model=model, optimizer=optimizer,
                                     scheduler=scheduler, consumed_samples=consumed)
                     result.checkpoint_dir = ckpt_dir
+    except BaseException:  # error or interrupt: what was captured is drained and committed, then re-raised
+        if capture is not None:
+            capture.close(failing=True)
+        raise
     finally:
-        sink.close()
+        if sink is not None:
+            sink.close()
+    if capture is not None:
+        result.capture = capture.close()
     if compiled is not model and info.is_logging_rank:
         result.sites = write_sites_report(compiled, run_dir / SITES_FILE)
     return result

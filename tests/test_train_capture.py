@@ -1,0 +1,214 @@
+"""Capture during Megatron-core training: records per iteration / micro-batch / role / layer / rank,
+backward attributed to its micro-batch, validation captures nothing, predecessor flags and environment,
+and two torchrun ranks (DP=2) writing their own coordinates into one capture root."""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.megatron
+pytest.importorskip("megatron.core", reason="needs megatron-core")
+
+REPO = Path(__file__).resolve().parents[1]
+SCHEME = "FA_linear_hifp8"  # quantizes Q.K^T (forward and both gradients), keeps P.V in high precision
+ATTN = "decoder.layers.{}.self_attention.core_attention"
+ATTN_FORWARD = {"query", "key", "value", "probs", "output"}
+ATTN_BACKWARD = {"grad_output", "grad_query", "grad_key", "grad_value", "grad_probs"}
+LINEARS = {"qkv": "decoder.layers.{}.self_attention.linear_qkv", "proj": "decoder.layers.{}.self_attention.linear_proj",
+           "fc1": "decoder.layers.{}.mlp.linear_fc1", "fc2": "decoder.layers.{}.mlp.linear_fc2"}
+LINEAR_POINTS = {("input", "hp", None, "forward"), ("weight", "hp", None, "forward"), ("output", "hp", None, "forward"),
+                 ("grad_output", "hp", None, "backward"), ("grad_input", "hp", None, "backward"),
+                 ("grad_weight", "hp", None, "backward"),
+                 ("input", "quantized", "fprop", "forward"), ("input", "quantized", "wgrad", "forward"),
+                 ("weight", "quantized", "fprop", "forward"), ("weight", "quantized", "dgrad", "forward"),
+                 ("grad_output", "quantized", "dgrad", "backward"), ("grad_output", "quantized", "wgrad", "backward")}
+
+
+def _run(tmp_path, name, iters=4, **train):
+    from fxquant.megatron_glue.config import AttentionKind, tiny_llama_config
+    from fxquant.megatron_glue.run_config import CompileBackend, DataConfig, OptimConfig, RunConfig, TrainConfig
+
+    opts = dict(seq_length=32, micro_batch_size=2, global_batch_size=4, train_iters=iters,
+                optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_iters=1))
+    opts.update(train)
+    return RunConfig(model=tiny_llama_config(vocab_size=257), train=TrainConfig(**opts), data=DataConfig(),
+                     output_dir=str(tmp_path / name), scheme=SCHEME, backend=CompileBackend.AOT_EAGER,
+                     attention=AttentionKind.LOCAL)
+
+
+def _config_file(tmp_path, run) -> Path:
+    path = tmp_path / f"{Path(run.output_dir).name}.json"
+    path.write_text(json.dumps(run.to_dict()))
+    return path
+
+
+def _by_key(records):
+    return collections.Counter((r.iteration, r.micro_batch, r.module, r.role, r.copy, r.gemm) for r in records)
+
+
+def test_predecessor_env_capture_during_training(tmp_path, monkeypatch, capsys):
+    """TENSOR_SAVE_ENABLED / TENSOR_SAVE_DIR + --control-iter 2 on the training entry point: every micro-batch
+    of iterations 0 and 1, forward and backward (each backward under its own micro-batch), then training stops;
+    validation (every iteration) adds nothing."""
+    from fxquant import capture
+    from fxquant.cli import main as fxquant_main
+    from fxquant.megatron_glue.launch import main
+
+    root = tmp_path / "tensor_logs"
+    monkeypatch.setenv("TENSOR_SAVE_ENABLED", "true")
+    monkeypatch.setenv("TENSOR_SAVE_DIR", str(root))
+    run = _run(tmp_path, "env", iters=4, eval_interval=1, eval_iters=1)
+    assert main(["--config", str(_config_file(tmp_path, run)), "--control-iter", "2"]) == 0
+    out = capsys.readouterr().out
+    metrics = [json.loads(line) for line in (tmp_path / "env" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["iteration"] for m in metrics] == [1, 2] and all("val_loss" in m for m in metrics)
+
+    cs = capture.open(root)
+    assert cs.committed and cs.verify() == []
+    assert fxquant_main(["capture", "verify", str(root)]) == 0
+    summary_line = next(line for line in out.splitlines() if line.startswith("capture rank 0:"))
+    assert f"{len(cs)} records" in summary_line and str(root) in summary_line
+    assert {(r.iteration, r.micro_batch) for r in cs} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    assert cs.values("scheme") == [SCHEME] and len(cs.values("run_id")) == 1
+    coords = {(r.rank, r.world_size, r.tp_rank, r.tp_size, r.pp_rank, r.pp_size, r.dp_rank, r.dp_size) for r in cs}
+    assert coords == {(0, 1, 0, 1, 0, 1, 0, 1)}
+    counts = _by_key(cs)
+    assert set(counts.values()) == {1}  # one record per point: no validation forward, no duplicates
+    for it in (0, 1):
+        for mb in (0, 1):
+            for layer in (0, 1):
+                here = cs.query(iteration=it, micro_batch=mb, module=ATTN.format(layer), copy="hp")
+                assert set(here.values("layer")) == {layer}
+                assert set(here.query(direction="forward").values("role")) == ATTN_FORWARD
+                assert set(here.query(direction="backward").values("role")) == ATTN_BACKWARD
+                quantized = cs.query(iteration=it, micro_batch=mb, module=ATTN.format(layer), copy="quantized")
+                assert {(r.role, r.gemm) for r in quantized} == {("query", "qk"), ("query", "dk"), ("key", "qk"),
+                                                                  ("key", "dq")}
+                assert quantized.values("format") == ["hifp8"]
+                for kind, path in LINEARS.items():
+                    linear = cs.query(iteration=it, micro_batch=mb, module=path.format(layer))
+                    assert {(r.role, r.copy, r.gemm, r.direction) for r in linear} == LINEAR_POINTS
+                    assert set(linear.values("kind")) == {kind} and set(linear.values("layer")) == {layer}
+    assert set(cs.values("component")) == {"attention", "linear"}
+    for it in (0, 1):
+        _check_backward_micro_batches(cs, it)
+
+
+def _check_backward_micro_batches(cs, iteration):
+    """The host schedule runs forwards 0, 1 then backwards 1, 0; each backward record must carry its own
+    micro-batch: the P.V GEMM's value gradient equals probs^T @ grad_output of the *same* micro-batch, and a
+    linear's weight gradient is its quantized grad_output^T @ input (the wgrad GEMM) of the same micro-batch."""
+    cs = cs.query(iteration=iteration)
+    order = [(r.micro_batch, r.direction) for r in sorted(cs.query(role=["probs", "grad_value"], module=ATTN.format(0)),
+                                                            key=lambda r: r.seq)]
+    assert order == [(0, "forward"), (1, "forward"), (1, "backward"), (0, "backward")]  # GPipe order on the host
+
+    def tensor(mb, role, layer):
+        (rec,) = cs.query(micro_batch=mb, role=role, module=ATTN.format(layer), copy="hp")
+        return cs.load(rec)
+
+    for layer in (0, 1):
+        probs = {mb: tensor(mb, "probs", layer) for mb in (0, 1)}
+        grad_out = {mb: tensor(mb, "grad_output", layer) for mb in (0, 1)}
+        for mb in (0, 1):
+            expected = torch.bmm(probs[mb].transpose(1, 2), grad_out[mb])
+            torch.testing.assert_close(tensor(mb, "grad_value", layer), expected, rtol=1e-5, atol=1e-7)
+        crossed = torch.bmm(probs[0].transpose(1, 2), grad_out[1])
+        assert not torch.allclose(tensor(1, "grad_value", layer), crossed, rtol=1e-3, atol=1e-5)
+
+    def wgrad_operand(mb, role, module):
+        (rec,) = cs.query(micro_batch=mb, role=role, module=module, copy="quantized", gemm="wgrad")
+        return cs.load(rec)
+
+    for layer in (0, 1):
+        fc2 = LINEARS["fc2"].format(layer)
+        grad_out = {mb: wgrad_operand(mb, "grad_output", fc2) for mb in (0, 1)}
+        inputs = {mb: wgrad_operand(mb, "input", fc2) for mb in (0, 1)}
+        for mb in (0, 1):
+            (rec,) = cs.query(micro_batch=mb, role="grad_weight", module=fc2)
+            torch.testing.assert_close(cs.load(rec), grad_out[mb].t() @ inputs[mb], rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(grad_out[1].t() @ inputs[0], grad_out[1].t() @ inputs[1], rtol=1e-3, atol=1e-5)
+
+
+def test_capture_arguments_map_to_the_run(monkeypatch, tmp_path):
+    """Flags win over the environment; --save-tensors defaults to 1 iteration and stops training there;
+    --capture alone keeps the spec's windows and the run's control_iter; the windowed spec is what it says."""
+    from fxquant.capture import load_spec
+    from fxquant.megatron_glue.launch import build_parser, with_capture_args
+    from fxquant.megatron_glue.training_capture import resolve_spec
+
+    run = _run(tmp_path, "args", iters=8)
+    parse = build_parser().parse_args
+    for name in ("TENSOR_SAVE_ENABLED", "TENSOR_SAVE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    assert with_capture_args(run, parse(["--config", "x"])) == run
+
+    monkeypatch.setenv("TENSOR_SAVE_ENABLED", "1")
+    monkeypatch.setenv("TENSOR_SAVE_DIR", str(tmp_path / "env_dir"))
+    env_run = with_capture_args(run, parse(["--config", "x"]))
+    assert (env_run.capture.spec, env_run.capture.dir, env_run.capture.iterations) == \
+        ("predecessor", str(tmp_path / "env_dir"), 1)
+    assert env_run.train.control_iter == 1
+    flag_run = with_capture_args(run, parse(["--config", "x", "--tensor-save-dir", "flag_dir", "--control-iter", "3"]))
+    assert (flag_run.capture.dir, flag_run.capture.iterations, flag_run.train.control_iter) == ("flag_dir", 3, 3)
+    unlimited = with_capture_args(run, parse(["--config", "x", "--control-iter", "0"]))
+    assert (unlimited.capture.iterations, unlimited.train.control_iter) == (0, None)
+    monkeypatch.setenv("TENSOR_SAVE_ENABLED", "0")
+    spec_run = with_capture_args(run, parse(["--config", "x", "--capture", "linear_io"]))
+    assert (spec_run.capture.spec, spec_run.capture.dir, spec_run.capture.iterations) == ("linear_io", None, None)
+    assert spec_run.train.control_iter is None and spec_run.capture.root(run.output_dir) == Path(run.output_dir) / "captures"
+    monkeypatch.setenv("TENSOR_SAVE_ENABLED", "maybe")
+    with pytest.raises(ValueError, match="TENSOR_SAVE_ENABLED"):
+        with_capture_args(run, parse(["--config", "x"]))
+
+    windowed = resolve_spec(replace_capture(env_run.capture, iterations=2, micro_batches=1), start_iteration=5)
+    base = load_spec("predecessor")
+    assert [s.name for s in windowed.sections] == [s.name for s in base.sections]
+    for section in windowed.sections:
+        inside = {(i, m) for i in range(10) for m in range(4) if section.when.contains(i, m, 0)}
+        assert inside == {(5, 0), (6, 0)}
+    assert resolve_spec(spec_run.capture, start_iteration=5) == load_spec("linear_io")
+
+
+def replace_capture(capture, **changes):
+    import dataclasses
+
+    return dataclasses.replace(capture, **changes)
+
+
+@pytest.mark.dist
+def test_two_data_parallel_ranks_write_their_coordinates(tmp_path):
+    from fxquant import capture
+
+    run = _run(tmp_path, "dp2", iters=1)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    for name in ("TENSOR_SAVE_ENABLED", "TENSOR_SAVE_DIR"):
+        env.pop(name, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "fxquant.megatron_glue.launch", "--config", str(_config_file(tmp_path, run)), "--capture", "predecessor"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    root = Path(run.output_dir) / "captures"
+    cs = capture.open(root)
+    assert cs.committed and cs.verify() == [] and sorted(p.name for p in root.iterdir()) == ["rank-00000", "rank-00001"]
+    assert len(cs.values("run_id")) == 1 and cs.values("rank") == [0, 1]
+    for rank in (0, 1):
+        mine = cs.query(rank=rank)
+        assert {(r.world_size, r.tp_rank, r.tp_size, r.pp_rank, r.pp_size, r.dp_rank, r.dp_size) for r in mine} == \
+            {(2, 0, 1, 0, 1, rank, 2)}
+        assert {(r.iteration, r.micro_batch) for r in mine} == {(0, 0)}  # the predecessor spec's window
+        assert mine.values("layer") == [0, 1]
+        assert set(mine.query(copy="hp", component="attention").values("role")) == ATTN_FORWARD | ATTN_BACKWARD
+        assert {(r.role, r.copy, r.gemm, r.direction) for r in mine.query(module=LINEARS["fc1"].format(1))} == \
+            LINEAR_POINTS
+    assert set(_by_key(cs.query(rank=0))) == set(_by_key(cs.query(rank=1)))  # the same points on both ranks
+    (q0,), (q1,) = (cs.query(rank=r, role="query", layer=0, copy="hp") for r in (0, 1))
+    assert not torch.equal(cs.load(q0), cs.load(q1))  # each data-parallel rank saw its own samples
+    assert proc.stdout.count("capture rank ") == 2
