@@ -1,0 +1,80 @@
+"""`fxquant draw`: the predecessor's `run_tensor_draw.sh` (modes collect / visualize / both).
+
+A thin command: `collect` is `fxquant collect` (same options), `visualize` is `fxquant report` over the
+capture sets under `--tensor-dir` (the directory itself when it is one capture set, else each
+subdirectory that is, e.g. DIR/<scheme>/ as `fxquant collect` writes them) into `--output-dir`, with the
+training runs listed in DIR/collection_summary.json as loss curves; `both` runs one, then the other.
+
+    fxquant draw                                   # visualize ./enhanced_tensor_logs into ./draw
+    fxquant draw both mxfp8 --control-iter 3 --collect-micro-batches 2
+    fxquant draw --mode visualize --tensor-dir ./enhanced_tensor_logs --output-dir ./draw
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from fxquant.cli import collect_cmd
+
+MODES = ("visualize", "collect", "both")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("draw", help="collect tensors and/or report on them (predecessor's run_tensor_draw)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    collect_cmd.add_collection_arguments(p, MODES)
+    p.add_argument("--output-dir", default="./draw", help="report directory (default ./draw)")
+    p.add_argument("-j", "--workers", type=int, default=1, help="report worker processes")
+    p.add_argument("--no-plots", action="store_true", help="report tables only")
+    p.set_defaults(func=run_draw)
+
+
+def capture_sets(root: Path) -> list[Path]:
+    """`root` if it is a capture set (has rank-* directories), else its subdirectories that are."""
+    def is_set(d: Path) -> bool:
+        return d.is_dir() and any(c.is_dir() and c.name.startswith("rank-") for c in d.iterdir())
+
+    if not root.is_dir():
+        raise FileNotFoundError(f"--tensor-dir {str(root)!r}: no such directory; collect first "
+                                f"(`fxquant draw collect ...` or `fxquant collect ...`)")
+    if is_set(root):
+        return [root]
+    found = sorted(d for d in root.iterdir() if is_set(d))
+    if not found:
+        raise FileNotFoundError(f"--tensor-dir {str(root)!r} holds no capture set (no rank-* directories in it or "
+                                f"its subdirectories); collect first with `fxquant draw collect` or `fxquant collect`")
+    return found
+
+
+def _run_dirs(root: Path) -> list[str]:
+    summary = root / "collection_summary.json"
+    if not summary.is_file():
+        return []
+    runs = json.loads(summary.read_text()).get("runs", [])
+    return [r["run_dir"] for r in runs if r.get("run_dir") and (Path(r["run_dir"]) / "metrics.jsonl").is_file()]
+
+
+def visualize(args: argparse.Namespace) -> int:
+    from fxquant.cli import main as fxquant_main
+
+    root = Path(args.tensor_dir)
+    argv = ["report", *map(str, capture_sets(root)), "-o", args.output_dir, "-j", str(args.workers)]
+    for run_dir in _run_dirs(root):
+        argv += ["--metrics", run_dir]
+    if args.no_plots:
+        argv.append("--no-plots")
+    print(f"[draw visualize] fxquant {' '.join(argv)}", flush=True)
+    return fxquant_main(argv)
+
+
+def run_draw(args: argparse.Namespace) -> int:
+    mode = args.mode or args.mode_arg or MODES[0]
+    if args.mode and args.mode_arg and args.mode != args.mode_arg:
+        raise ValueError(f"mode given twice: {args.mode_arg!r} and --mode {args.mode!r}")
+    if mode in ("collect", "both"):
+        args.mode, args.mode_arg = "single", None
+        code = collect_cmd.run_collect(args)
+        if code != 0 or mode == "collect" or args.dry_run:
+            return code
+    return visualize(args)
