@@ -104,36 +104,35 @@ def test_predecessor_env_capture_during_training(tmp_path, monkeypatch, capsys):
 def _check_backward_micro_batches(cs, iteration):
     """The host schedule runs forwards 0, 1 then backwards 1, 0; each backward record must carry its own
     micro-batch: the P.V GEMM's value gradient equals probs^T @ grad_output of the *same* micro-batch, and a
-    linear's weight gradient is its quantized grad_output^T @ input (the wgrad GEMM) of the same micro-batch."""
+    linear's weight gradient is its quantized grad_output^T @ input (the wgrad GEMM) of the same micro-batch.
+    `cs` holds one rank's records."""
     cs = cs.query(iteration=iteration)
-    order = [(r.micro_batch, r.direction) for r in sorted(cs.query(role=["probs", "grad_value"], module=ATTN.format(0)),
-                                                            key=lambda r: r.seq)]
-    assert order == [(0, "forward"), (1, "forward"), (1, "backward"), (0, "backward")]  # GPipe order on the host
 
-    def tensor(mb, role, layer):
-        (rec,) = cs.query(micro_batch=mb, role=role, module=ATTN.format(layer), copy="hp")
+    def load(**fields):
+        (rec,) = cs.query(**fields)
         return cs.load(rec)
 
-    for layer in (0, 1):
-        probs = {mb: tensor(mb, "probs", layer) for mb in (0, 1)}
-        grad_out = {mb: tensor(mb, "grad_output", layer) for mb in (0, 1)}
+    attention = cs.query(component="attention").values("module")
+    fc2s = cs.query(kind="fc2").values("module")
+    assert attention and fc2s
+    for module in attention:
+        order = [(r.micro_batch, r.direction) for r in sorted(cs.query(role=["probs", "grad_value"], module=module),
+                                                                key=lambda r: r.seq)]
+        assert order == [(0, "forward"), (1, "forward"), (1, "backward"), (0, "backward")]  # GPipe on the host
+        probs = {mb: load(micro_batch=mb, role="probs", module=module, copy="hp") for mb in (0, 1)}
+        grad_out = {mb: load(micro_batch=mb, role="grad_output", module=module, copy="hp") for mb in (0, 1)}
         for mb in (0, 1):
-            expected = torch.bmm(probs[mb].transpose(1, 2), grad_out[mb])
-            torch.testing.assert_close(tensor(mb, "grad_value", layer), expected, rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(load(micro_batch=mb, role="grad_value", module=module, copy="hp"),
+                                       torch.bmm(probs[mb].transpose(1, 2), grad_out[mb]), rtol=1e-5, atol=1e-7)
         crossed = torch.bmm(probs[0].transpose(1, 2), grad_out[1])
-        assert not torch.allclose(tensor(1, "grad_value", layer), crossed, rtol=1e-3, atol=1e-5)
-
-    def wgrad_operand(mb, role, module):
-        (rec,) = cs.query(micro_batch=mb, role=role, module=module, copy="quantized", gemm="wgrad")
-        return cs.load(rec)
-
-    for layer in (0, 1):
-        fc2 = LINEARS["fc2"].format(layer)
-        grad_out = {mb: wgrad_operand(mb, "grad_output", fc2) for mb in (0, 1)}
-        inputs = {mb: wgrad_operand(mb, "input", fc2) for mb in (0, 1)}
+        assert not torch.allclose(load(micro_batch=1, role="grad_value", module=module, copy="hp"), crossed,
+                                  rtol=1e-3, atol=1e-5)
+    for module in fc2s:
+        grad_out = {mb: load(micro_batch=mb, role="grad_output", module=module, gemm="wgrad") for mb in (0, 1)}
+        inputs = {mb: load(micro_batch=mb, role="input", module=module, gemm="wgrad") for mb in (0, 1)}
         for mb in (0, 1):
-            (rec,) = cs.query(micro_batch=mb, role="grad_weight", module=fc2)
-            torch.testing.assert_close(cs.load(rec), grad_out[mb].t() @ inputs[mb], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(load(micro_batch=mb, role="grad_weight", module=module),
+                                       grad_out[mb].t() @ inputs[mb], rtol=1e-5, atol=1e-6)
         assert not torch.allclose(grad_out[1].t() @ inputs[0], grad_out[1].t() @ inputs[1], rtol=1e-3, atol=1e-5)
 
 
@@ -168,7 +167,7 @@ def test_capture_arguments_map_to_the_run(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="TENSOR_SAVE_ENABLED"):
         with_capture_args(run, parse(["--config", "x"]))
 
-    windowed = resolve_spec(replace_capture(env_run.capture, iterations=2, micro_batches=1), start_iteration=5)
+    windowed = resolve_spec(_replace(env_run.capture, iterations=2, micro_batches=1), start_iteration=5)
     base = load_spec("predecessor")
     assert [s.name for s in windowed.sections] == [s.name for s in base.sections]
     for section in windowed.sections:
@@ -177,38 +176,46 @@ def test_capture_arguments_map_to_the_run(monkeypatch, tmp_path):
     assert resolve_spec(spec_run.capture, start_iteration=5) == load_spec("linear_io")
 
 
-def replace_capture(capture, **changes):
+def _replace(value, **changes):
     import dataclasses
 
-    return dataclasses.replace(capture, **changes)
+    return dataclasses.replace(value, **changes)
 
 
 @pytest.mark.dist
-def test_two_data_parallel_ranks_write_their_coordinates(tmp_path):
+def test_data_and_pipeline_parallel_ranks_write_their_coordinates(tmp_path):
+    """torchrun, 4 processes, DP=2 x PP=2 (gloo), predecessor flags: every rank's records carry its coordinates,
+    layers are global (stage 1 holds layer 1), one run id, backward records of both micro-batches are
+    attributed correctly on both stages, and the data-parallel ranks saw different samples."""
     from fxquant import capture
+    from fxquant.megatron_glue.run_config import ParallelLayout
 
-    run = _run(tmp_path, "dp2", iters=1)
+    run = _replace(_run(tmp_path, "dp2pp2", iters=2, global_batch_size=8), layout=ParallelLayout(pp=2))
+    root = tmp_path / "tensor_logs"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     for name in ("TENSOR_SAVE_ENABLED", "TENSOR_SAVE_DIR"):
         env.pop(name, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "fxquant.megatron_glue.launch", "--config", str(_config_file(tmp_path, run)), "--capture", "predecessor"]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+           "-m", "fxquant.megatron_glue.launch", "--config", str(_config_file(tmp_path, run)), "--save-tensors",
+           "--tensor-save-dir", str(root)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    root = Path(run.output_dir) / "captures"
+    assert proc.stdout.count("capture rank ") == 4 and proc.stdout.count("iter ") == 1  # --control-iter 1
     cs = capture.open(root)
-    assert cs.committed and cs.verify() == [] and sorted(p.name for p in root.iterdir()) == ["rank-00000", "rank-00001"]
-    assert len(cs.values("run_id")) == 1 and cs.values("rank") == [0, 1]
-    for rank in (0, 1):
+    assert cs.committed and cs.verify() == [] and len(cs.values("run_id")) == 1
+    assert sorted(p.name for p in root.iterdir()) == [f"rank-0000{r}" for r in range(4)]
+    coords = {}
+    for rank in range(4):
         mine = cs.query(rank=rank)
-        assert {(r.world_size, r.tp_rank, r.tp_size, r.pp_rank, r.pp_size, r.dp_rank, r.dp_size) for r in mine} == \
-            {(2, 0, 1, 0, 1, rank, 2)}
-        assert {(r.iteration, r.micro_batch) for r in mine} == {(0, 0)}  # the predecessor spec's window
-        assert mine.values("layer") == [0, 1]
+        (c,) = {(r.world_size, r.tp_rank, r.tp_size, r.pp_rank, r.pp_size, r.dp_rank, r.dp_size) for r in mine}
+        assert c[:3] == (4, 0, 1) and (c[4], c[6]) == (2, 2)
+        coords[rank] = (c[3], c[5])  # (pp_rank, dp_rank)
+        assert mine.values("layer") == [c[3]]  # global: stage 0 holds layer 0, stage 1 layer 1
+        assert {(r.iteration, r.micro_batch) for r in mine} == {(0, 0), (0, 1)}
         assert set(mine.query(copy="hp", component="attention").values("role")) == ATTN_FORWARD | ATTN_BACKWARD
-        assert {(r.role, r.copy, r.gemm, r.direction) for r in mine.query(module=LINEARS["fc1"].format(1))} == \
-            LINEAR_POINTS
-    assert set(_by_key(cs.query(rank=0))) == set(_by_key(cs.query(rank=1)))  # the same points on both ranks
-    (q0,), (q1,) = (cs.query(rank=r, role="query", layer=0, copy="hp") for r in (0, 1))
+        assert {(r.role, r.copy, r.gemm, r.direction) for r in mine.query(kind="fc1")} == LINEAR_POINTS
+        _check_backward_micro_batches(mine, 0)
+    assert sorted(coords.values()) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    by_coords = {v: k for k, v in coords.items()}
+    (q0,), (q1,) = (cs.query(rank=by_coords[(0, dp)], role="query", micro_batch=0, copy="hp") for dp in (0, 1))
     assert not torch.equal(cs.load(q0), cs.load(q1))  # each data-parallel rank saw its own samples
-    assert proc.stdout.count("capture rank ") == 2
