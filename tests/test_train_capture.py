@@ -136,6 +136,30 @@ def _check_backward_micro_batches(cs, iteration):
         assert not torch.allclose(grad_out[1].t() @ inputs[0], grad_out[1].t() @ inputs[1], rtol=1e-3, atol=1e-5)
 
 
+def test_interrupted_run_commits_what_it_captured(tmp_path):
+    """KeyboardInterrupt in the middle of training: the interrupt propagates, the capture is drained and
+    committed with the iterations before it, and nothing temporary is left under the capture root."""
+    from fxquant import capture
+    from fxquant.megatron_glue.run_config import CaptureConfig, CompileBackend
+    from fxquant.megatron_glue.train import train
+
+    root = tmp_path / "caps"
+    run = _replace(_run(tmp_path, "interrupted", iters=6), scheme="bf16", backend=CompileBackend.EAGER,
+                   capture=CaptureConfig(spec="linear_io", dir=str(root)))
+
+    def interrupt(record):
+        if record["iteration"] == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(run, progress=interrupt)
+    cs = capture.open(root)
+    assert cs.committed and cs.verify() == [] and cs.values("iteration") == [0, 1]
+    assert (root / "rank-00000" / "COMMITTED").is_file()
+    assert not [p for p in root.rglob("*") if p.name.endswith(".tmp")]
+    assert set(cs.values("role")) == {"input", "grad_output"} and cs.values("micro_batch") == [0, 1]
+
+
 def test_capture_arguments_map_to_the_run(monkeypatch, tmp_path):
     """Flags win over the environment; --save-tensors defaults to 1 iteration and stops training there;
     --capture alone keeps the spec's windows and the run's control_iter; the windowed spec is what it says."""
@@ -188,9 +212,10 @@ def test_data_and_pipeline_parallel_ranks_write_their_coordinates(tmp_path):
     layers are global (stage 1 holds layer 1), one run id, backward records of both micro-batches are
     attributed correctly on both stages, and the data-parallel ranks saw different samples."""
     from fxquant import capture
-    from fxquant.megatron_glue.run_config import ParallelLayout
+    from fxquant.megatron_glue.run_config import CompileBackend, ParallelLayout
 
-    run = _replace(_run(tmp_path, "dp2pp2", iters=2, global_batch_size=8), layout=ParallelLayout(pp=2))
+    run = _replace(_run(tmp_path, "dp2pp2", iters=2, global_batch_size=8), layout=ParallelLayout(pp=2),
+                   backend=CompileBackend.EAGER)  # fxquant's rewritten graph interpreted: less compile time
     root = tmp_path / "tensor_logs"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     for name in ("TENSOR_SAVE_ENABLED", "TENSOR_SAVE_DIR"):
