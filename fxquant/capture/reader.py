@@ -60,7 +60,9 @@ class Record:
             return None
         path = self.rank_dir / name
         if not path.resolve().is_relative_to(self.rank_dir.resolve()):
-            raise CaptureReadError(f"record {self.fields.get('seq')} names shard {name!r} outside {self.rank_dir}")
+            raise CaptureReadError(
+                f"record seq={self.fields.get('seq')}: file {name!r} lies outside its rank directory {self.rank_dir}; refused"
+            )
         return path
 
 
