@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.megatron
 pytest.importorskip("megatron.core", reason="needs megatron-core")
@@ -51,7 +52,7 @@ def test_collect_quick_then_draw_visualize(tmp_path, capsys):
 
     logs = tmp_path / "enhanced_tensor_logs"
     assert main(["collect", "quick", "hifp8", "--tensor-save-dir", str(logs), "--out", str(tmp_path / "runs"),
-                 *FAST]) == 0
+                 "--export-pt", str(tmp_path / "pt"), *FAST]) == 0
     summary = _summary(logs)
     assert summary["mode"] == "quick" and [r["scheme"] for r in summary["runs"]] == ["FA_linear_hifp8"]
     (row,) = summary["runs"]
@@ -61,6 +62,10 @@ def test_collect_quick_then_draw_visualize(tmp_path, capsys):
     metrics = (tmp_path / "runs" / "llama32-1b-tiny" / "mock" / "FA_linear_hifp8" / "metrics.jsonl").read_text()
     assert len(metrics.splitlines()) == 1
     assert "FA_linear_hifp8" in (logs / "collection_summary.txt").read_text()
+    pts = sorted((tmp_path / "pt" / "FA_linear_hifp8").glob("*.pt"))  # the predecessor's files, safely loadable
+    assert len(pts) == row["tensors"]
+    first = torch.load(pts[0], weights_only=True)
+    assert set(first) == {"tensor", "tensor_info", "metadata"} and first["metadata"]["quant_type"] == "FA_linear_hifp8"
 
     draw = tmp_path / "draw"
     assert main(["draw", "--tensor-dir", str(logs), "--output-dir", str(draw), "--no-plots"]) == 0  # visualize

@@ -10,6 +10,7 @@ predecessor counted files matching *_forward_*, *_pre_*, *_FA_*, ...) and writes
     fxquant collect single mxfp8 --control-iter 3 --collect-micro-batches 2
     fxquant collect batch                      # bf16 and the FA_/linear_/FA_linear_ x mxfp8/mxfp4/hifp8 schemes
     fxquant collect quick hifp8                # one iteration, one micro-batch
+    fxquant collect single hifp8 --export-pt ./pt_logs   # also the predecessor's .pt files
 """
 from __future__ import annotations
 
@@ -48,6 +49,9 @@ def add_collection_arguments(p: argparse.ArgumentParser, modes: tuple[str, ...] 
                    help="micro-batches 0..M-1 of each iteration (default all; quick: 1)")
     p.add_argument("--tensor-save-dir", "--tensor-dir", dest="tensor_dir", default=DEFAULT_DIR,
                    help=f"captures go to DIR/<scheme>/ (default {DEFAULT_DIR})")
+    p.add_argument("--export-pt", default=None, metavar="OUT",
+                   help="also write the predecessor's .pt files of each collection to OUT/<scheme>/ "
+                        "(fxquant capture export-pt; torch.load(weights_only=True))")
     p.add_argument("--spec", default=None, help="capture spec (default: the shipped 'predecessor' spec)")
     p.add_argument("--model", default="llama32-1b", help="experiments model (default llama32-1b, the predecessor's)")
     p.add_argument("--variant", default="tiny", choices=["tiny", "full"])
@@ -161,6 +165,11 @@ def run_collect(args: argparse.Namespace) -> int:
                 row.update(count_patterns(Path(row["captures"])))
             except (ValueError, FileNotFoundError) as exc:  # CaptureReadError is a ValueError
                 row["status"] = f"unreadable: {exc}"
+            if args.export_pt is not None and row["status"] == "ok":
+                from fxquant.cli import main as fxquant_main
+
+                if fxquant_main(["capture", "export-pt", row["captures"], args.export_pt]) != 0:
+                    row["status"] = "export-pt failed"
         rows.append(row)
     if args.dry_run:
         return 0 if all(r["status"] == "ok" for r in rows) else 1
