@@ -175,7 +175,7 @@ def test_mx_scheme_trains_through_fxquant_compile(tmp_path, wiki_data):  # noqa:
     sites = {s["module_path"]: s for s in result.sites}
     assert json.loads((result.run_dir / SITES_FILE).read_text())["scheme"] == "FA_linear_mxfp8"
     # Every GEMM of MLA and MoE is matched and quantized: routed and shared experts, MLA projections,
-    # core attention (SDPA); the LM head stays in high precision.
+    # core attention (SDPA); the LM head and the router (it decides routing) stay in high precision.
     expected = [f"decoder.layers.1.mlp.experts.local_experts.{i}.linear_fc{j}" for i in range(8) for j in (1, 2)]
     expected += [f"decoder.layers.1.mlp.shared_experts.linear_fc{j}" for j in (1, 2)]
     expected += [f"decoder.layers.{l}.self_attention.{m}" for l in (0, 1) for m in
@@ -183,6 +183,7 @@ def test_mx_scheme_trains_through_fxquant_compile(tmp_path, wiki_data):  # noqa:
     expected += ["decoder.layers.0.mlp.linear_fc1", "decoder.layers.0.mlp.linear_fc2"]
     assert all(sites[p]["status"] == "rewritten" for p in expected), {p: sites.get(p) for p in expected}
     assert sites["output_layer"]["status"] == "high"
+    assert sites["decoder.layers.1.mlp.router"]["status"] == "high"
 
 
 @pytest.mark.dist

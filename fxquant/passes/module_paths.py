@@ -30,9 +30,27 @@ class ModuleNames:
 
     def __init__(self, root: torch.nn.Module | None) -> None:
         self._by_id: dict[str, str] = {}
+        self._param_owner: dict[int, str] = {}  # id(parameter) -> path of the module owning it
         if root is not None:
             for name, mod in root.named_modules(remove_duplicate=False):
                 self._by_id.setdefault(str(id(mod)), name)
+            for name, param in root.named_parameters(remove_duplicate=False):
+                self._param_owner.setdefault(id(param), name.rpartition(".")[0])
+
+    def param_owner(self, node: fx.Node) -> str | None:
+        """For a GEMM node without a module stack (a module method called in its own compiled frame, e.g. an
+        MoE router's gating): the path of the module owning one of its parameter operands, found by identity
+        through the placeholder's graph argument (looking through one transpose). None when none is known."""
+        for arg in node.args:
+            if isinstance(arg, fx.Node) and _is_transpose(arg):
+                arg = arg.args[0]
+            if not isinstance(arg, fx.Node) or arg.op != "placeholder":
+                continue
+            grapharg = arg.meta.get("grapharg")
+            example = getattr(grapharg, "example", None) if grapharg is not None else None
+            if isinstance(example, torch.nn.Parameter) and id(example) in self._param_owner:
+                return self._param_owner[id(example)]
+        return None
 
     def path_of_entry(self, key: str, dynamo_path: str) -> str:
         """The qualified name of one ``nn_module_stack`` entry: exact by module identity, else spelled."""
@@ -68,6 +86,11 @@ class ModuleNames:
                 if full.endswith("." + spelled):
                     return full[: -len(spelled) - 1]
         return None
+
+
+def _is_transpose(node: fx.Node) -> bool:
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return node.op in ("call_method", "call_function") and name in ("t", "transpose")
 
 
 def class_name(cls: object) -> str:

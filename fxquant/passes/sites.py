@@ -172,6 +172,9 @@ def _site_path(names: ModuleNames, node: fx.Node, root: str | None) -> str:
     path = names.node_path(node)
     if path is not None:
         return path
+    owner = names.param_owner(node)
+    if owner is not None:
+        return owner
     return root or ""
 
 

@@ -29,6 +29,7 @@ class SiteKind(str, enum.Enum):
     FC2 = "fc2"  # MLP down projection
     LM_HEAD = "lm_head"  # output layer (excluded unless selected explicitly)
     EMBEDDING = "embedding"  # embedding used as a GEMM operand (excluded unless selected explicitly)
+    ROUTER = "router"  # MoE router / gate GEMM (excluded unless selected explicitly: it decides routing)
     LINEAR = "linear"  # any other linear
     ATTENTION = "attention"  # core attention (SDPA or unfused)
 
@@ -44,7 +45,7 @@ class Component(str, enum.Enum):
     ATTENTION = "attention"
 
 
-EXPLICIT_ONLY_KINDS = frozenset({SiteKind.LM_HEAD, SiteKind.EMBEDDING})
+EXPLICIT_ONLY_KINDS = frozenset({SiteKind.LM_HEAD, SiteKind.EMBEDDING, SiteKind.ROUTER})
 
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)")
 
@@ -103,6 +104,7 @@ _KIND_BY_NAME = {
     "word_embeddings": SiteKind.EMBEDDING, "embed_tokens": SiteKind.EMBEDDING, "wte": SiteKind.EMBEDDING,
     "embedding": SiteKind.EMBEDDING, "tok_embeddings": SiteKind.EMBEDDING,
     "core_attention": SiteKind.ATTENTION,
+    "router": SiteKind.ROUTER, "gate": SiteKind.ROUTER,  # Megatron MoE router; HF Mixtral / DeepSeek `mlp.gate`
 }
 _ATTN_PARENTS = ("attn", "attention", "self_attn", "self_attention")
 
