@@ -90,14 +90,12 @@ def test_collect_batch_every_quant_type(tmp_path, capsys):
     for scheme in PREDECESSOR_SCHEMES:
         assert f'"dir": "{logs / scheme}"' in out
 
-    assert main(["collect", "--mode", "batch", "--quant-types", "bf16", "mxfp8", *common]) == 0
-    rows = {r["scheme"]: r for r in _summary(logs)["runs"]}
-    assert list(rows) == ["bf16", "FA_linear_mxfp8"] and all(r["status"] == "ok" for r in rows.values())
-    for row in rows.values():
-        _check_counts(row)
-        assert (row["iterations"], row["micro_batches"]) == ([0], [0])
-    assert rows["bf16"]["quantized"] == 0 and rows["FA_linear_mxfp8"]["quantized"] > 0
-    assert rows["FA_linear_mxfp8"]["records"] > rows["bf16"]["records"]
+    # one real batch member (the others are the same command; the quantized schemes run in the other tests)
+    assert main(["collect", "--mode", "batch", "--quant-types", "bf16", *common]) == 0
+    (row,) = _summary(logs)["runs"]
+    assert (row["scheme"], row["status"]) == ("bf16", "ok")
+    _check_counts(row)
+    assert (row["iterations"], row["micro_batches"], row["quantized"]) == ([0], [0], 0)  # bf16: no quantized copies
 
     assert main(["collect", "batch", "mxfp8", *common]) == 2
     assert "use --quant-types" in capsys.readouterr().err
