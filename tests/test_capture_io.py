@@ -379,3 +379,22 @@ def test_reader_query_results_load_and_hostile_file_fields_are_refused(tmp_path)
     hostile = capture.open(tmp_path)
     with pytest.raises(CaptureReadError, match="outside"):
         hostile.load(hostile.query(seq=rec["seq"])[0])
+
+
+def test_safetensors_header_length_starting_with_0x80_is_not_taken_for_a_pickle(tmp_path):
+    """A valid shard whose 8-byte header length begins with byte 0x80 (the pickle protocol marker) is read."""
+    from safetensors.torch import save_file
+
+    from fxquant.capture.reader import _check_shard
+
+    for n_keys in range(1, 60):  # grow the JSON header until its length's low byte is 0x80
+        tensors = {f"t{i:03d}": torch.zeros(1) for i in range(n_keys)}
+        path = tmp_path / f"s{n_keys}.safetensors"
+        save_file(tensors, path)
+        if path.read_bytes()[0] == 0x80:
+            break
+    assert path.read_bytes()[0] == 0x80, "no header length with low byte 0x80 found: widen the search"
+    _check_shard(path)  # must not raise
+    (tmp_path / "pickle.safetensors").write_bytes(pickle.dumps({"a": 1}))
+    with pytest.raises(CaptureReadError, match="pickle"):
+        _check_shard(tmp_path / "pickle.safetensors")

@@ -90,11 +90,15 @@ def _check_shard(path: Path) -> None:
     if not path.is_file():
         raise CaptureReadError(f"shard {path} is missing")
     with open(path, "rb") as f:
-        head = f.read(8)
+        head = f.read(9)
+    # safetensors: an 8-byte little-endian header length, then a JSON header opening with '{'. Checked first:
+    # a valid header length may itself begin with the byte 0x80 (the pickle protocol marker).
+    header_len = int.from_bytes(head[:8], "little") if len(head) >= 8 else -1
+    if len(head) == 9 and head[8:9] == b"{" and 0 < header_len <= path.stat().st_size - 8:
+        return
     if any(head.startswith(m) for m in _PICKLE_MAGIC):
         raise CaptureReadError(f"{path} is a pickle/torch.save file, not safetensors; fxquant never loads pickles")
-    if len(head) < 8 or int.from_bytes(head, "little") > path.stat().st_size:
-        raise CaptureReadError(f"{path} is not a valid safetensors file (truncated or corrupt header)")
+    raise CaptureReadError(f"{path} is not a valid safetensors file (truncated or corrupt header)")
 
 
 class CaptureSet:
