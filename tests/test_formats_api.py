@@ -157,3 +157,22 @@ def test_cli_formats_table(capsys):
 
     rows = json.loads(capsys.readouterr().out)
     assert {r["format"].split(" ")[0] for r in rows} == set(ALL)
+
+
+CHUNK_CASES = [(n, r, {}) for n in ALL for r in ("rne", "ta", "rz", "sr")] + [
+    ("mxfp8_e4m3", "rne", {"scale_mode": m}) for m in ("rceil", "ceil", "even")
+] + [("hifp8", "ta", {"scaling": "tensor", "scale_target": 224.0}), ("fp8_e5m2", "sr", {"scaling": "tensor"})]
+
+
+@pytest.mark.parametrize("name,rounding,extra", CHUNK_CASES, ids=[f"{n}-{r}-{'-'.join(e)}" for n, r, e in CHUNK_CASES])
+def test_quantizing_in_row_slabs_equals_one_pass(name, rounding, extra):
+    """The CPU reference quantizes large tensors in slabs of rows; any slab size gives the same bits."""
+    fmt = formats.get(name)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(37, 100, generator=gen) * torch.pow(10.0, torch.empty(37, 1).uniform_(-3, 3, generator=gen))
+    x[5, 7] = 1e4  # the tensor's amax sits in one slab only: NVFP4 and per-tensor scaling must see it in all
+    d, opts, seed = fmt._prepare(x, -1, 9, rounding=rounding, **extra)
+    whole = fmt._quantize_rows(x, opts, seed, torch.float32, chunk_elements=10**9)
+    for chunk in (100, 350, 1000):  # 1, 3 and 10 rows per slab (the last slab short)
+        assert_bitwise_equal(fmt._quantize_rows(x, opts, seed, torch.float32, chunk_elements=chunk), whole, f"chunk {chunk}")
+    assert_bitwise_equal(fmt.quantize(x, rounding=rounding, seed=9, **extra), whole)

@@ -73,7 +73,7 @@ def round_integer(r: torch.Tensor, rounding: str, u: torch.Tensor | None) -> tor
         up = u < frac
     else:  # pragma: no cover - guarded by option validation
         raise ValueError(f"unknown rounding {rounding!r}")
-    return fl + up.to(r.dtype)
+    return fl.add_(up)  # fl is a fresh tensor: add the bool in place (no separate cast pass)
 
 
 def _mix32(h: torch.Tensor) -> torch.Tensor:
@@ -89,13 +89,13 @@ def seed_key(seed: int) -> int:
     return int(_mix32(s ^ ((seed >> 32) & MASK32)).item())
 
 
-def uniforms(numel: int, seed: int, device: torch.device) -> torch.Tensor:
-    """Counter-based uniforms in (0, 1) for element indices 0..numel-1, reproducible from ``seed``.
+def uniforms(numel: int, seed: int, device: torch.device, offset: int = 0) -> torch.Tensor:
+    """Counter-based uniforms in (0, 1) for element indices offset..offset+numel-1, reproducible from ``seed``.
 
     u_i = (2 * (h_i >> 9) + 1) * 2**-24 with h_i = mix(mix((i mod 2**32) ^ key) ^ (i >> 32)): 23 random
     bits, odd numerators, so u is never 0 or 1 and is exact in float32.
     """
     key = seed_key(seed)
-    i = torch.arange(numel, dtype=torch.int64, device=device)
+    i = torch.arange(offset, offset + numel, dtype=torch.int64, device=device)
     h = _mix32(_mix32((i & MASK32) ^ key) ^ (i >> 32))
     return ((h >> 9) * 2 + 1).to(torch.float32) * (2.0**-24)

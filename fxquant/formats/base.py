@@ -87,10 +87,19 @@ def resolve_seed(rounding: Rounding, seed: int | None) -> int:
     return seed
 
 
-def draw_uniforms(rounding: Rounding, seed: int, shape: torch.Size, device: torch.device) -> torch.Tensor | None:
+def draw_uniforms(
+    rounding: Rounding, seed: int, shape: torch.Size, device: torch.device, offset: int = 0
+) -> torch.Tensor | None:
+    """The stochastic-rounding uniforms of a ``shape`` slab starting at flat canonical index ``offset``."""
     if rounding is not Rounding.SR:
         return None
-    return uniforms(int(torch.Size(shape).numel()), seed, device).reshape(shape)
+    return uniforms(int(torch.Size(shape).numel()), seed, device, offset).reshape(shape)
+
+
+# Rows of the canonical layout are quantized in slabs of about this many elements on CPU: the reference makes
+# about ten passes over each, and a slab's temporaries (~1 MiB each in float32) stay in cache. Results are
+# identical to one pass over the whole tensor (per-tensor quantities are computed once; SR keeps its index).
+CHUNK_ELEMENTS = 1 << 18
 
 
 class Format(abc.ABC):
@@ -110,8 +119,29 @@ class Format(abc.ABC):
 
     # -- the reference -------------------------------------------------------------------------------------
     @abc.abstractmethod
-    def _quantize_canonical(self, x2: torch.Tensor, opts: QuantOptions, seed: int) -> torch.Tensor:
-        """Fake-quantize float32 ``[rows, L]``; returns float32 of the same shape."""
+    def _quantize_canonical(
+        self, x2: torch.Tensor, opts: QuantOptions, seed: int, *, ctx: object = None, offset: int = 0
+    ) -> torch.Tensor:
+        """Fake-quantize ``[rows, L]``; returns float32 of the same shape. For a slab of a larger tensor,
+        ``ctx`` is ``_tensor_context`` of the whole tensor and ``offset`` the slab's first flat index."""
+
+    def _tensor_context(self, x2: torch.Tensor, opts: QuantOptions) -> object:
+        """What depends on the whole tensor (NVFP4's amax, a per-tensor scale), computed once; None if nothing."""
+        return None
+
+    def _quantize_rows(
+        self, x2: torch.Tensor, opts: QuantOptions, seed: int, out_dtype: torch.dtype, chunk_elements: int = CHUNK_ELEMENTS
+    ) -> torch.Tensor:
+        """``_quantize_canonical`` over slabs of rows (CPU, eager), or in one go."""
+        rows, length = x2.shape
+        step = max(1, chunk_elements // max(length, 1))
+        if rows <= step or x2.device.type != "cpu" or torch.compiler.is_compiling():
+            return self._quantize_canonical(x2, opts, seed)
+        ctx = self._tensor_context(x2, opts)
+        out = torch.empty(x2.shape, dtype=out_dtype, device=x2.device)
+        for r0 in range(0, rows, step):
+            out[r0 : r0 + step] = self._quantize_canonical(x2[r0 : r0 + step], opts, seed, ctx=ctx, offset=r0 * length)
+        return out
 
     @abc.abstractmethod
     def _encode_canonical(self, x2: torch.Tensor, opts: QuantOptions, seed: int) -> tuple:
@@ -148,7 +178,7 @@ class Format(abc.ABC):
         d, opts, seed_ = self._prepare(x, dim, seed, rounding=rounding, scale_mode=scale_mode, saturate=saturate, **extra)
         if x.numel() == 0:
             return x.clone()
-        y = self._quantize_canonical(to_canonical(x, d, self.canonical_float32), opts, seed_)
+        y = self._quantize_rows(to_canonical(x, d, self.canonical_float32), opts, seed_, x.dtype)
         return restore_layout(y, x.shape, d, x.dtype)
 
     def encode(

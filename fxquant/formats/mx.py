@@ -90,20 +90,22 @@ class MXFormat(Format):
         bad = bad | (s > 127)
         return xb, torch.clamp(s, -127, 127), bad
 
-    def _elements(self, xb: torch.Tensor, s: torch.Tensor, bad: torch.Tensor, opts: QuantOptions, seed: int, length: int):
+    def _elements(
+        self, xb: torch.Tensor, s: torch.Tensor, bad: torch.Tensor, opts: QuantOptions, seed: int, length: int, offset: int = 0
+    ):
         """Element values P of every block. Non-finite blocks give garbage here; callers mask them."""
         # 2**-s as one exact float32 per block (2**-127 is a subnormal, exactly representable): the
         # product is the correctly rounded x / 2**s, the same as two multiplications by normal powers.
         inv = mul_pow2(torch.ones_like(s, dtype=torch.float32), -s)
         scaled = xb * torch.where(bad, 0.0, inv).unsqueeze(-1)
-        u = draw_uniforms(opts.rounding, seed, torch.Size((xb.shape[0], length)), xb.device)
+        u = draw_uniforms(opts.rounding, seed, torch.Size((xb.shape[0], length)), xb.device, offset)
         if u is not None:
             u = blocks(u, self.block_size)
         return self.element.quantize(scaled, opts.rounding.value, True, u, finite=True)
 
-    def _quantize_canonical(self, x2, opts, seed):
+    def _quantize_canonical(self, x2, opts, seed, *, ctx=None, offset=0):
         xb, s, bad = self._scales(x2, opts)
-        p = self._elements(xb, s, bad, opts, seed, x2.shape[1])
+        p = self._elements(xb, s, bad, opts, seed, x2.shape[1], offset)
         scale = mul_pow2(torch.ones_like(s, dtype=torch.float32), s)
         y = p * torch.where(bad, float("nan"), scale).unsqueeze(-1)
         return unblock(y, x2.shape[1])

@@ -40,10 +40,14 @@ class NVFP4Format(Format):
             raise ValueError(f"saturate={saturate!r}: NVFP4 elements always saturate; allowed: True")
         return QuantOptions(rounding=self._rounding(rounding, "rne"), saturate=True)
 
-    def _scales(self, x2: torch.Tensor):
-        """(blocked x, g, b, inv = (1/g)/b, zero, bad) per the recipe."""
+    def _tensor_context(self, x2, opts):
+        return x2.abs().amax() if x2.numel() else torch.zeros((), device=x2.device)
+
+    def _scales(self, x2: torch.Tensor, amax_t: torch.Tensor | None = None):
+        """(blocked x, g, b, inv = (1/g)/b, zero, bad) per the recipe; ``amax_t`` is the whole tensor's amax."""
         xb = blocks(x2, self.block_size)
-        amax_t = x2.abs().amax() if x2.numel() else torch.zeros((), device=x2.device)
+        if amax_t is None:
+            amax_t = self._tensor_context(x2, None)
         bad = ~torch.isfinite(amax_t)
         g = fdiv(torch.where(bad, 1.0, amax_t), GLOBAL_DIVISOR)
         inv_g = fdiv(torch.ones_like(g), g)
@@ -55,16 +59,16 @@ class NVFP4Format(Format):
         inv = fdiv(inv_g, b)
         return xb, g, b, inv, zero, bad
 
-    def _elements(self, xb, inv, opts, seed, length):
-        u = draw_uniforms(opts.rounding, seed, torch.Size((xb.shape[0], length)), xb.device)
+    def _elements(self, xb, inv, opts, seed, length, offset=0):
+        u = draw_uniforms(opts.rounding, seed, torch.Size((xb.shape[0], length)), xb.device, offset)
         if u is not None:
             u = blocks(u, self.block_size)
         v = torch.clamp(xb * inv.unsqueeze(-1), -6.0, 6.0)
         return E2M1.quantize(v, opts.rounding.value, True, u, finite=True)
 
-    def _quantize_canonical(self, x2, opts, seed):
-        xb, g, b, inv, zero, bad = self._scales(x2)
-        p = self._elements(xb, inv, opts, seed, x2.shape[1])
+    def _quantize_canonical(self, x2, opts, seed, *, ctx=None, offset=0):
+        xb, g, b, inv, zero, bad = self._scales(x2, ctx)
+        p = self._elements(xb, inv, opts, seed, x2.shape[1], offset)
         y = p * (g * b).unsqueeze(-1)
         y = torch.where(zero, 0.0, torch.where(bad, float("nan"), y))
         return unblock(y, x2.shape[1])

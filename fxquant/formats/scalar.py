@@ -19,7 +19,7 @@ from fxquant.formats.options import QuantOptions, Scaling, parse_enum
 
 def tensor_scale_exponent(x2: torch.Tensor, target: float) -> torch.Tensor:
     """k (int32 0-dim) with amax * 2**k <= target < amax * 2**(k+1), exactly from bits."""
-    amax = x2.abs().amax() if x2.numel() else torch.zeros((), device=x2.device)
+    amax = x2.abs().amax().to(torch.float32) if x2.numel() else torch.zeros((), device=x2.device)
     ok = torch.isfinite(amax) & (amax > 0)
     a = torch.where(ok, amax, 1.0)
     ea, ma = frexp_bits(a)
@@ -37,6 +37,7 @@ class ElementFormat(Format):
     description: str
     allow_tensor_scaling: bool = True
     default_saturate: bool = True
+    canonical_float32 = False  # converted per slab of rows (in cache) by _quantize_canonical
 
     @property
     def scale_layout(self) -> str:
@@ -70,9 +71,13 @@ class ElementFormat(Format):
             return None
         return tensor_scale_exponent(x2, opts.scale_target)
 
-    def _quantize_canonical(self, x2, opts, seed):
-        u = draw_uniforms(opts.rounding, seed, x2.shape, x2.device)
-        k = self._scale(x2, opts)
+    def _tensor_context(self, x2, opts):
+        return self._scale(x2, opts)
+
+    def _quantize_canonical(self, x2, opts, seed, *, ctx=None, offset=0):
+        u = draw_uniforms(opts.rounding, seed, x2.shape, x2.device, offset)
+        k = ctx if ctx is not None else self._scale(x2, opts)
+        x2 = x2.to(torch.float32)
         v = x2 if k is None else mul_pow2(x2, k)
         q = self.element.quantize(v, opts.rounding.value, opts.saturate, u)
         return q if k is None else mul_pow2(q, -k)
@@ -80,6 +85,7 @@ class ElementFormat(Format):
     def _encode_canonical(self, x2, opts, seed):
         u = draw_uniforms(opts.rounding, seed, x2.shape, x2.device)
         k = self._scale(x2, opts)
+        x2 = x2.to(torch.float32)
         v = x2 if k is None else mul_pow2(x2, k)
         codes = self.element.encode(self.element.quantize(v, opts.rounding.value, opts.saturate, u))
         tscale = None if k is None else mul_pow2(torch.ones((), device=x2.device), -k)
