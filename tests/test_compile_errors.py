@@ -123,3 +123,12 @@ def test_explain_lists_sites_and_unmatched_ops():
     text = str(fxquant.explain(WithSplit(), torch.randn(4, 32), scheme="linear_mxfp8"))
     assert "down_proj" in text and "fc2" in text and "x=mxfp8_e4m3" in text
     assert "unmatched matmul-like ops" in text and "matmul" in text
+
+
+def test_explain_cli_bad_model_factory_is_a_clear_error(capsys):
+    from fxquant.cli import main
+
+    assert main(["explain", "--scheme", "bf16", "--model", "no_such_pkg.mod:make"]) == 2
+    assert "cannot import 'no_such_pkg.mod'" in capsys.readouterr().err
+    assert main(["explain", "--scheme", "bf16", "--model", "tests.models"]) == 2
+    assert "expected 'package.module:factory'" in capsys.readouterr().err

@@ -10,13 +10,21 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import sys
 
 
 def _load_factory(spec: str):
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"--model {spec!r}: expected 'package.module:factory'")
-    factory = getattr(importlib.import_module(module_name), attr, None)
+    if os.getcwd() not in sys.path:  # as `python -m` does: modules of the current directory are importable
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"--model {spec!r}: cannot import {module_name!r} ({exc})") from exc
+    factory = getattr(module, attr, None)
     if not callable(factory):
         raise ValueError(f"--model {spec!r}: {attr!r} is not a callable in {module_name}")
     return factory
