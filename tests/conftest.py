@@ -3,10 +3,17 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 from pathlib import Path
 
-import pytest
-import torch
+# Triton decides between compiling and interpreting when its modules are first imported (its own standard
+# library included), so the choice is made here, once, before any test module or torch.compile imports it:
+# without an NVIDIA driver the kernels run in Triton's interpreter on CPU (ARCHITECTURE.md trap 7).
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
