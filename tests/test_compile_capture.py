@@ -68,3 +68,19 @@ def test_capture_argument_errors(tmp_path):
         fxquant.compile(model, "bf16", capture=3)
     with pytest.raises(FileNotFoundError, match=r"neither a file nor a shipped spec \['linear_io', 'predecessor'"):
         fxquant.compile(model, "bf16", capture="no_such_spec")
+
+
+def test_points_that_cannot_be_captured_give_one_warning_per_graph(tmp_path, caplog):
+    """The predecessor spec asks for attention probabilities, which fused SDPA never materialises: the
+    pass says so once per graph (the full list is in the tap report), not once per point."""
+    model = make_llama()
+    compiled = fxquant.compile(model, "bf16", capture="predecessor", capture_dir=tmp_path, backend="aot_eager")
+    with caplog.at_level(logging.WARNING, logger="fxquant.passes.capture_taps"):
+        train_steps(compiled, make_tokens(model.cfg), 1)
+    warnings = [r for r in caplog.records if r.name == "fxquant.passes.capture_taps"]
+    reports = compile_state(compiled).backend.tap_reports
+    unavailable = [u for r in reports for u in r.unavailable]
+    assert len(unavailable) > len(warnings) >= 1
+    assert len(warnings) == sum(1 for r in reports if r.unavailable)
+    assert "cannot be captured in this graph" in warnings[0].getMessage()
+    compile_state(compiled).capture_session.close()

@@ -213,8 +213,12 @@ def insert_capture_taps(gm: fx.GraphModule, spec: CaptureSpec) -> TapReport:
                 wrapped = _new(graph, node, capture_grad, (out, tuple(grad_out)))
             for user in users:
                 user.replace_input_with(out, wrapped)
-    for line in report.unavailable:
-        log.warning("capture: %s", line)
+    if report.unavailable:  # one warning per graph; the full list at DEBUG and in the returned report
+        shown = "; ".join(report.unavailable[:3])
+        more = f" (+{len(report.unavailable) - 3} more; -vv or logging DEBUG lists them)" if len(report.unavailable) > 3 else ""
+        log.warning("capture: %d selected points cannot be captured in this graph: %s%s", len(report.unavailable), shown, more)
+        for line in report.unavailable:
+            log.debug("capture: %s", line)
     graph.lint()
     gm.recompile()
     return report
