@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import pickle
@@ -101,17 +102,26 @@ budget: {files: 2}
 
 def _fail_after(monkeypatch, n_ok: int) -> None:
     """Make the n_ok+1-th shard write fail with ENOSPC half-way through (an injected full disk)."""
-    real = layout._write_all
+    real = layout.write_atomic
     calls = {"n": 0}
 
-    def write_all(fd, data):
+    def write_atomic(path, write, **kw):
+        if path.suffix != ".safetensors":
+            return real(path, write, **kw)
         calls["n"] += 1
-        if calls["n"] > 4 * n_ok + 1:  # per one-tensor shard: size, header, data, then its manifest line
-            real(fd, bytes(memoryview(data)[: len(memoryview(data)) // 2]))
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        real(fd, data)
+        if calls["n"] <= n_ok:
+            return real(path, write, **kw)
 
-    monkeypatch.setattr(layout, "_write_all", write_all)
+        def half_then_full(f):
+            buf = io.BytesIO()
+            write(buf)
+            f.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+            f.flush()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        return real(path, half_then_full, **kw)
+
+    monkeypatch.setattr(layout, "write_atomic", write_atomic)
 
 
 def _no_partial_finals(root: Path) -> None:

@@ -10,12 +10,12 @@ that and nothing else). Overflow counts are measured against the record's format
 from __future__ import annotations
 
 import datetime as _dt
-import os
 from pathlib import Path
 
 import torch
 
-from fxquant.capture.layout import fsync_dir, sanitize
+from fxquant._fileio import fsync_dir, write_atomic
+from fxquant.capture.layout import sanitize
 from fxquant.capture.reader import CaptureSet, Record
 
 
@@ -61,16 +61,8 @@ def export_pt(cs: CaptureSet, out_dir: str | Path, quant_type: str | None = None
         d = out / qt
         d.mkdir(parents=True, exist_ok=True)
         path = d / pt_name(rec, counter, qt)
-        tmp = path.with_name(path.name + ".tmp")
-        try:
-            with open(tmp, "wb") as fh:
-                torch.save(payload(rec, cs.load(rec)), fh)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        data = payload(rec, cs.load(rec))
+        write_atomic(path, lambda fh: torch.save(data, fh), fsync_parent=False)  # directories fsynced below
         written.append(path)
     for d in {p.parent for p in written}:
         fsync_dir(d)

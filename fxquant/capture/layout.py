@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from fxquant._fileio import write_atomic
+
 MANIFEST = "manifest.jsonl"
 COMMITTED = "COMMITTED"
 RUN_INFO = "run.json"
@@ -82,13 +84,6 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
 
 def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> int:
     """Write ``tensors`` (CPU, contiguous) to ``path.tmp``, fsync, rename to ``path``; return bytes written.
@@ -106,22 +101,14 @@ def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]], metad
         offset += n
     hbytes = json.dumps(header, separators=(",", ":")).encode()
     hbytes += b" " * ((-len(hbytes)) % 8)  # align the data section to 8 bytes
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        try:
-            _write_all(fd, len(hbytes).to_bytes(8, "little"))
-            _write_all(fd, hbytes)
-            for _, t in tensors:
-                _write_all(fd, tensor_bytes(t))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+
+    def write(f) -> None:
+        f.write(len(hbytes).to_bytes(8, "little"))
+        f.write(hbytes)
+        for _, t in tensors:
+            f.write(tensor_bytes(t))
+
+    write_atomic(path, write)
     return 8 + len(hbytes) + offset
 
 
@@ -133,17 +120,8 @@ def _write_all(fd: int, data) -> None:
 
 
 def write_json_atomic(path: Path, obj: object) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=1, sort_keys=True, allow_nan=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    text = json.dumps(obj, indent=1, sort_keys=True, allow_nan=True)
+    write_atomic(path, lambda f: f.write(text.encode("utf-8")))
 
 
 def append_lines(path: Path, records: list[dict]) -> None:

@@ -8,7 +8,6 @@ Resuming restores everything a step depends on, so a resumed run continues bit f
 """
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 
@@ -16,6 +15,8 @@ import numpy
 import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel import random as megatron_random
+
+from fxquant._fileio import write_atomic
 
 
 def _iter_dir(root: Path, iteration: int) -> Path:
@@ -67,18 +68,10 @@ def save(root: str | Path, iteration: int, *, model, optimizer, scheduler, consu
     payload = {"iteration": iteration, "consumed_samples": consumed_samples, "model": model.state_dict(),
                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                "rng": _rng_state(), "extra": extra or {}}
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as handle:
-        torch.save(payload, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, lambda handle: torch.save(payload, handle))
     dist.barrier()
     if dist.get_rank() == 0:
-        marker = root / "latest"
-        tmp_marker = root / ".latest.tmp"
-        tmp_marker.write_text(f"{iteration}\n")
-        os.replace(tmp_marker, marker)
+        write_atomic(root / "latest", lambda f: f.write(f"{iteration}\n".encode()))
     dist.barrier()
     return path.parent
 
