@@ -15,6 +15,7 @@ import torch
 
 from fxquant.formats.tensor_quant import TensorQuant
 from fxquant.qfunctions import quantized_baddbmm, quantized_bmm, quantized_linear, quantized_matmul, quantized_sdpa
+from fxquant.qfunctions.flash_sdpa import flash_sdpa
 from fxquant.qfunctions.matmul import gemm_specs
 from fxquant.schemes.model import AttentionQuant, GemmQuant, LinearQuant, MatmulQuant
 
@@ -77,6 +78,20 @@ def fxquant_sdpa(
     return quantized_sdpa(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, aq=attention_quant(specs)
     )
+
+
+def fxquant_flash_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    specs: Specs,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` rewritten for the flash kernel: ``flash_sdpa`` (the custom op
+    ``fxquant::flash_attention``) with the AttentionQuant of ``specs``."""
+    return flash_sdpa(query, key, value, is_causal, scale, enable_gqa, aq=attention_quant(specs))
 
 
 def fxquant_baddbmm(
