@@ -11,7 +11,7 @@ import torch
 from fxquant import formats
 from fxquant.analysis import bins, moments, mx_study
 from fxquant.analysis.aggregate import flow_counts
-from fxquant.analysis.summary import AnalysisConfig, summarize
+from fxquant.analysis.summary import AnalysisConfig, dense, summarize, tensor_counts
 from fxquant.capture import stats as capture_stats
 from fxquant.formats.options import ScaleMode
 from fxquant.formats.tensor_quant import TensorQuant
@@ -25,15 +25,15 @@ def _data(n=1 << 14, seed=0) -> torch.Tensor:
 
 
 def _hist(x):
-    b, a, sh, esh = bins.magnitude_bits(x)
-    j = bins.mag_bins(a, sh)
-    return bins.signed_hist(b, j), a, j, esh
+    """(signed, binade) histograms of a float32/bf16 tensor."""
+    signed, binade, _, _ = tensor_counts(x, x.dim() - 1)
+    return signed, binade
 
 
 @pytest.mark.parametrize("threshold", [448.0, 57344.0, 6.0, 7.5, 28.0, 32768.0, 40960.0, 2.0**-10, 2.0**-23, 1.0])
 def test_counts_at_bin_edges_are_exact(threshold):
     x = _data()
-    h, *_ = _hist(x)
+    h, _ = _hist(x)
     mag = bins.magnitude(h)
     above, exact = bins.count_above(mag, threshold)
     at_most, exact2 = bins.count_at_most(mag, threshold)
@@ -45,20 +45,21 @@ def test_counts_at_bin_edges_are_exact(threshold):
 
 def test_bf16_bins_equal_float32_bins_and_binades_are_exact():
     x = _data().bfloat16()
-    h16, a16, j16, esh16 = _hist(x)
-    h32, a32, j32, esh32 = _hist(x.float())
+    h16, b16 = _hist(x)
+    h32, b32 = _hist(x.float())
     assert np.array_equal(h16, h32)
-    assert np.array_equal(bins.binade_hist(a16, esh16), bins.binade_hist(a32, esh32))
+    assert np.array_equal(b16, b32)
+    assert h16[0] == 1 and h16[bins.NMAG] == 1  # +0.0 and -0.0 told apart
     nz = x.float()[x.float() != 0]
     want = np.bincount((torch.frexp(nz)[1] - 1 + 127).clamp(min=0).numpy(), minlength=256)
-    got = bins.binade_hist(a32, esh32)
+    got = b32.copy()
     got[0] -= 2  # the two zeros
     assert np.array_equal(got, want)
 
 
 def test_quantiles_exact_in_rank_within_one_bin_in_value():
     x = torch.randn(200_000, generator=torch.Generator().manual_seed(1)) * 3 + 1
-    h, *_ = _hist(x)
+    h, _ = _hist(x)
     qs = (0.001, 0.05, 0.5, 0.95, 0.999)
     got = bins.quantiles(h, qs)
     want = torch.quantile(x.double(), torch.tensor(qs, dtype=torch.float64)).tolist()
@@ -98,13 +99,13 @@ def test_moments_merge_equals_moments_of_the_concatenation():
     parts = [torch.randn(n, generator=torch.Generator().manual_seed(n)) * (n % 7 + 1) + n for n in (1, 10, 1000, 4096)]
     m = moments.Moments()
     for p in parts:
-        m.merge(moments.from_tensor(p, nan=0, inf=0))
+        m.merge(tensor_counts(p, 0)[3])
     whole = torch.cat(parts).double()
     d = m.to_dict()
     assert d["mean"] == pytest.approx(whole.mean().item(), rel=1e-6)
     assert d["std"] == pytest.approx(whole.std().item(), rel=1e-5)
     assert (d["min"], d["max"], d["numel"], d["tensors"]) == (whole.min().item(), whole.max().item(), whole.numel(), 4)
-    bad = moments.from_tensor(torch.tensor([1.0, math.nan, math.inf, -3.0]))
+    bad = tensor_counts(torch.tensor([1.0, math.nan, math.inf, -3.0]), 0)[3]
     assert (bad.nan, bad.inf, bad.n_finite, bad.min, bad.max) == (1, 1, 2, -3.0, 1.0)
 
 
@@ -148,9 +149,8 @@ def test_bf16_pattern_path_equals_the_float32_path():
         d16[s16.signed[0]] = h16
         d32 = np.zeros(bins.NSIGNED, dtype=np.int64)
         d32[s32.signed[0]] = h32
-        d32[0] += d32[bins.NMAG]  # the bf16 path does not tell -0 from +0
-        d32[bins.NMAG] = 0
-        assert np.array_equal(d16, d32)
+        assert np.array_equal(d16, d32)  # -0.0 included (bin NMAG)
+        assert np.array_equal(dense(s16.rel, bins.NREL), dense(s32.rel, bins.NREL))
         m16, m32 = s16.moments.to_dict(), s32.moments.to_dict()
         for k in ("numel", "finite", "nan", "inf", "min", "max", "amax", "zero_fraction"):
             assert m16[k] == m32[k], k

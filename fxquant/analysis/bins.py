@@ -16,8 +16,9 @@ by addition across tensors, processes and runs:
   the element-domain bins of any MX format under the OCP ``floor`` scale rule, because the shared scale
   is a power of two (FORMATS.md, "MX block formats"). Zeros sit in a bin of their own.
 
-bfloat16 tensors are binned from their 16-bit patterns with the same bins (their low 16 float32 bits
-are zero). Quantiles interpolate linearly inside one bin: exact in rank, and within one bin in value,
+The binning itself is one pass per tensor in fxquant.kernels.host (``f32_counts``; bfloat16 tensors are
+counted per 16-bit pattern by ``bf16_counts`` and folded onto the same bins here, their low 16 float32
+bits being zero). Quantiles interpolate linearly inside one bin: exact in rank, and within one bin in value,
 i.e. a relative error of at most 1/16 = 6.25 % (zero exact). Float32 subnormals (< 2**-126) are binned
 linearly, which only matters for formats whose thresholds lie that low (bf16).
 """
@@ -26,17 +27,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch
 
-SUB = 16  # bins per binade
-NMAG = 4097  # magnitude bins 0..4096
-NSIGNED = 2 * NMAG
+from fxquant.kernels.host import NBINADE, NMAG, NREL, NSIGNED, REL_OFFSET, REL_ZERO, SUB  # noqa: F401  (re-exported)
+
 NAN_FIRST = 4081  # magnitude bins >= this are NaN
 INF_BIN = 4080  # Inf (and finite values above 1.9375 * 2**127)
-NBINADE = 256  # float32 exponent fields
-REL_OFFSET = 255 * SUB  # block-relative bin r is stored at r + REL_OFFSET (r >= -4080 + 1 for non-zeros)
-NREL = REL_OFFSET + NMAG + 1  # index NREL - 1 is the zero bin
-REL_ZERO = NREL - 1
 BLOCK = 32  # MX block size (every MX format in fxquant.formats uses 32)
 
 
@@ -59,67 +54,6 @@ def edge_index(value: float) -> int | None:
     """j with U(j) == value exactly, or None when value is not a bin edge."""
     j = mag_bin_of(value)
     return j if _UPPER[j] == abs(value) else None
-
-
-# -- binning a tensor (float32 or bfloat16) ---------------------------------------------------------------
-def _int_view(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """(integer bit view, shift to magnitude bins, shift to the exponent field)."""
-    if x.dtype == torch.bfloat16:
-        return x.contiguous().view(torch.int16), 3, 7
-    if x.dtype != torch.float32:
-        x = x.float()
-    return x.contiguous().view(torch.int32), 19, 23
-
-
-def magnitude_bits(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """(signed bit view, magnitude bits, mag shift, exponent shift) of a float32/bf16 view of ``x``."""
-    b, sh, esh = _int_view(x.reshape(-1))
-    mask = 0x7FFF if b.dtype == torch.int16 else 0x7FFFFFFF
-    return b, b & mask, sh, esh
-
-
-def mag_bins(a: torch.Tensor, sh: int) -> torch.Tensor:
-    """Magnitude bin of every element from its magnitude bits (a new tensor)."""
-    j = a - 1
-    j.bitwise_right_shift_(sh).add_(1)
-    return j
-
-
-def signed_hist(b: torch.Tensor, j: torch.Tensor) -> np.ndarray:
-    """Signed histogram (NSIGNED bins) from the signed bit view and the magnitude bins."""
-    sign = b.bitwise_right_shift(15 if b.dtype == torch.int16 else 31).bitwise_and_(NMAG)
-    sign.add_(j)
-    return torch.bincount(sign.reshape(-1), minlength=NSIGNED).numpy().astype(np.int64)
-
-
-def binade_hist(a: torch.Tensor, esh: int) -> np.ndarray:
-    return torch.bincount(a.bitwise_right_shift(esh).reshape(-1), minlength=NBINADE).numpy().astype(np.int64)
-
-
-def block_relative_hist(a: torch.Tensor, j: torch.Tensor, esh: int, shape: tuple[int, ...], dim: int,
-                        has_zeros: bool) -> np.ndarray:
-    """Block-relative histogram (NREL bins) with 32-element blocks along ``dim`` of ``shape``."""
-    length = shape[dim] if shape else 1
-    if len(shape) > 1 and dim != len(shape) - 1:
-        a = a.reshape(shape).movedim(dim, -1)
-        j = j.reshape(shape).movedim(dim, -1)
-    a2, j2 = a.reshape(-1, length), j.reshape(-1, length)
-    pad = (-length) % BLOCK
-    if pad:  # a short last block behaves as if padded with zeros (FORMATS.md); pads are removed below
-        a2 = torch.nn.functional.pad(a2, (0, pad))
-        j2 = torch.nn.functional.pad(j2, (0, pad))
-    rows = a2.shape[0]
-    nb = a2.shape[1] // BLOCK
-    amax = a2.reshape(rows, nb, BLOCK).amax(dim=-1)
-    eb = amax.bitwise_right_shift(esh).to(torch.int32)
-    eb = torch.where(amax == 0, 255, eb)
-    shift = (REL_OFFSET - SUB * eb).to(j2.dtype)  # fits int16: 0..4080
-    rel = j2.reshape(rows, nb, BLOCK) + shift.unsqueeze(-1)  # < 4097 + 4080 + 1: fits int16
-    if has_zeros or pad:
-        rel = rel.masked_fill_(j2.reshape(rows, nb, BLOCK) == 0, REL_ZERO)
-    h = torch.bincount(rel.reshape(-1), minlength=NREL).numpy().astype(np.int64)
-    h[REL_ZERO] -= pad * rows
-    return h
 
 
 def bf16_magnitude_table() -> tuple[np.ndarray, np.ndarray]:

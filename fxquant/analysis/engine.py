@@ -136,7 +136,8 @@ def run(plan: Plan, config: AnalysisConfig, workers: int, merge: Callable[[TaskR
                 torch.set_num_threads(threads)
             return pids
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload([__name__])  # workers fork from a server that has imported torch already
+        # workers fork from a server that has imported torch and loaded the host kernels already
+        ctx.set_forkserver_preload([__name__, "fxquant.analysis._worker_preload"])
         with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
                                     initargs=(ctx.Barrier(workers),)) as pool:
             pending: dict[int, cf.Future] = {}

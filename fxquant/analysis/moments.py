@@ -1,6 +1,6 @@
 """Mergeable moments of a set of tensors: counts, min, max, mean, variance (Chan's pairwise merge), amax.
 
-One ``Moments`` per tensor is computed in a worker (from the tensor, or from the capture manifest's
+One ``Moments`` per tensor is computed in a worker (from the tensor's one-pass counts, or from the capture manifest's
 ``stats`` for statistics-only records) and merged in the parent in a fixed order, so the report's numbers
 do not depend on how many workers ran.
 """
@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
 
 
 @dataclass
@@ -52,32 +51,6 @@ class Moments:
             "std": math.sqrt(max(self.m2, 0.0) / (nf - 1)) if nf > 1 else (0.0 if nf else None),
             "amax": self.amax if nf else None,
         }
-
-
-def from_tensor(x: torch.Tensor, nan: int | None = None, inf: int | None = None, zeros: int = 0) -> Moments:
-    """Moments of one tensor. ``nan``/``inf`` known to be 0 skip the masking pass."""
-    xf = x.detach().reshape(-1)
-    if xf.dtype not in (torch.float32, torch.float64):
-        xf = xf.float()
-    n = xf.numel()
-    if n == 0:
-        return Moments(tensors=1)
-    if nan is None or inf is None or nan or inf:
-        finite = torch.isfinite(xf)
-        nan, inf = int(torch.isnan(xf).sum()), int(torch.isinf(xf).sum())
-        if nan or inf:
-            xf = xf[finite]
-    nf = xf.numel()
-    if nf == 0:
-        return Moments(n=n, nan=nan, inf=inf, zeros=zeros, tensors=1)
-    lo, hi = torch.aminmax(xf)
-    s = float(xf.sum(dtype=torch.float64)) if nf < (1 << 16) else float(xf.sum())  # cascade sum (float32)
-    ss = float(torch.dot(xf, xf)) if xf.dtype == torch.float32 else float((xf * xf).sum())
-    mean = s / nf
-    m2 = max(ss - s * mean, 0.0)
-    lo_, hi_ = float(lo), float(hi)
-    return Moments(n=n, nan=nan, inf=inf, zeros=zeros, n_finite=nf, min=lo_, max=hi_, mean=mean, m2=m2,
-                   amax=max(abs(lo_), abs(hi_)), tensors=1)
 
 
 def from_manifest(stats: dict, numel: int) -> Moments:

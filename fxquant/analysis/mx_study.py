@@ -55,25 +55,24 @@ def sample_blocks(x: torch.Tensor, dim: int, max_blocks: int, seed: int, block: 
     return x2.reshape(-1, block).contiguous()
 
 
-def quantize_with_offset(xb: torch.Tensor, fmt: MXFormat, mode: ScaleMode, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, element values P) of blocks ``xb [n, 32]`` with shared exponent s_mode + k (finite input)."""
+def quantize_configs(xb: torch.Tensor, fmt: MXFormat, modes: tuple[ScaleMode, ...],
+                     offsets: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, element values P), each ``[len(modes), len(offsets), n, 32]``, of blocks ``xb [n, 32]``
+    quantized with shared exponent s_mode + k for every scale mode and offset k, in one quantize call."""
     elem = fmt.element
     amax = xb.abs().amax(dim=-1)
-    s = torch.clamp(mx_scale_exponent(amax, elem, mode) + k, -127, 127)
-    inv = torch.exp2(-s.double()).float().unsqueeze(-1)  # exact powers of two (2**-127 is a float32 subnormal)
+    s_mode = torch.stack([mx_scale_exponent(amax, elem, m) for m in modes])  # [M, n]
+    k = torch.tensor(offsets, dtype=s_mode.dtype).view(1, -1, 1)
+    s = torch.clamp(s_mode.unsqueeze(1) + k, -127, 127).double().unsqueeze(-1)  # [M, K, n, 1]
+    inv = torch.exp2(-s).float()  # exact powers of two (2**-127 is a float32 subnormal)
     p = elem.quantize(xb * inv, "rne", True, None, finite=True)
-    return p * torch.exp2(s.double()).float().unsqueeze(-1), p
+    return p * torch.exp2(s).float(), p
 
 
-def _sums(q: torch.Tensor, x: torch.Tensor, saturated: torch.Tensor) -> np.ndarray:
-    qd, xd = q.double(), x.double()
-    err = qd - xd
-    nonzero = x != 0
-    return np.array([
-        x.numel(), float(err.square().sum()), float(xd.square().sum()), float(qd.square().sum()),
-        float((qd * xd).sum()), float(err.abs().sum()), float(err.abs().max()) if x.numel() else 0.0,
-        int(saturated.sum()), int((nonzero & (q == 0)).sum()), int(nonzero.sum()),
-    ], dtype=np.float64)
+def quantize_with_offset(xb: torch.Tensor, fmt: MXFormat, mode: ScaleMode, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, element values P) of blocks ``xb [n, 32]`` with shared exponent s_mode + k (finite input)."""
+    q, p = quantize_configs(xb, fmt, (mode,), (k,))
+    return q[0, 0], p[0, 0]
 
 
 def study(xb: torch.Tensor, mx_formats: tuple[str, ...], offsets: tuple[int, ...]) -> dict[tuple, np.ndarray]:
@@ -82,13 +81,26 @@ def study(xb: torch.Tensor, mx_formats: tuple[str, ...], offsets: tuple[int, ...
     out: dict[tuple, np.ndarray] = {}
     if xb.numel() == 0:
         return out
+    xd = xb.double()
+    nonzero = xb != 0
+    ref_sq, n_nonzero = float(xd.square().sum()), int(nonzero.sum())
     for name in mx_formats:
         fmt = formats.get(name)
-        for mode in MODES:
-            for k in offsets:
-                q, p = quantize_with_offset(xb, fmt, mode, k)
-                sat = (p.abs() == fmt.element.max_normal) & (xb.abs() > q.abs())
-                out[(fmt.name, mode.value, int(k))] = _sums(q, xb, sat)
+        q, p = quantize_configs(xb, fmt, MODES, offsets)
+        qd = q.double()
+        err = qd - xd
+        dims = (-2, -1)
+        rows = torch.stack([
+            err.square().sum(dims), qd.square().sum(dims), (qd * xd).sum(dims), err.abs().sum(dims),
+            err.abs().amax(dims),
+            ((p.abs() == fmt.element.max_normal) & (xb.abs() > q.abs())).sum(dims).double(),
+            (nonzero & (q == 0)).sum(dims).double(),
+        ], dim=-1).numpy()  # [M, K, 7]
+        for i, mode in enumerate(MODES):
+            for j, k in enumerate(offsets):
+                e2, q2, dot, ae, me, sat, fl = rows[i, j].tolist()
+                out[(fmt.name, mode.value, int(k))] = np.array(
+                    [xb.numel(), e2, ref_sq, q2, dot, ae, me, sat, fl, n_nonzero], dtype=np.float64)
     return out
 
 

@@ -16,6 +16,7 @@ import torch
 
 from fxquant.analysis import bins, moments, mx_study
 from fxquant.formats.tensor_quant import TensorQuant
+from fxquant.kernels import host
 
 # roles whose tensors are GEMM operands (the MX study and NVFP4 sample look at these only)
 OPERAND_ROLES = frozenset({"input", "weight", "grad_output", "query", "key", "value", "probs", "grad_probs",
@@ -102,27 +103,13 @@ def summarize(index: int, fields: dict, tensor: torch.Tensor | None, config: Ana
             s.binade = sparse(binade_from_exp_hist(stats["exp_hist"], m.zeros))
         return s
     x = tensor if tensor.dtype in (torch.float32, torch.bfloat16) else tensor.float()
-    b, a, sh, esh = bins.magnitude_bits(x)
-    j = bins.mag_bins(a, sh)
-    bf16_moments = None
-    if x.dtype == torch.bfloat16:  # everything but the block-relative bins from two pattern histograms
-        signed, binade, bf16_moments = _bf16_patterns(b, a)
-    else:
-        signed, binade = bins.signed_hist(b, j), bins.binade_hist(a, esh)
-    zeros = int(signed[0] + signed[bins.NMAG])
-    nonfinite = int(signed[bins.INF_BIN:bins.NMAG].sum() + signed[bins.NMAG + bins.INF_BIN:].sum())
+    d = block_dim(fields, x.dim())
+    signed, binade, rel, m = tensor_counts(x, d)
     if stats is not None and fields.get("sample") is None and stats.get("min", 0) is not None:
-        m = moments.from_manifest(stats, numel)  # the whole tensor, as the capture saw it
-    elif bf16_moments is not None:
-        m = bf16_moments
-    else:
-        m = moments.from_tensor(x, nan=None if nonfinite else 0, inf=None if nonfinite else 0, zeros=zeros)
-    m.zeros = zeros
-    shape = tuple(x.shape)
-    d = block_dim(fields, len(shape))
-    s = RecordSummary(index, fields, m, signed=sparse(signed), binade=sparse(binade))
-    s.rel = sparse(bins.block_relative_hist(a, j, esh, shape, d, zeros > 0))
-    del b, a, j
+        mm = moments.from_manifest(stats, numel)  # the whole tensor, as the capture saw it
+        mm.zeros = m.zeros
+        m = mm
+    s = RecordSummary(index, fields, m, signed=sparse(signed), binade=sparse(binade), rel=sparse(rel))
     copy = fields.get("copy", "hp")
     if copy == "quantized" and partner is not None:
         s.qerr = operand_error(x, partner, fields, partner_summary)
@@ -136,38 +123,60 @@ def summarize(index: int, fields: dict, tensor: torch.Tensor | None, config: Ana
     return s
 
 
-_BF16_VALUES, _BF16_EXP = bins.bf16_magnitude_table()  # noqa: E305
-_BF16_BIN = np.concatenate([[0], ((np.arange(1, 1 << 15) - 1) >> 3) + 1])  # magnitude bin of each pattern
+def tensor_counts(x: torch.Tensor, dim: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, moments.Moments]:
+    """(signed, binade, block-relative histograms, moments) of a float32/bf16 tensor, in one pass over it
+    (fxquant.kernels.host); MX blocks run along ``dim``."""
+    if x.dim() > 1 and dim != x.dim() - 1:
+        x = x.movedim(dim, -1)
+    if x.dtype == torch.bfloat16:
+        c = host.bf16_counts(x)
+        signed, binade, m = bf16_patterns(c.patterns)
+        return signed, binade, c.rel, m
+    c = host.f32_counts(x)
+    zeros = int(c.signed[0] + c.signed[bins.NMAG])
+    m = moments.Moments(n=x.numel(), nan=c.nan, inf=c.inf, zeros=zeros, tensors=1)
+    if c.n_finite:
+        m = moments.Moments(n=x.numel(), nan=c.nan, inf=c.inf, zeros=zeros, n_finite=c.n_finite, min=c.min,
+                            max=c.max, mean=c.sum / c.n_finite, m2=c.m2, amax=max(abs(c.min), abs(c.max)), tensors=1)
+    return c.signed, c.binade, c.rel, m
 
 
-def _bf16_patterns(b: torch.Tensor, a: torch.Tensor) -> tuple[np.ndarray, np.ndarray, moments.Moments]:
-    """Signed histogram, binade histogram and exact moments of a bf16 tensor from two bincounts over
-    its 16-bit patterns: all magnitudes, and the non-negative patterns (negatives clamped onto 0)."""
-    hm = torch.bincount(a.reshape(-1), minlength=1 << 15).numpy().astype(np.int64)
-    hpos = torch.bincount(b.reshape(-1).clamp(min=0), minlength=1 << 15).numpy().astype(np.int64)
-    hneg = hm - hpos  # exact for every non-zero pattern
-    hpos[0], hneg[0] = hm[0], 0  # hpos[0] also counted the clamped negatives; -0 and +0 are not told apart
-    signed = np.concatenate([np.bincount(_BF16_BIN, weights=hpos, minlength=bins.NMAG),
-                             np.bincount(_BF16_BIN, weights=hneg, minlength=bins.NMAG)]).astype(np.int64)
-    binade = np.bincount(_BF16_EXP, weights=hm, minlength=bins.NBINADE).astype(np.int64)
-    fin = np.arange(1 << 15) < 0x7F80
-    nan = int(hm[0x7F81:].sum())
-    inf = int(hm[0x7F80])
-    v = _BF16_VALUES[fin]
-    hp, hn = hpos[fin], hneg[fin]
+_FIN = 0x7F80  # bf16 magnitude patterns below this are finite; 0x7F80 is Inf, above it NaN
+_BF16_V = bins.bf16_magnitude_table()[0][:_FIN]  # value of each finite magnitude pattern
+_BF16_V2 = _BF16_V * _BF16_V
+
+
+def _fold(h: np.ndarray, width: int, first_alone: bool) -> np.ndarray:
+    """Sum runs of ``width`` consecutive entries (after entry 0 when ``first_alone``)."""
+    if not first_alone:
+        return h.reshape(-1, width).sum(axis=1)
+    rest = np.concatenate([h[1:], np.zeros(1, h.dtype)])  # 32767 patterns + 1 pad = 4096 runs of 8
+    return np.concatenate([h[:1], rest.reshape(-1, width).sum(axis=1)])
+
+
+def bf16_patterns(patterns: np.ndarray) -> tuple[np.ndarray, np.ndarray, moments.Moments]:
+    """Signed histogram, binade histogram and exact moments of a bf16 tensor from the count of each of
+    its 65536 bit patterns (index = the pattern as uint16; patterns from 0x8000 up are negative)."""
+    hpos, hneg = patterns[: 1 << 15], patterns[1 << 15:]
+    hm = hpos + hneg
+    # magnitude bin of pattern p: 0 for p == 0, else ((p - 1) >> 3) + 1; exponent field: p >> 7
+    signed = np.concatenate([_fold(hpos, 8, True), _fold(hneg, 8, True)])
+    binade = _fold(hm, 128, False)
+    nan, inf, zeros = int(hm[_FIN + 1:].sum()), int(hm[_FIN]), int(hm[0])
+    hp, hn = hpos[:_FIN], hneg[:_FIN]
     nf = int(hp.sum() + hn.sum())
     n = int(hm.sum())
-    m = moments.Moments(n=n, nan=nan, inf=inf, zeros=int(hm[0]), tensors=1)
-    if nf:
-        total = float(np.dot(hp - hn, v))
-        sumsq = float(np.dot(hp + hn, v * v))
-        mean = total / nf
-        pos_nz, neg_nz = np.flatnonzero(hp), np.flatnonzero(hn)
-        lo = -v[neg_nz[-1]] if neg_nz.size else v[pos_nz[0]]
-        hi = v[pos_nz[-1]] if pos_nz.size else -v[neg_nz[0]]
-        m = moments.Moments(n=n, nan=nan, inf=inf, zeros=int(hm[0]), n_finite=nf, min=float(lo), max=float(hi),
-                            mean=mean, m2=max(sumsq - total * mean, 0.0), amax=max(abs(lo), abs(hi)), tensors=1)
-    return signed, binade, m
+    if not nf:
+        return signed, binade, moments.Moments(n=n, nan=nan, inf=inf, zeros=zeros, tensors=1)
+    total = float(((hp - hn) * _BF16_V).sum())  # not np.dot: BLAS threads stall under load
+    sumsq = float(((hp + hn) * _BF16_V2).sum())
+    mean = total / nf
+    pos_nz, neg_nz = np.flatnonzero(hp), np.flatnonzero(hn)
+    lo = -_BF16_V[neg_nz[-1]] if neg_nz.size else _BF16_V[pos_nz[0]]
+    hi = _BF16_V[pos_nz[-1]] if pos_nz.size else -_BF16_V[neg_nz[0]]
+    return signed, binade, moments.Moments(n=n, nan=nan, inf=inf, zeros=zeros, n_finite=nf, min=float(lo),
+                                           max=float(hi), mean=mean, m2=max(sumsq - total * mean, 0.0),
+                                           amax=float(max(abs(lo), abs(hi))), tensors=1)
 
 
 def manifest_error(stats: dict | None) -> dict | None:
@@ -183,17 +192,12 @@ def operand_error(q: torch.Tensor, x: torch.Tensor, fields: dict, partner_summar
     plus saturated % and flushed % after the format's scaling (from the manifest, or recomputed)."""
     if q.numel() != x.numel():
         return {"problem": f"quantized copy has {q.numel()} elements but its high-precision partner {x.numel()}"}
-    qf, xf = q.detach().reshape(-1).float(), x.detach().reshape(-1).float()
-    ok = torch.isfinite(qf) & torch.isfinite(xf)
-    if not bool(ok.all()):
-        qf, xf = qf[ok], xf[ok]
-    err = qf - xf
-    n = xf.numel()
-    e2, r2, q2 = float(torch.dot(err, err)), float(torch.dot(xf, xf)), float(torch.dot(qf, qf))
+    p = host.pair_sums(q, x)
+    n, e2, r2, q2 = p.n, p.err_sq, p.ref_sq, p.q_sq
     out = {
-        "n": n, "mse": e2 / n if n else None, "max_err": float(err.abs().max()) if n else None,
+        "n": n, "mse": e2 / n if n else None, "max_err": p.max_err if n else None,
         "sqnr_db": (10 * math.log10(r2 / e2) if e2 > 0 else math.inf) if r2 > 0 else None,
-        "cosine": float(torch.dot(qf, xf)) / math.sqrt(r2 * q2) if r2 > 0 and q2 > 0 else None,
+        "cosine": p.dot / math.sqrt(r2 * q2) if r2 > 0 and q2 > 0 else None,
         "err_sq": e2, "ref_sq": r2, "source": "tensors",
     }
     st = fields.get("stats") or {}

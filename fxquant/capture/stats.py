@@ -16,15 +16,23 @@ import torch
 
 from fxquant.formats import E2M1
 from fxquant.formats.tensor_quant import TensorQuant
+from fxquant.kernels import host
+from fxquant.kernels.host import EXP_MAX, EXP_MIN, N_EXP  # noqa: F401  (float32 exponents -149..127: 277 bins)
 
-EXP_MIN, EXP_MAX = -149, 127  # float32 binary exponents of finite non-zero values
-N_EXP = EXP_MAX - EXP_MIN + 1  # 277 bins
 _BASE = ("numel", "nan", "inf", "zeros", "min", "max", "sum", "sumsq", "amax")
 _QUANT = ("nonzero_ref", "flushed", "saturated", "err_sq", "ref_sq", "q_sq", "dot")
 
 
 def pack_tensor_stats(x: torch.Tensor) -> torch.Tensor:
-    """float64 vector on x's device: the _BASE sums, then the exponent histogram."""
+    """float64 vector on x's device: the _BASE sums, then the exponent histogram. On the CPU one fused
+    pass (fxquant.kernels.host) when numba is there; the torch ops below define the numbers."""
+    fused = host.tensor_stats(x) if x.device.type == "cpu" else None
+    if fused is not None:
+        return torch.from_numpy(fused)
+    return pack_tensor_stats_torch(x)
+
+
+def pack_tensor_stats_torch(x: torch.Tensor) -> torch.Tensor:
     xf = x.detach().reshape(-1).float()
     finite = torch.isfinite(xf)
     xz = torch.where(finite, xf, 0.0)
@@ -66,6 +74,14 @@ def _saturated(x: torch.Tensor, tq: TensorQuant, dim: int) -> torch.Tensor:
 
 
 def pack_quantized_stats(q: torch.Tensor, x: torch.Tensor, tq: TensorQuant, dim: int) -> torch.Tensor:
+    if q.device.type == "cpu" and x.device.type == "cpu" and host.backend() == "numba":
+        p = host.pair_sums(q, x)  # one fused pass for everything but the saturation count
+        return torch.tensor([p.nonzero_ref, p.flushed, float(_saturated(x, tq, dim)), p.err_sq, p.ref_sq, p.q_sq,
+                             p.dot], dtype=torch.float64)
+    return pack_quantized_stats_torch(q, x, tq, dim)
+
+
+def pack_quantized_stats_torch(q: torch.Tensor, x: torch.Tensor, tq: TensorQuant, dim: int) -> torch.Tensor:
     qf, xf = q.detach().float().reshape(-1), x.detach().float().reshape(-1)
     ok = torch.isfinite(qf) & torch.isfinite(xf)
     qz, xz = torch.where(ok, qf, 0.0).double(), torch.where(ok, xf, 0.0).double()
