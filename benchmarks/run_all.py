@@ -5,11 +5,14 @@ Sections (``--sections``, default all):
   ceilings   copy bandwidth (x.clone(), bytes read + written) and the bf16 GEMM rate (torch.mm)
   quantize   every format's quantize (benchmarks/bench_formats.py): Triton vs the copy, eager reference,
              torchao's to_mx and the predecessor's HiF8 as peers
+  fused      the fused quantize-on-load GEMM vs quantize kernel + cuBLAS, with the keep/drop verdict
+             (benchmarks/bench_fused.py)
   linear     nn.Linear fwd+bwd, 4096x4096 and Llama-3.2-1B MLP shapes: torch.compile bf16 vs fxquant.compile
              per linear preset; peers: torchao MX emulation (MXTensor round trip + bf16 matmul, eager) and the
              predecessor's approach (quantize with torch ops, then matmul, eager)
   attention  causal GQA attention fwd+bwd, seq 2k-8k, head dim 64/128: SDPA bf16 (flash) vs the quantized
-             flash-attention kernel per FA scheme and the torch reference path (quantized_sdpa, eager)
+             flash-attention kernel per FA scheme and the torch reference path (quantized_sdpa, eager; up to
+             L = 2048: its [L, L] float32 matrices)
   model      a Llama-3.2-1B-shaped model with fewer layers, fwd+bwd step: compiled bf16 vs fxquant.compile per
              preset, with peak memory, and the predecessor's eager approach
   capture    capture writer throughput vs raw writes, step overhead (benchmarks/bench_capture.py)
@@ -17,6 +20,11 @@ Sections (``--sections``, default all):
 Timing: CUDA events around each call after warm-up, median of ``--repeat`` (CPU: perf_counter). Anything
 that needs a GPU reads "n/a (no GPU)" on a machine without one. ``--quick`` shrinks every size for a
 smoke run (minutes on a 2-core CPU).
+
+One command must finish within a device call (10 minutes): every section has a time budget
+(``SECTION_BUDGET_S``, scaled by ``--budget-scale``; off with ``--quick``) checked before each measurement;
+what does not fit reads "skipped: section time budget spent". JSON and markdown are rewritten after every
+section, so a run that is killed keeps what it measured.
 
     python benchmarks/run_all.py --quick --json benchmarks/results/run_all_cpu.json          # CPU smoke run
     python benchmarks/run_all.py --json benchmarks/results/run_all_h100.json                 # H100 / H200
@@ -26,6 +34,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -45,15 +54,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_capture  # noqa: E402
 import bench_compile  # noqa: E402
 import bench_formats  # noqa: E402
+import bench_fused  # noqa: E402
 
 import fxquant  # noqa: E402
 from fxquant import kernels, schemes  # noqa: E402
 from fxquant.formats.tensor_quant import TensorQuant  # noqa: E402
+from fxquant.passes.rewrite_sdpa import ENV as ATTENTION_ENV  # noqa: E402
 from fxquant.qfunctions import quantized_linear, quantized_sdpa  # noqa: E402
 from fxquant.schemes import Site, SiteKind  # noqa: E402
 from tests.models import make_llama, make_tokens, next_token_loss  # noqa: E402
 
-SECTIONS = ("ceilings", "quantize", "linear", "attention", "model", "capture", "compile")
+SECTIONS = ("ceilings", "quantize", "fused", "linear", "attention", "model", "capture", "compile")
+# Seconds per section on a GPU (the sum, plus start-up, stays under a 10-minute device call).
+SECTION_BUDGET_S = {"ceilings": 10, "quantize": 50, "fused": 40, "linear": 80, "attention": 90, "model": 150,
+                    "capture": 25, "compile": 40}  # 485 s; one measurement may overrun its section's budget
+SKIPPED = "skipped: section time budget spent"
+REFERENCE_MAX_SEQ = 2048  # quantized_sdpa materialises [B, H, L, L] float32 matrices
 NO_GPU = "n/a (no GPU)"
 LINEAR_PRESETS = ("linear_mxfp8", "linear_hifp8", "linear_mxfp4", "linear_nvfp4")
 FA_PRESETS = ("FA_mxfp8", "FA_QKPV_mxfp8", "FA_QKPV_hifp8", "FA_QKPV_mxfp4")
@@ -76,6 +92,11 @@ class Timer:
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def _out_of_time(args) -> bool:
+    """Whether the running section has spent its time budget (``main`` sets ``args.deadline``)."""
+    return time.perf_counter() > getattr(args, "deadline", float("inf"))
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -154,15 +175,22 @@ class _TorchaoMXLinearFn(torch.autograd.Function):
 
 
 def _reference_ops(dev: torch.device):
-    """Context: ``fxquant::quantize`` runs the pure-torch reference on ``dev`` (the predecessor's approach:
-    quantize with torch ops, then matmul, eagerly)."""
+    """Context: ``fxquant::quantize`` runs the pure-torch reference on ``dev`` and SDPA sites compile to the
+    explicit-math ``quantized_sdpa`` (``FXQUANT_ATTENTION=math``): the predecessor's approach, quantize with
+    torch ops, then matmul, eagerly."""
 
     class _Ctx:
         def __enter__(self):
+            self.env = os.environ.get(ATTENTION_ENV)
+            os.environ[ATTENTION_ENV] = "math"
             if dev.type == "cuda" and kernels.available():
                 kernels.restore_reference("cuda")
 
         def __exit__(self, *exc):
+            if self.env is None:
+                os.environ.pop(ATTENTION_ENV, None)
+            else:
+                os.environ[ATTENTION_ENV] = self.env
             if dev.type == "cuda" and kernels.available():
                 kernels.register("cuda")
 
@@ -189,6 +217,9 @@ def linear(args, dev: torch.device, timer: Timer) -> list[dict]:
         bf16_s = timer(step(torch.compile(base, backend=backend)))
         rows.append({"shape": f"{label} M={m}", "impl": f"bf16 torch.compile ({backend})", "ms": bf16_s * 1e3, "x bf16": 1.0})
         for preset in LINEAR_PRESETS if not args.quick else LINEAR_PRESETS[:2]:
+            if _out_of_time(args):
+                rows.append({"shape": f"{label} M={m}", "impl": f"fxquant {preset}", "note": SKIPPED})
+                continue
             torch._dynamo.reset()
             compiled = fxquant.compile(base, preset, backend=backend)
             s, note = _attempt(lambda: timer(step(compiled)))
@@ -242,6 +273,9 @@ def attention(args, dev: torch.device, timer: Timer) -> list[dict]:
             rows.append({"shape": label, "impl": "SDPA bf16 (flash on GPU)", "ms": sdpa_s * 1e3, "x sdpa": 1.0,
                          "TFLOP/s": flops / sdpa_s / 1e12})
             for preset in ("bf16",) + FA_PRESETS:
+                if _out_of_time(args):
+                    rows.append({"shape": label, "impl": f"flash kernel {preset}", "note": SKIPPED})
+                    continue
                 aq = schemes.AttentionQuant() if preset == "bf16" else _aq(preset)
                 if on_gpu:
                     blocks = FlashBlocks(128, 64, 64, 64)
@@ -251,7 +285,10 @@ def attention(args, dev: torch.device, timer: Timer) -> list[dict]:
                                  "x sdpa": _ratio(s, sdpa_s), "TFLOP/s": s and flops / s / 1e12, "note": note})
                 else:
                     rows.append({"shape": label, "impl": f"flash kernel {preset}", "note": NO_GPU})
-                if preset != "bf16":
+                if preset != "bf16" and lq > REFERENCE_MAX_SEQ:
+                    rows.append({"shape": label, "impl": f"torch reference quantized_sdpa {preset} (eager)",
+                                 "note": f"not run above L={REFERENCE_MAX_SEQ} ([L, L] float32 matrices)"})
+                elif preset != "bf16":
                     s, note = _attempt(lambda: timer(step(lambda: quantized_sdpa(q, k, v, is_causal=True, enable_gqa=True, aq=aq))))
                     rows.append({"shape": label, "impl": f"torch reference quantized_sdpa {preset} (eager)",
                                  "ms": s and s * 1e3, "x sdpa": _ratio(s, sdpa_s), "note": note})
@@ -275,6 +312,9 @@ def model_step(args, dev: torch.device, timer: Timer) -> list[dict]:
     rows = []
 
     def measure(label: str, make: Callable[[nn.Module], nn.Module], ref: float | None = None, eager_ops=False) -> float | None:
+        if rows and _out_of_time(args):
+            rows.append({"impl": label, "note": SKIPPED})
+            return None
         torch._dynamo.reset()
         model = make_llama(**cfg).to(dev, dtype)
         run_model = make(model)
@@ -318,16 +358,17 @@ class _nullctx:
 
 # -- (f) capture, (g) compile -----------------------------------------------------------------------------
 def capture(args, dev: torch.device, timer: Timer) -> list[dict]:
-    cargs = types.SimpleNamespace(dim=64 if args.quick else 256, layers=2 if args.quick else 4, seq=64 if args.quick else 256,
-                                  batch=2 if args.quick else 4, steps=3 if args.quick else 8, warmup=1 if args.quick else 2,
-                                  backend="aot_eager", sync_flush=False)
+    cargs = types.SimpleNamespace(dim=64 if args.quick else 256, layers=2 if args.quick else 4, heads=4 if args.quick else 8,
+                                  vocab=1024, seq=64 if args.quick else 256, batch=2 if args.quick else 4,
+                                  steps=3 if args.quick else 8, warmup=1 if args.quick else 2, backend="aot_eager")
     with tempfile.TemporaryDirectory() as d:
         root = Path(d)
         nbytes = (64 if args.quick else 1024) << 20
         raw = max(bench_capture.raw_write(root, nbytes) for _ in range(2))
         wr = max(bench_capture.writer_throughput(root / f"w{i}", nbytes) for i in range(2))
-        times, records = bench_capture.step_times(cargs, root)
-    med = {m: statistics.median(t) for m, t in times.items()}
+        st = bench_capture.step_times(cargs, root)
+    med = {m: statistics.median(t) for m, t in st["times"].items()}
+    drain = statistics.median(st["drains"]) if st["drains"] else 0.0
     return [
         {"what": "raw sequential write", "value": raw, "unit": "GB/s"},
         {"what": "capture writer", "value": wr, "unit": "GB/s", "note": f"{wr / raw:.2f}x raw"},
@@ -335,7 +376,9 @@ def capture(args, dev: torch.device, timer: Timer) -> list[dict]:
         {"what": "step, capture configured, outside window", "value": med["inactive"] * 1e3, "unit": "ms",
          "note": f"{med['inactive'] / med['none']:.2f}x"},
         {"what": "step, capture active", "value": med["active"] * 1e3, "unit": "ms",
-         "note": f"{med['active'] / med['none']:.2f}x, {records} records"},
+         "note": f"{med['active'] / med['none']:.2f}x, {st['records_per_step']:.0f} records, "
+                 f"{st['stored_mb_per_step']:.1f} MB per step"},
+        {"what": "writer drain after an active step", "value": drain * 1e3, "unit": "ms"},
     ]
 
 
@@ -344,6 +387,9 @@ def compile_time(args, dev: torch.device, timer: Timer) -> list[dict]:
     backends = ("aot_eager",) if args.quick else ("inductor", "aot_eager")
     rows = []
     for backend in backends:
+        if rows and _out_of_time(args):
+            rows.append({"backend": backend, "scheme": "-", "note": SKIPPED})
+            continue
         bench_compile.case(backend, None, make_tokens(make_llama().cfg, batch=1, seq_len=8))  # process warm-up
         plain = bench_compile.case(backend, None, tokens)
         for scheme in (None, "bf16", "FA_linear_mxfp8"):
@@ -353,7 +399,11 @@ def compile_time(args, dev: torch.device, timer: Timer) -> list[dict]:
     return rows
 
 
-RUNNERS = {"ceilings": ceilings, "quantize": quantize, "linear": linear, "attention": attention,
+def fused(args, dev: torch.device, timer: Timer) -> list[dict]:
+    return bench_fused.fused(args, dev, timer, lambda: _out_of_time(args))
+
+
+RUNNERS = {"ceilings": ceilings, "quantize": quantize, "fused": fused, "linear": linear, "attention": attention,
            "model": model_step, "capture": capture, "compile": compile_time}
 
 
@@ -398,7 +448,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=None, help="timed repeats per figure (default 20 on GPU, 3 on CPU)")
     p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 5 on GPU, 1 on CPU)")
     p.add_argument("--seq", type=int, nargs="+", default=[2048, 4096, 8192], help="attention sequence lengths")
-    p.add_argument("--layers", type=int, default=4, help="model section: layers of the llama32-1b-shaped model")
+    p.add_argument("--layers", type=int, default=2, help="model section: layers of the llama32-1b-shaped model")
+    p.add_argument("--budget-scale", type=float, default=1.0,
+                   help="multiply every section's time budget (SECTION_BUDGET_S) by this; 0 = no budgets")
     p.add_argument("--json", default="benchmarks/results/run_all.json")
     p.add_argument("--markdown", default=None, help="also write the tables to this file")
     args = p.parse_args(argv)
@@ -416,17 +468,19 @@ def main(argv: list[str] | None = None) -> int:
     out = [f"## fxquant benchmarks ({'quick' if args.quick else 'full'})\n",
            f"{env['device']}; torch {env['torch']}, triton {env['triton']}, torchao {env['torchao']}; {env['date']}; "
            f"median of {args.repeat} after {args.warmup} warm-up\n"]
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     for name in sections:
         _log(f"[{name}]")
         t0 = time.perf_counter()
+        budget = SECTION_BUDGET_S[name] * args.budget_scale
+        args.deadline = t0 + budget if budget > 0 and not args.quick else float("inf")
         rows = RUNNERS[name](args, dev, timer)
         result["sections"][name] = {"rows": rows, "wall_s": time.perf_counter() - t0}
         out.append(render(name, rows))
         print(out[-1], flush=True)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=1, default=str))
-    if args.markdown:
-        Path(args.markdown).write_text("\n".join(out))
+        Path(args.json).write_text(json.dumps(result, indent=1, default=str))  # after every section: a killed
+        if args.markdown:  # run keeps what it measured
+            Path(args.markdown).write_text("\n".join(out))
     _log(f"wrote {args.json}")
     return 0
 
