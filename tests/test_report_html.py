@@ -65,7 +65,7 @@ def test_index_html_renders_in_headless_chromium_without_broken_images(tmp_path)
     page = res.index.read_text()
     figures = [f for f in res.files if f.endswith(".png")]
     for needed in ("distributions/hifp8/overall_density.png", "distributions/hifp8/per_layer_density.png",
-                   "distributions/hifp8/per_rank_density.png", "distributions/hifp8/per_layer_moments.png",
+                   "distributions/hifp8/per_rank_density.png", "distributions/per_layer_moments.png",
                    "distributions/hifp8/layer_rank_heatmap.png", "quant_error/heatmap_sqnr_db_FA_linear_mxfp8.png",
                    "mx_study/mxfp8_e4m3.png", "overflow/summary.png", "training/curves.png",
                    "stats/binades_by_direction.png", "compare/linear_input_hp.png"):

@@ -19,7 +19,7 @@ import torch
 from fxquant import formats
 from fxquant.analysis import bins
 from fxquant.analysis.aggregate import FLOW_KEY, Aggregator, format_thresholds
-from fxquant.analysis.outputs import Outputs, heatmap, pyplot, slug, sort_key
+from fxquant.analysis.outputs import Job, Outputs, heatmap, pyplot, slug, sort_key
 from fxquant.formats.element import HiF8
 
 SECTION = "Distributions per format"
@@ -95,34 +95,49 @@ def _xrange(mags: list[np.ndarray], name: str) -> tuple[float, float]:
     return lo, hi
 
 
-def write(agg: Aggregator, out: Outputs, workers: int = 1) -> dict:
-    """One page per format; with ``workers > 1`` the pages are drawn in that many processes."""
+def jobs(agg: Aggregator) -> list[Job]:
+    """The distribution pages as report jobs: the per-layer moments (the same for every format) once, then
+    one page per format."""
     by_copy = agg.groups[("copy",)]
     copy = "hp" if ("hp",) in by_copy else ("quantized" if ("quantized",) in by_copy else None)
     if copy is None:
-        return {}
+        return []
     names = [n for n in agg.config.formats if n != "nvfp4"]  # NVFP4: no element domain from histograms
-    if workers <= 1 or len(names) <= 1:
-        return {name: _format_page(agg, out, name, copy) for name in names}
-    import concurrent.futures as cf
-    import multiprocessing as mp
-
-    with cf.ProcessPoolExecutor(max_workers=min(workers, len(names)), mp_context=mp.get_context("forkserver")) as pool:
-        futures = [pool.submit(_page_job, agg, out.root, name, copy) for name in names]
-        result = {}
-        for name, fut in zip(names, futures):  # entries in format order: deterministic index.html
-            info, entries = fut.result()
-            out.entries.extend(entries)
-            result[name] = info
-    return result
+    return [Job("per_layer", layer_moments, (agg, copy))] + [Job(n, format_page, (agg, n, copy)) for n in names]
 
 
-def _page_job(agg: Aggregator, root, name: str, copy: str):
-    out = Outputs(root)
-    return _format_page(agg, out, name, copy), out.entries
+def _layers(agg: Aggregator, copy: str) -> dict:
+    return {k[1]: g for k, g in agg.groups[("copy", "layer")].items() if k[0] == copy}
 
 
-def _format_page(agg: Aggregator, out: Outputs, name: str, copy: str) -> dict:
+def layer_moments(agg: Aggregator, copy: str, out: Outputs) -> dict:
+    """Per-layer mean / std / min / max of the raw values (format-independent): one figure."""
+    layers = _layers(agg, copy)
+    lay_keys = sorted(layers, key=sort_key)
+    stats = {k: layers[k].moments.to_dict() for k in lay_keys}
+    if not lay_keys:
+        return stats
+    plt = pyplot()
+    fig, axes = plt.subplots(2, 2, figsize=(10, 6), sharex=True)
+    xs = np.arange(len(lay_keys))
+    for ax, key in zip(axes.ravel(), ("mean", "std", "min", "max")):
+        ys = [stats[k][key] if stats[k][key] is not None else np.nan for k in lay_keys]
+        ax.plot(xs, ys, "o-", ms=3)
+        ax.set_ylabel(f"{key} (value)")
+        ax.grid(alpha=0.3)
+        if key == "std" and all(np.isfinite(y) and y > 0 for y in ys) and ys:
+            ax.set_yscale("log")
+    for ax in axes[1]:
+        ax.set_xticks(xs, ["-" if k is None else str(k) for k in lay_keys], fontsize=7)
+        ax.set_xlabel("layer")
+    fig.suptitle(f"Per-layer mean / std / min / max of {copy} tensors (raw values)")
+    out.figure("distributions/per_layer_moments.png", fig, SECTION, "Per-layer mean/std/min/max (every format)")
+    return stats
+
+
+def format_page(agg: Aggregator, name: str, copy: str, out: Outputs) -> dict:
+    """One format's page: densities against its representable values, layer x rank heatmap, quantiles."""
+    layers = _layers(agg, copy)
     plt = pyplot()
     d = f"distributions/{slug(name)}"
     sec = f"{SECTION}: {name}"
@@ -131,7 +146,6 @@ def _format_page(agg: Aggregator, out: Outputs, name: str, copy: str) -> dict:
     info = {"copy": copy, "domain": domain}
     if overall is None or overall.sum() == 0:
         return info
-    layers = {k[1]: g for k, g in agg.groups[("copy", "layer")].items() if k[0] == copy}
     ranks = {k[1]: g for k, g in agg.groups[("copy", "rank")].items() if k[0] == copy}
     lay_keys = sorted(layers, key=sort_key)
     rank_keys = sorted(ranks, key=sort_key)
@@ -149,11 +163,12 @@ def _format_page(agg: Aggregator, out: Outputs, name: str, copy: str) -> dict:
     _decorate(ax, name)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(alpha=0.3)
-    fig.tight_layout()
     out.figure(f"{d}/overall_density.png", fig, sec, f"{name}: overall density vs representable values")
 
-    for label, keys, table, fname in (("layer", lay_keys, layers, "per_layer_density"),
-                                      ("rank", rank_keys, ranks, "per_rank_density")):
+    pages = [("layer", lay_keys, layers, "per_layer_density")]
+    if len(rank_keys) > 1:  # one rank: its density is the overall density above
+        pages.append(("rank", rank_keys, ranks, "per_rank_density"))
+    for label, keys, table, fname in pages:
         fig, ax = plt.subplots(figsize=(12, 4.5))
         cmap = plt.get_cmap("viridis")
         for i, k in enumerate(keys):
@@ -171,32 +186,14 @@ def _format_page(agg: Aggregator, out: Outputs, name: str, copy: str) -> dict:
         _decorate(ax, name)
         ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=1 + len(keys) // 16)
         ax.grid(alpha=0.3)
-        fig.tight_layout()
         out.figure(f"{d}/{fname}.png", fig, sec, f"{name}: density per {label}")
-
-    stats = {k: layers[k].moments.to_dict() for k in lay_keys}
-    fig, axes = plt.subplots(2, 2, figsize=(10, 6), sharex=True)
-    xs = np.arange(len(lay_keys))
-    for ax, key, ylabel in zip(axes.ravel(), ("mean", "std", "min", "max"), ("mean", "std", "min", "max")):
-        ys = [stats[k][key] if stats[k][key] is not None else np.nan for k in lay_keys]
-        ax.plot(xs, ys, "o-", ms=3)
-        ax.set_ylabel(f"{ylabel} (value)")
-        ax.grid(alpha=0.3)
-        if key == "std" and all(np.isfinite(y) and y > 0 for y in ys) and ys:
-            ax.set_yscale("log")
-    for ax in axes[1]:
-        ax.set_xticks(xs, ["-" if k is None else str(k) for k in lay_keys], fontsize=7)
-        ax.set_xlabel("layer")
-    fig.suptitle(f"Per-layer mean / std / min / max of {copy} tensors (raw values)")
-    fig.tight_layout()
-    out.figure(f"{d}/per_layer_moments.png", fig, sec, f"{name}: per-layer mean/std/min/max")
 
     _layer_rank(agg, out, name, copy, d, sec)
     quant = {str(k): bins.quantiles(layers[k].signed, agg.config.quantiles) for k in lay_keys
              if layers[k].signed is not None}
     quant["overall"] = bins.quantiles(agg.groups[("copy",)][(copy,)].signed, agg.config.quantiles)
     sat_t, flush_t, _ = format_thresholds(name)
-    info.update({"max_normal": sat_t, "flush_threshold": flush_t, "per_layer": stats, "quantiles": quant})
+    info.update({"max_normal": sat_t, "flush_threshold": flush_t, "quantiles": quant})
     if isinstance(formats.get(name).element, HiF8):
         info["mantissa_regions"] = [{"lo": lo, "hi": hi, "mantissa_bits": m}
                                     for lo, hi, m in mantissa_regions(formats.get(name).element)]
@@ -228,5 +225,4 @@ def _layer_rank(agg: Aggregator, out: Outputs, name: str, copy: str, d: str, sec
         ax.set_ylabel("layer")
         ax.set_title(label, fontsize=9)
     fig.suptitle(f"{name}: layer x rank, {copy} tensors")
-    fig.tight_layout()
     out.figure(f"{d}/layer_rank_heatmap.png", fig, sec, f"{name}: layer x rank flushed/saturated %")

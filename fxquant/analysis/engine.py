@@ -108,9 +108,25 @@ def run_task(task: Task, config: AnalysisConfig, sets: _Sets | None = None) -> T
     return out
 
 
+def worker_pool(workers: int) -> cf.ProcessPoolExecutor | None:
+    """The report's process pool (None for one worker): ``workers`` processes forked from a forkserver that
+    has imported torch, matplotlib and the host kernels, each with one intra-op thread. The same pool
+    summarises tensors (``run``) and then renders figures (``outputs.Outputs``)."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers={workers!r}: must be an int >= 1")
+    if workers == 1:
+        return None
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__, "fxquant.analysis._worker_preload"])
+    return cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
+                                  initargs=(ctx.Barrier(workers),))
+
+
 def run(plan: Plan, config: AnalysisConfig, workers: int, merge: Callable[[TaskResult], None],
-        progress: bool = True) -> list[int]:
-    """Run every task, calling ``merge`` on results in task order; returns the PIDs that did the work."""
+        progress: bool = True, pool: cf.ProcessPoolExecutor | None = None) -> list[int]:
+    """Run every task, calling ``merge`` on results in task order; returns the PIDs that did the work.
+    With ``workers > 1`` the tasks run in ``pool`` (``worker_pool(workers)``; one is made and shut down
+    here when not given)."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers={workers!r}: must be an int >= 1")
     bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, desc="fxquant report", disable=not progress,
@@ -135,24 +151,31 @@ def run(plan: Plan, config: AnalysisConfig, workers: int, merge: Callable[[TaskR
             finally:
                 torch.set_num_threads(threads)
             return pids
-        ctx = mp.get_context("forkserver")
-        # workers fork from a server that has imported torch and loaded the host kernels already
-        ctx.set_forkserver_preload([__name__, "fxquant.analysis._worker_preload"])
-        with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
-                                    initargs=(ctx.Barrier(workers),)) as pool:
-            pending: dict[int, cf.Future] = {}
-            ready: dict[int, TaskResult] = {}
-            next_submit = next_merge = 0
-            while next_merge < len(plan.tasks):
-                while next_submit < len(plan.tasks) and len(pending) + len(ready) < 2 * workers:
-                    pending[next_submit] = pool.submit(run_task, plan.tasks[next_submit], config)
-                    next_submit += 1
-                finished, _ = cf.wait(list(pending.values()), return_when=cf.FIRST_COMPLETED)
-                for number in [n for n, f in pending.items() if f in finished]:
-                    ready[number] = pending.pop(number).result()
-                while next_merge in ready:
-                    done(ready.pop(next_merge))
-                    next_merge += 1
+        own = pool is None
+        pool = pool or worker_pool(workers)
+        try:
+            _stream(plan, config, pool, 2 * workers, done)
+        finally:
+            if own:
+                pool.shutdown()
         return pids
     finally:
         bar.close()
+
+
+def _stream(plan: Plan, config: AnalysisConfig, pool: cf.ProcessPoolExecutor, in_flight: int,
+            done: Callable[[TaskResult], None]) -> None:
+    """Submit tasks keeping at most ``in_flight`` unmerged; merge results in task order."""
+    pending: dict[int, cf.Future] = {}
+    ready: dict[int, TaskResult] = {}
+    next_submit = next_merge = 0
+    while next_merge < len(plan.tasks):
+        while next_submit < len(plan.tasks) and len(pending) + len(ready) < in_flight:
+            pending[next_submit] = pool.submit(run_task, plan.tasks[next_submit], config)
+            next_submit += 1
+        finished, _ = cf.wait(list(pending.values()), return_when=cf.FIRST_COMPLETED)
+        for number in [n for n, f in pending.items() if f in finished]:
+            ready[number] = pending.pop(number).result()
+        while next_merge in ready:
+            done(ready.pop(next_merge))
+            next_merge += 1

@@ -119,7 +119,6 @@ def write(runs: list[Run], out: Outputs, reference: str = "bf16", last_n: int = 
                 ax.set_yscale("log")
     axes[0, 0].legend(fontsize=7)
     fig.suptitle("Training runs across schemes")
-    fig.tight_layout()
     out.figure("training/curves.png", fig, SECTION, "Loss, grad norm, throughput and step time")
     ref = next((r for r in runs if r.label == reference), None)
     if ref is not None and len(runs) > 1:
@@ -136,6 +135,5 @@ def write(runs: list[Run], out: Outputs, reference: str = "bf16", last_n: int = 
         ax.set_title(f"Relative loss error against the {reference} run")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-        fig.tight_layout()
         out.figure("training/relative_error.png", fig, SECTION, f"Relative loss error vs {reference}")
     return {"runs": rows}

@@ -84,7 +84,6 @@ def _plots(rows: list[mx_study.StudyRow], out: Outputs) -> None:
             ax.set_xticks(offsets)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
-        fig.tight_layout()
         out.figure(f"mx_study/{slug(fmt)}.png", fig, SECTION, f"{fmt}: SQNR, saturation and flushes per scale rule")
 
 

@@ -5,12 +5,14 @@ Every file goes through ``Outputs``, which records its section and title for ind
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import csv
 import json
 import logging
 import math
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -64,6 +66,8 @@ class Entry:
 
 
 class Outputs:
+    """The report directory: every file written, with its section and title, in order (``entries``)."""
+
     def __init__(self, root: Path):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -97,13 +101,44 @@ class Outputs:
         return p
 
     def figure(self, rel: str, fig, section: str, title: str) -> Path:
-        import matplotlib.pyplot as plt
-
+        """Write ``fig`` as PNG at ``rel`` (tight layout; no timestamps: same bytes for the same data), close it."""
         p = self._path(rel)
-        fig.savefig(p, dpi=110, metadata={"Software": None})  # no timestamps: same bytes for the same data
-        plt.close(fig)
+        try:
+            fig.tight_layout()
+            fig.savefig(p, dpi=110, metadata={"Software": None})
+        finally:
+            pyplot().close(fig)
         self.entries.append(Entry(rel, section, title, "figure"))
         return p
+
+
+@dataclass(frozen=True)
+class Job:
+    """One part of the report: ``func(*args, out=Outputs, **kwargs)`` writes its files and returns its results
+    (a module-level function, so that a pool worker can run it)."""
+
+    name: str
+    func: Callable
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+
+def _run_job(job: Job, root: Path) -> tuple[object, list[Entry]]:
+    out = Outputs(root)
+    return job.func(*job.args, out=out, **job.kwargs), out.entries
+
+
+def run_jobs(jobs: list[Job], out: Outputs, pool: cf.ProcessPoolExecutor | None = None) -> list:
+    """Run ``jobs`` (in ``pool``'s workers when given, each drawing its own figures), appending their files to
+    ``out.entries`` in job order (deterministic index.html); returns their results in job order."""
+    if pool is None:
+        done = [_run_job(j, out.root) for j in jobs]
+    else:
+        futures = [pool.submit(_run_job, j, out.root) for j in jobs]
+        done = [f.result() for f in futures]
+    for _, entries in done:
+        out.entries.extend(entries)
+    return [r for r, _ in done]
 
 
 def pyplot():

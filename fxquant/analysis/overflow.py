@@ -103,7 +103,6 @@ def _plots(agg: Aggregator, out: Outputs, copy: str, rows: list[dict]) -> None:
     ax.set_title(f"Over/underflow of {copy} tensors per format")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
     out.figure("overflow/summary.png", fig, SECTION, "Flushed and saturated % per format")
     per = rollup(agg, copy, ("layer", "direction", "role"))
     layers = sorted({k[0] for k in per}, key=sort_key)
@@ -123,5 +122,4 @@ def _plots(agg: Aggregator, out: Outputs, copy: str, rows: list[dict]) -> None:
         ax.set_xlabel("direction / role")
         ax.set_ylabel("layer")
         ax.set_title(f"{name}: underflow by layer x direction x role")
-        fig.tight_layout()
         out.figure(f"overflow/underflow_{slug(name)}.png", fig, SECTION, f"{name}: underflow by layer x direction x role")

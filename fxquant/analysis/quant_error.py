@@ -94,6 +94,5 @@ def _heatmaps(sites: list[dict], out: Outputs) -> None:
             ax.set_xlabel("operand role / GEMM")
             ax.set_ylabel("layer")
             ax.set_title(f"{label} of quantized operands\nscheme {scheme}, mean over captures", fontsize=10)
-            fig.tight_layout()
             out.figure(f"quant_error/heatmap_{metric}_{slug(scheme)}.png", fig, SECTION,
                        f"{label}: layer x role, scheme {scheme}")

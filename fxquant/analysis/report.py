@@ -17,7 +17,7 @@ from pathlib import Path
 from fxquant.analysis import (distributions, engine, html, loss_curves, mx_report, overflow, plan, quant_error,
                               stats_report)
 from fxquant.analysis.aggregate import Aggregator
-from fxquant.analysis.outputs import Outputs
+from fxquant.analysis.outputs import Job, Outputs, run_jobs
 from fxquant.analysis.summary import AnalysisConfig
 
 log = logging.getLogger(__name__)
@@ -76,24 +76,30 @@ def report(dirs: list[str | Path] | str | Path = (), out: str | Path = "fxquant-
                             sample_blocks=sample_blocks)
     agg = Aggregator(config)
     agg.problems.extend(p.problems)
-    pids = engine.run(p, config, workers, agg.merge_result, progress=progress)
-    outputs = Outputs(Path(out))
-    results: dict = {}
-    if dirs:
-        results["stats"] = stats_report.write(agg, outputs, plots)
-        results["quant_error"] = quant_error.write(agg, outputs, plots)
-        if plots:
-            results["distributions"] = distributions.write(agg, outputs, workers)
-        results["overflow"] = overflow.write(agg, outputs, plots)
-        results["mx_study"] = mx_report.write(agg, outputs, plots)
     runs = []
     for m in metrics or ():
         try:
             runs.append(loss_curves.load_run(m))
         except FileNotFoundError as exc:
             agg.problems.append(str(exc))
-    if runs:
-        results["training"] = loss_curves.write(runs, outputs, reference, last_n, plots)
+    pool = engine.worker_pool(workers) if workers > 1 else None
+    try:
+        pids = engine.run(p, config, workers, agg.merge_result, progress=progress, pool=pool)
+        jobs: list[Job] = []  # every part of the report; with a pool they run (and draw) in its workers
+        if dirs:
+            jobs += [Job("stats", stats_report.write, (agg,), {"plots": plots}),
+                     Job("quant_error", quant_error.write, (agg,), {"plots": plots})]
+            jobs += [Job(f"distributions/{j.name}", j.func, j.args) for j in distributions.jobs(agg)] if plots else []
+            jobs += [Job("overflow", overflow.write, (agg,), {"plots": plots}),
+                     Job("mx_study", mx_report.write, (agg,), {"plots": plots})]
+        if runs:
+            jobs.append(Job("training", loss_curves.write, (runs,),
+                            {"reference": reference, "last_n": last_n, "plots": plots}))
+        outputs = Outputs(Path(out))
+        run_jobs(jobs, outputs, pool)
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
     seconds = time.perf_counter() - t0
     facts = [("capture directories", ", ".join(map(str, dirs)) or "none"),
              ("records analysed", f"{agg.records} ({agg.tensors} with stored tensors, {p.nbytes} bytes)"),
