@@ -25,6 +25,7 @@ from torch import nn
 from fxquant.backend import FxquantBackend, Inner
 from fxquant.formats.options import did_you_mean
 from fxquant.passes import LayerNumbering, SiteMeta, UnmatchedOp, strict as checks
+from fxquant.passes.rewrite_sdpa import attention_impl
 from fxquant.schemes.scheme import Scheme
 
 log = logging.getLogger(__name__)
@@ -153,6 +154,7 @@ def compile(
     dynamic: bool | None = None,
     layer_offset: int | None = None,
     num_layers: int | None = None,
+    attention: str | None = None,
 ) -> nn.Module:
     """``torch.compile(model)`` with every GEMM operand the scheme selects quantized, forward and backward.
 
@@ -173,6 +175,10 @@ def compile(
         at every call of the returned module (``compile_state(m).capture_session``; close it to commit).
         Training loops with micro-batches start their own with ``fxquant.capture.start`` and drive
         ``set_iteration`` / ``set_micro_batch`` instead.
+    attention: how quantized SDPA sites run: "auto" (the flash kernel op on CUDA, the explicit-math
+        ``quantized_sdpa`` elsewhere), "flash" (the flash op everywhere: the flash reference off CUDA, same
+        semantics as the GPU kernel), "math" (``quantized_sdpa`` everywhere). Default: the environment
+        variable FXQUANT_ATTENTION, else "auto" (docs/compile.md).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -184,9 +190,11 @@ def compile(
     if dynamic not in (None, True, False):
         raise ValueError(f"dynamic={dynamic!r}; allowed: None, True, False")
     resolved = _scheme(scheme)
+    if attention is not None:
+        attention = attention_impl(attention).value  # a bad name fails here, with a did-you-mean
     layers = LayerNumbering.of_model(model, layer_offset=layer_offset, num_layers=num_layers)
     fx_backend = FxquantBackend(resolved, inner=_inner(backend), strict=strict, root=model, capture=spec,
-                                layers=layers)
+                                layers=layers, attention=attention)
     compiled = torch.compile(model, backend=fx_backend, dynamic=dynamic)
     session = None
     if capture_dir is not None:

@@ -44,8 +44,9 @@ class FxquantBackend:
 
     def __init__(self, scheme: Scheme, *, inner: Inner = Inner.INDUCTOR, strict: bool = False,
                  root: nn.Module | None = None, dry_run: bool = False, capture: object = None,
-                 layers: LayerNumbering | None = None) -> None:
+                 layers: LayerNumbering | None = None, attention: str | None = None) -> None:
         self.scheme = scheme
+        self.attention = attention  # SDPA implementation (passes.rewrite_sdpa.AttentionImpl); None: the env/auto
         self.capture = capture  # a CaptureSpec: taps are inserted after the rewrite passes
         self.tap_reports: list = []
         self.inner = Inner(inner)
@@ -64,6 +65,7 @@ class FxquantBackend:
             graph_report = run_passes(
                 gm, self.scheme, self.names, layers=self.layers, index=len(self.reports),
                 dry_run=self.dry_run, dedupe=self.inner is not Inner.EAGER and torch.is_grad_enabled(),
+                attention=self.attention,
             )
         except ValueError as exc:
             self.pending.append(exc)

@@ -185,7 +185,7 @@ def test_compile_qk_only_scheme_flash_agrees_with_math(monkeypatch):
     tokens = [make_tokens(make_llama().cfg)]
     monkeypatch.setenv(rewrite_sdpa.ENV, "math")
     (math_,), model = compiled_step("FA_linear_mxfp8", "aot_eager", tokens)
-    assert all(n == f"math: {rewrite_sdpa.ENV}=math" for n in sdpa_notes(model))
+    assert all(n == "math: attention=math" for n in sdpa_notes(model))
     torch._dynamo.reset()
     monkeypatch.setenv(rewrite_sdpa.ENV, "flash")
     (flash,), model = compiled_step("FA_linear_mxfp8", "aot_eager", tokens)
@@ -202,7 +202,7 @@ def test_auto_on_cpu_keeps_quantized_sdpa(monkeypatch):
     monkeypatch.delenv(rewrite_sdpa.ENV, raising=False)
     tokens = [make_tokens(make_llama().cfg)]
     _, model = compiled_step("FA_QKPV_mxfp8", "aot_eager", tokens, n_layers=1)
-    expected = "flash" if torch.cuda.is_available() else "math: FXQUANT_ATTENTION=auto runs the flash kernel on CUDA only"
+    expected = "flash" if torch.cuda.is_available() else "math: attention=auto runs the flash kernel on CUDA only"
     assert [n.split(" (")[0] for n in sdpa_notes(model)] == [expected]
 
 
@@ -221,6 +221,23 @@ def test_unsupported_sites_fall_back_with_a_logged_reason(monkeypatch, caplog):
     assert sdpa_notes(model) == ["math: an attn_mask is given (the kernel offers the causal mask only)"]
     assert "runs quantized_sdpa, not the flash kernel: an attn_mask" in caplog.text
     torch.testing.assert_close(out, fxquant.qfunctions.quantized_sdpa(q, k, v, mask, aq=aq_of("FA_QKPV_mxfp8")), rtol=0, atol=0)
+
+
+class PlainAttention(torch.nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_compile_argument_overrides_the_environment(monkeypatch):
+    monkeypatch.setenv(rewrite_sdpa.ENV, "math")
+    q, k, v, _ = qkv(hq=2, hk=2, lq=8, lk=8, d=16, dv=16)
+    for choice, note in (("flash", "flash"), ("math", "math: attention=math")):
+        torch._dynamo.reset()
+        model = fxquant.compile(PlainAttention(), "FA_QKPV_mxfp8", backend="aot_eager", attention=choice)
+        model(q, k, v)
+        assert sdpa_notes(model) == [note]
+    with pytest.raises(ValueError, match=r"attention='flsh'.*did you mean 'flash'"):
+        fxquant.compile(PlainAttention(), "FA_QKPV_mxfp8", attention="flsh")
 
 
 def test_bad_environment_value_is_a_clear_error(monkeypatch):

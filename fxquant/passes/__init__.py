@@ -52,7 +52,7 @@ class GraphReport:
 
 def run_passes(
     gm: fx.GraphModule, scheme: Scheme, names: ModuleNames, *, layers: LayerNumbering | None = None,
-    index: int = 0, dry_run: bool = False, dedupe: bool = True,
+    index: int = 0, dry_run: bool = False, dedupe: bool = True, attention: str | None = None,
 ) -> GraphReport:
     """Match, resolve and (unless ``dry_run``) rewrite ``gm`` in place; returns the report. ``dedupe``: count
     expected quantize calls as AOT autograd's CSE leaves them (False for the eager inner backend)."""
@@ -66,7 +66,7 @@ def run_passes(
         if match.op in (OpKind.LINEAR, OpKind.MODULE_MATMUL):
             done.append(rewrite_linear(gm.graph, match.node))
         elif match.op is OpKind.SDPA:
-            done.append(rewrite_sdpa(gm.graph, match.node))
+            done.append(rewrite_sdpa(gm.graph, match.node, attention))
         elif match.op is OpKind.MEGATRON_LINEAR:
             done.append(rewrite_megatron_linear(gm, match.node))
         else:

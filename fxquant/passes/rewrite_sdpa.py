@@ -52,8 +52,11 @@ class AttentionImpl(str, enum.Enum):
     MATH = "math"
 
 
-def attention_impl() -> AttentionImpl:
-    """The implementation ``FXQUANT_ATTENTION`` asks for (unset: auto); a bad value raises ValueError."""
+def attention_impl(choice: "AttentionImpl | str | None" = None) -> AttentionImpl:
+    """``choice`` (``fxquant.compile(attention=...)``) when given, else what ``FXQUANT_ATTENTION`` asks for
+    (unset: auto); a bad value raises ValueError with a did-you-mean."""
+    if choice is not None:
+        return parse_enum(AttentionImpl, choice, "attention")
     return parse_enum(AttentionImpl, os.environ.get(ENV, AttentionImpl.AUTO.value), ENV)
 
 
@@ -71,10 +74,10 @@ def _native_flash(device: object) -> bool:
 def flash_blocker(a: dict[str, object], meta: SiteMeta, impl: AttentionImpl) -> str | None:
     """Why this site runs ``quantized_sdpa`` rather than the flash op under ``impl`` (None: it runs flash)."""
     if impl is AttentionImpl.MATH:
-        return f"{ENV}=math"
+        return "attention=math"
     q = example_value(a["query"])
     if impl is AttentionImpl.AUTO and not _native_flash(getattr(q, "device", None)):
-        return f"{ENV}=auto runs the flash kernel on CUDA only (inputs on {getattr(q, 'device', '?')})"
+        return f"attention=auto runs the flash kernel on CUDA only (inputs on {getattr(q, 'device', '?')})"
     if not isinstance(a["is_causal"], bool):
         return f"is_causal is not a constant bool ({a['is_causal']!r})"
     if a["scale"] is not None and (not isinstance(a["scale"], (int, float)) or isinstance(a["scale"], bool)):
@@ -83,7 +86,7 @@ def flash_blocker(a: dict[str, object], meta: SiteMeta, impl: AttentionImpl) -> 
     return unsupported_reason(q, k, v, a["attn_mask"], a["dropout_p"], a["enable_gqa"], meta.config)
 
 
-def rewrite_sdpa(graph: fx.Graph, node: fx.Node) -> SiteMeta:
+def rewrite_sdpa(graph: fx.Graph, node: fx.Node, attention: AttentionImpl | str | None = None) -> SiteMeta:
     meta: SiteMeta = node.meta[META_KEY]
     if meta.op is not OpKind.SDPA or meta.config is None:
         return meta
@@ -93,7 +96,7 @@ def rewrite_sdpa(graph: fx.Graph, node: fx.Node) -> SiteMeta:
         failed = dataclasses.replace(meta, status=Status.FAILED, note=str(exc))
         node.meta[META_KEY] = failed
         return failed
-    impl = attention_impl()
+    impl = attention_impl(attention)
     specs = attention_specs(meta.config)
     blocker = flash_blocker(a, meta, impl)
     if blocker is None:
