@@ -82,7 +82,7 @@ def test_workers_really_run_in_parallel_and_give_the_same_report(sets, tmp_path)
     one = analysis.report([root / "mxfp8", root / "bf16"], tmp_path / "one", workers=1, plots=False, **FAST)
     two = analysis.report([root / "mxfp8", root / "bf16"], tmp_path / "two", workers=2, plots=False, **FAST)
     assert set(one.worker_pids) == {os.getpid()}
-    assert len(set(two.worker_pids)) == 2 and os.getpid() not in two.worker_pids
+    assert len(set(two.worker_pids) - {os.getpid()}) == 2  # two worker processes (this one helps while they start)
     assert one.files == two.files  # deterministic names
     for rel in one.files:
         if rel != "report.json":

@@ -56,13 +56,15 @@ class _Sets:
 _WORKER_SETS = _Sets()
 
 
-def _init_worker(barrier) -> None:
-    """One intra-op thread per worker; wait until every worker has started, so all of them take tasks."""
+def _init_worker(barrier, started) -> None:
+    """One intra-op thread per worker; wait until every worker has started, so all of them take tasks;
+    then tell the parent (``started``), which works on tasks itself until then."""
     torch.set_num_threads(1)
     try:
         barrier.wait(timeout=120)
     except threading.BrokenBarrierError:
         log.warning("not every analysis worker started within 120 s; going on with those that did")
+    started.set()
 
 
 def run_task(task: Task, config: AnalysisConfig, sets: _Sets | None = None) -> TaskResult:
@@ -118,8 +120,11 @@ def worker_pool(workers: int) -> cf.ProcessPoolExecutor | None:
         return None
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([__name__, "fxquant.analysis._worker_preload"])
-    return cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
-                                  initargs=(ctx.Barrier(workers),))
+    started = ctx.Event()
+    pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
+                                  initargs=(ctx.Barrier(workers), started))
+    pool.fxquant_started = started  # set once the workers are up (see _stream)
+    return pool
 
 
 def run(plan: Plan, config: AnalysisConfig, workers: int, merge: Callable[[TaskResult], None],
@@ -153,8 +158,11 @@ def run(plan: Plan, config: AnalysisConfig, workers: int, merge: Callable[[TaskR
             return pids
         own = pool is None
         pool = pool or worker_pool(workers)
+        local = _Sets()
+        for cs_root, cs in plan.sets.items():
+            local.sets[cs_root] = cs
         try:
-            _stream(plan, config, pool, 2 * workers, done)
+            _stream(plan, config, pool, 2 * workers, done, local)
         finally:
             if own:
                 pool.shutdown()
@@ -164,18 +172,32 @@ def run(plan: Plan, config: AnalysisConfig, workers: int, merge: Callable[[TaskR
 
 
 def _stream(plan: Plan, config: AnalysisConfig, pool: cf.ProcessPoolExecutor, in_flight: int,
-            done: Callable[[TaskResult], None]) -> None:
-    """Submit tasks keeping at most ``in_flight`` unmerged; merge results in task order."""
+            done: Callable[[TaskResult], None], local: _Sets) -> None:
+    """Submit tasks from the front, keeping at most ``in_flight`` in the pool; merge results in task order.
+    Until the pool's workers are up (seconds: a forkserver imports torch, numba kernels, matplotlib), this
+    process summarises tasks from the back itself, so the start-up is not idle time."""
+    tasks = plan.tasks
+    started = getattr(pool, "fxquant_started", None)
     pending: dict[int, cf.Future] = {}
     ready: dict[int, TaskResult] = {}
-    next_submit = next_merge = 0
-    while next_merge < len(plan.tasks):
-        while next_submit < len(plan.tasks) and len(pending) + len(ready) < in_flight:
-            pending[next_submit] = pool.submit(run_task, plan.tasks[next_submit], config)
-            next_submit += 1
-        finished, _ = cf.wait(list(pending.values()), return_when=cf.FIRST_COMPLETED)
-        for number in [n for n, f in pending.items() if f in finished]:
-            ready[number] = pending.pop(number).result()
+    lo, hi = 0, len(tasks)  # tasks not yet claimed: [lo, hi)
+    next_merge = 0
+    while next_merge < len(tasks):
+        while lo < hi and len(pending) < in_flight:
+            pending[lo] = pool.submit(run_task, tasks[lo], config)
+            lo += 1
+        if lo < hi and started is not None and not started.is_set():
+            hi -= 1
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                ready[hi] = run_task(tasks[hi], config, local)
+            finally:
+                torch.set_num_threads(threads)
+        elif pending:
+            finished, _ = cf.wait(list(pending.values()), return_when=cf.FIRST_COMPLETED)
+            for number in [n for n, f in pending.items() if f in finished]:
+                ready[number] = pending.pop(number).result()
         while next_merge in ready:
             done(ready.pop(next_merge))
             next_merge += 1
