@@ -1,13 +1,23 @@
-"""Capture benchmark: writer throughput vs raw sequential writes, and step time with capture
-active / configured-but-outside-its-window / absent, on a Llama-style model (every linear's input and
-grad_output, the shipped ``linear_io`` spec). Prints a table and writes JSON (``--out``).
+"""Capture benchmark (issue 4, "Speed"): writer throughput vs a raw sequential write measured in the same run,
+and the training step time of a Llama-style model with capture active / configured but outside its window /
+absent (every linear's input and grad_output: the shipped ``linear_io`` spec). Prints tables, writes JSON.
 
-    python benchmarks/bench_capture.py [--dim 256 --layers 4 --seq 256 --batch 4 --steps 8 --backend aot_eager]
+    python benchmarks/bench_capture.py                                   # small: dim 256, 2 layers
+    python benchmarks/bench_capture.py --dim 1024 --layers 2 --steps 8  # a realistic width (GEMMs dominate)
+
+Step times are taken round-robin over four compiled copies of one model (so load on the machine hits them
+alike): ``none`` and ``none_b`` (two copies without taps: their ratio is the noise floor of the
+measurement), ``inactive`` (taps compiled in, session outside its window) and ``active``. After each active
+step the benchmark waits until the writer has processed the step's tensors (``drain``), outside the timed
+step, so no mode pays for another's writes; ``active + drain`` is the cost if nothing overlapped with the
+next step (an upper bound). Ratios are medians of per-round ratios against ``none`` of the same round, and
+ratios of the fastest step of each mode (other load on the machine only ever adds time).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import platform
@@ -15,9 +25,11 @@ import statistics
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 import torch
+import xxhash
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -26,8 +38,27 @@ from fxquant import capture, schemes  # noqa: E402
 from fxquant.backend import FxquantBackend  # noqa: E402
 from fxquant.capture.spec import Span, Window  # noqa: E402
 from fxquant.capture.writer import Item, ShardWriter  # noqa: E402
-from fxquant.passes.capture_taps import insert_capture_taps  # noqa: E402
 from tests.models import make_llama, make_tokens, next_token_loss  # noqa: E402
+
+MODES = ("none", "none_b", "inactive", "active")
+
+
+def hash_speeds(nbytes: int = 64 << 20) -> dict[str, float]:
+    """GB/s of candidate checksums over one buffer (best of 3)."""
+    data = memoryview(torch.randn(nbytes // 4).numpy()).cast("B")
+    fns = {"crc32 (zlib)": zlib.crc32, "xxh3_64": xxhash.xxh3_64_intdigest,
+           "sha256": lambda b: hashlib.sha256(b).digest()}
+    out = {}
+    for name, fn in fns.items():
+        best = min(_timed(fn, data) for _ in range(3))
+        out[name] = nbytes / best / 1e9
+    return out
+
+
+def _timed(fn, *args) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
 
 
 def raw_write(directory: Path, nbytes: int, chunk: int = 64 << 20) -> float:
@@ -50,97 +81,124 @@ def writer_throughput(directory: Path, nbytes: int, tensor_bytes: int = 4 << 20)
     """GB/s of the capture writer (checksums, safetensors shards, manifest, fsyncs) for ``nbytes`` of tensors."""
     n = max(1, nbytes // tensor_bytes)
     tensors = [torch.randn(tensor_bytes // 4) for _ in range(min(n, 16))]
-    w = ShardWriter(directory / "w", shard_bytes=256 << 20)
+    w = ShardWriter(directory, shard_bytes=256 << 20)
     t0 = time.perf_counter()
     for i in range(n):
         t = tensors[i % len(tensors)]
-        w.put(Item({"key": f"t{i:09d}", "seq": i}, t, None, nbytes=t.numel() * 4))
+        w.put(Item({"key": f"t{i:09d}", "seq": i}, t, nbytes=t.numel() * 4))
     state = w.close()
     dt = time.perf_counter() - t0
-    assert state.error is None, state.error_reason
+    if state.error is not None:
+        raise RuntimeError(f"writer failed: {state.error_reason}")
     return n * tensor_bytes / dt / 1e9
 
 
-class _Backend(FxquantBackend):
-    def __init__(self, spec, **kw):
-        super().__init__(schemes.get("bf16"), **kw)
-        self.spec = spec
-
-    def compile_inner(self, gm, example_inputs):
-        if self.spec is not None:
-            insert_capture_taps(gm, self.spec)
-        return super().compile_inner(gm, example_inputs)
-
-
-def step_times(args, root: Path) -> tuple[dict[str, list[float]], int]:
-    """Median-ready step times of three compiled copies of one model, run round-robin (so load on the machine
-    hits them alike): no taps; taps with the session outside its window; taps inside the window."""
+def step_times(args, root: Path) -> dict:
+    """Per-mode step times (and drain times after active steps), records and bytes per active step."""
     base = capture.load_spec("linear_io")  # every iteration: bound it so that "outside the window" exists
     window = Window(Span(0, 10**6))
     spec = dataclasses.replace(base, sections=tuple(dataclasses.replace(x, when=window) for x in base.sections))
-    models, tokens = {}, None
-    for mode in ("none", "inactive", "active"):
-        torch.manual_seed(0)
-        model = make_llama(dim=args.dim, n_layers=args.layers, n_heads=8, n_kv_heads=4, hidden_dim=args.dim * 3,
-                           vocab_size=1024, max_seq_len=args.seq)
+    models = {}
+    tokens = None
+    for mode in MODES:
+        model = make_llama(dim=args.dim, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.heads // 2,
+                           hidden_dim=args.dim * 3, vocab_size=args.vocab, max_seq_len=args.seq)
         tokens = make_tokens(model.cfg, batch=args.batch, seq_len=args.seq)
-        backend = _Backend(None if mode == "none" else spec, inner=args.backend, root=model)
+        backend = FxquantBackend(schemes.get("bf16"), inner=args.backend, root=model,
+                                 capture=None if mode.startswith("none") else spec)
         models[mode] = (model, torch.compile(model, backend=backend))
     outside = 10**9
     session = capture.start(spec, root / "cap", start_iteration=0)
-    times: dict[str, list[float]] = {m: [] for m in models}
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    drains: list[float] = []
     try:
         for i in range(args.warmup + args.steps):
             for mode, (model, compiled) in models.items():
                 session.set_iteration(i if mode == "active" else outside)
                 t0 = time.perf_counter()
                 next_token_loss(compiled(tokens), tokens).backward()
-                if mode == "active":
-                    session.flush() if args.sync_flush else None
                 dt = time.perf_counter() - t0
+                if mode == "active":
+                    t1 = time.perf_counter()
+                    session.writer.wait_idle()
+                    drain = time.perf_counter() - t1
+                    if i >= args.warmup:
+                        drains.append(drain)
                 if i >= args.warmup:
                     times[mode].append(dt)
                 model.zero_grad(set_to_none=True)
     finally:
         summary = session.close()
-    return times, summary["records"]
+    n_active = args.warmup + args.steps
+    return {"times": times, "drains": drains, "records_per_step": summary["records"] / n_active,
+            "stored_mb_per_step": summary["bytes"] / n_active / 1e6}
+
+
+def _ratios(times: dict[str, list[float]], mode: str, extra: list[float] | None = None) -> float:
+    """Median over rounds of (mode [+ extra]) / none of the same round."""
+    vals = times[mode] if extra is None else [a + b for a, b in zip(times[mode], extra)]
+    return statistics.median(v / n for v, n in zip(vals, times["none"]))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--backend", default="aot_eager", choices=["aot_eager", "inductor"])
     p.add_argument("--write-mib", type=int, default=1024)
+    p.add_argument("--repeats", type=int, default=3, help="raw-write / writer measurements (best kept)")
+    p.add_argument("--skip-io", action="store_true", help="only the step-time part")
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
-    p.add_argument("--sync-flush", action="store_true", help="commit the shard after every active step (durability)")
     p.add_argument("--out", default="bench_capture.json")
     args = p.parse_args()
+    load_before = os.getloadavg()
+    io: dict = {}
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         root = Path(d)
-        nbytes = args.write_mib << 20
-        raw = [raw_write(root, nbytes) for _ in range(2)]
-        wr = [writer_throughput(root / f"w{i}", nbytes) for i in range(2)]
-        times, records = step_times(args, root)
+        if not args.skip_io:
+            io["hash_gbps"] = hash_speeds()
+            raw, wr = [], []
+            for i in range(args.repeats):  # interleaved, so both see the same load
+                raw.append(raw_write(root, args.write_mib << 20))
+                wr.append(writer_throughput(root / f"w{i}", args.write_mib << 20))
+            io.update(raw_write_gbps=raw, writer_gbps=wr, writer_vs_raw=max(wr) / max(raw))
+        st = step_times(args, root)
+    times = st["times"]
     med = {m: statistics.median(t) for m, t in times.items()}
     result = {
         "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
                    f"{'cuda' if torch.cuda.is_available() else 'cpu'}",
-        "raw_write_gbps": max(raw), "writer_gbps": max(wr), "writer_vs_raw": max(wr) / max(raw),
-        "step_s": med, "records_active": records,
-        "active_vs_none": med["active"] / med["none"], "inactive_vs_none": med["inactive"] / med["none"],
+        "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+        **io,
+        "step_s_median": med, "step_s_all": times, "drain_s_all": st["drains"],
+        "ratio_none_b": _ratios(times, "none_b"), "ratio_inactive": _ratios(times, "inactive"),
+        "ratio_active": _ratios(times, "active"), "ratio_active_plus_drain": _ratios(times, "active", st["drains"]),
+        "min_ratio": {m: min(times[m]) / min(times["none"]) for m in MODES},
+        "records_per_active_step": st["records_per_step"], "stored_mb_per_active_step": st["stored_mb_per_step"],
         "config": vars(args),
     }
-    print(tabulate([["raw sequential write (GB/s)", f"{max(raw):.3f}"], ["capture writer (GB/s)", f"{max(wr):.3f}"],
-                    ["writer / raw", f"{result['writer_vs_raw']:.2f}"],
-                    ["step, no capture (s)", f"{med['none']:.4f}"],
-                    ["step, capture outside window (s)", f"{med['inactive']:.4f}  ({result['inactive_vs_none']:.3f}x)"],
-                    ["step, capture active (s)", f"{med['active']:.4f}  ({result['active_vs_none']:.3f}x)"],
-                    ["records captured (active)", records]], headers=["measure", "value"]))
+    if io:
+        print(tabulate([[k, f"{v:.2f}"] for k, v in io["hash_gbps"].items()], headers=["checksum", "GB/s"]))
+        print()
+        print(tabulate([["raw sequential write (GB/s)", f"{max(io['raw_write_gbps']):.3f}"],
+                        ["capture writer (GB/s)", f"{max(io['writer_gbps']):.3f}"],
+                        ["writer / raw", f"{io['writer_vs_raw']:.2f}"]], headers=["write", "value"]))
+        print()
+    rows = [[m, f"{med[m]:.4f}", f"{result['ratio_' + m]:.3f}x" if m != "none" else "",
+             f"{min(times[m]):.4f}", f"{result['min_ratio'][m]:.3f}x" if m != "none" else ""] for m in MODES]
+    rows.append(["active + drain", f"{med['active'] + statistics.median(st['drains']):.4f}",
+                 f"{result['ratio_active_plus_drain']:.3f}x", "", ""])
+    print(tabulate(rows, headers=[f"step (dim {args.dim}, {args.layers} layers, {args.backend})", "median s",
+                                  "median of round ratios", "min s", "min / min none"]))
+    print(f"records per active step: {st['records_per_step']:.0f}, stored: {st['stored_mb_per_step']:.1f} MB; "
+          f"load average {load_before[0]:.2f} -> {result['loadavg_after'][0]:.2f}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")
 

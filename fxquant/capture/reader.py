@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,7 +202,7 @@ class CaptureSet:
             t = self._handle(path).get_tensor(record.key)
         except SafetensorError as exc:
             raise CaptureReadError(f"{path}: cannot read tensor {record.key}: {exc}") from None
-        if check and layout.checksum(t) != record.checksum:
+        if check and not layout.checksum_matches(t, record.checksum):
             raise CaptureReadError(f"{path}: tensor {record.key} fails its checksum (file corrupted)")
         return t
 
@@ -231,7 +230,7 @@ class CaptureSet:
             referenced.add(rec.path)
             try:
                 t = self.load(rec)
-                if f"crc32:{zlib.crc32(layout.tensor_bytes(t)):08x}" != rec.checksum:
+                if not layout.checksum_matches(t, rec.checksum):
                     problems.append(f"{rec.path.relative_to(self.root)}: {rec.key}: checksum mismatch")
             except CaptureReadError as exc:
                 problems.append(str(exc))

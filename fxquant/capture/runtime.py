@@ -2,12 +2,18 @@
 
 ``fxquant::capture(Tensor x, str tap, Tensor? reference=None) -> ()`` is registered at import and
 made *effectful* (ORDERED), so AOT autograd and Inductor keep it although it returns nothing
-(ARCHITECTURE.md trap 3). Inside its window it copies ``x`` before returning (trap 4: Inductor may
-reuse the buffer right after): on CUDA into pinned host memory with a non-blocking copy and an event,
-on CPU with a clone. The window (iteration, micro-batch, rank) is checked at run time inside the op,
-so a spec outside its window costs a dictionary lookup per tap and never causes a recompile.
+(ARCHITECTURE.md trap 3). ``tap`` carries every tap of ``x`` (tap.encode_taps): one call per tapped
+tensor, and taps that would store the same thing share one stored copy and get one record each.
+The window (iteration, micro-batch, rank) is checked at run time inside the op, so a spec outside its
+window costs one dispatcher call per tapped tensor and never causes a recompile.
 
-``capture_grad(x, tap)`` is the identity in forward whose backward captures the incoming gradient:
+Inside its window the op copies ``x`` before returning (trap 4: Inductor may reuse the buffer right
+after). On CUDA it queues the tensor work (re-quantization, sampling, statistics: prepare.py) on the
+device and non-blocking copies into pinned host memory followed by one event: no device sync. On CPU it
+copies ``x`` into a pooled host buffer (hostpool.py) and leaves the tensor work to the writer thread, so
+the training thread pays for one memcpy per tensor.
+
+``capture_grad(x, taps)`` is the identity in forward whose backward captures the incoming gradient:
 the tap-insertion pass wraps a node with it to capture that node's gradient in the backward graph.
 
 One ``CaptureSession`` is active per process (``start`` / ``stop`` or ``with session:``). The
@@ -15,7 +21,6 @@ training loop advances its counters: ``set_iteration``, ``set_micro_batch`` / ``
 """
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
@@ -27,11 +32,11 @@ from pathlib import Path
 import torch
 
 from fxquant.capture import layout
-from fxquant.capture.spec import CaptureSpec, Component, Copy, ErrorPolicy, SamplingMode, Section, What
-from fxquant.capture.stats import pack_quantized_stats, pack_tensor_stats
-from fxquant.capture.tap import Tap, decode_tap
+from fxquant.capture.hostpool import HostPool
+from fxquant.capture.prepare import Work
+from fxquant.capture.spec import CaptureSpec, Component, Copy, ErrorPolicy
+from fxquant.capture.tap import Tap, decode_tap, decode_taps, encode_taps
 from fxquant.capture.writer import Item, ShardWriter
-from fxquant.ops import parse_qspec
 
 log = logging.getLogger(__name__)
 
@@ -97,36 +102,6 @@ class SessionConfig:
                 raise ValueError(f"{name}={v!r}: must be a positive integer")
 
 
-@functools.lru_cache(maxsize=64)
-def _sample_rows(rows: int, n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randperm(rows, generator=g)[:n].sort().values
-
-
-def _sample(x: torch.Tensor, section: Section) -> tuple[torch.Tensor, dict | None]:
-    s = section.sampling
-    if s is None:
-        return x, None
-    x2 = x.reshape(1, -1) if x.dim() < 2 else x.reshape(-1, x.shape[-1])
-    rows = x2.shape[0]
-    info = {"mode": s.mode.value, "rows": min(s.rows, rows), "of_rows": rows}
-    if s.mode is SamplingMode.FIRST_ROWS:
-        return x2[: s.rows], info
-    info["seed"] = s.seed
-    idx = _sample_rows(rows, s.rows, s.seed).to(x2.device)
-    return x2.index_select(0, idx), info
-
-
-def _requantize(x: torch.Tensor, tap: Tap) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the operand as the GEMM consumed it, its high-precision source): fxquant::quantize with the GEMM's
-    format and blocked dim, linear operands in the [M, K] view the GEMMs use. Deterministic roundings
-    reproduce the GEMM's bits exactly (the tap pass never asks for stochastic ones)."""
-    x = x.detach()
-    if tap.component is Component.LINEAR:
-        x = x.reshape(-1, x.shape[-1])
-    return torch.ops.fxquant.quantize(x, tap.qspec, tap.dim, None), x
-
-
 class CaptureSession:
     """Counters, window checks, budget, and the writer of one process's capture."""
 
@@ -144,6 +119,7 @@ class CaptureSession:
                                   queue_bytes=config.queue_bytes, flush_seconds=config.flush_seconds,
                                   max_files=spec.budget.files,
                                   shard_metadata={"run_id": config.run_id, "rank": str(config.rank.rank)})
+        self.pool = HostPool(max_free_bytes=min(config.queue_bytes + config.shard_bytes, 4 << 30))
         self._lock = threading.Lock()  # backward taps may run on autograd's device threads
         self._base = {"run_id": config.run_id, "scheme": config.scheme, **config.rank.coords()}
         self.iteration, self.micro_batch = config.start_iteration, 0
@@ -170,9 +146,13 @@ class CaptureSession:
 
     def _refresh(self) -> None:
         r = self.config.rank.rank
-        self._active = frozenset(
+        active = frozenset(
             i for i, s in enumerate(self.spec.sections) if s.when.contains(self.iteration, self.micro_batch, r)
         )
+        if active != getattr(self, "_active", None):
+            self._active, self._plans = active, {}
+            if not active and hasattr(self, "pool"):  # out of the window: give the copies' memory back
+                self.pool.clear()
 
     @property
     def active(self) -> bool:
@@ -185,42 +165,76 @@ class CaptureSession:
             self._writer_stopped()
         if not self._active or self.stop_reason is not None:
             return
-        tap = decode_tap(tap_text)
-        live = [i for i in tap.sections if i in self._active]
-        if not live:
-            return
-        if tap.copy is Copy.QUANTIZED and reference is None:
-            x, reference = _requantize(x, tap)
-        sections = [self.spec.sections[i] for i in live]
-        store = next((s for s in sections if s.what.tensors), None)
-        want_stats = any(s.what.stats for s in sections)
-        payload, sample = _sample(x.detach(), store) if store is not None else (None, None)
-        nbytes = 0 if payload is None else payload.numel() * payload.element_size()
-        with self._lock:
-            if not self._reserve(nbytes):
-                return
-            seq = self.seq
-            self.seq += 1
-        vec = None
-        quantized = tap.copy is Copy.QUANTIZED and reference is not None
-        if want_stats:
-            vec = pack_tensor_stats(x)
-            if quantized:
-                vec = torch.cat([vec, pack_quantized_stats(x, reference, parse_qspec(tap.qspec), tap.dim)])
-        host, host_stats, event = self._to_host(payload, vec)
-        record = self._record(tap, x, payload, seq, sample, sections[0].name)
-        self.writer.put(Item(record, host, host_stats, quantized, event, nbytes))
+        key = (tap_text, reference is None)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._plan(decode_taps(tap_text), reference is None)
+        x = x.detach()
+        source = ref = None
+        for work, taps in plan:
+            nbytes = work.nbytes(x)
+            with self._lock:
+                n = self._reserve(nbytes, len(taps))
+                if not n:
+                    return
+                seq = self.seq
+                self.seq += n
+            records = [self._record(tap, work, x, seq + k, seq, section) for k, (tap, section) in enumerate(taps[:n])]
+            if x.is_cuda:  # queue the kernels and the copies to pinned memory now; nothing waits for the device
+                prep = work.run(x, reference)
+                host, host_stats, event = self._to_host(prep.payload, prep.stats)
+                self.writer.put(Item(records, host, host_stats, prep.quantized, event, nbytes))
+            elif work.needs_source:  # CPU: a private copy now (trap 4), the tensor work in the writer thread
+                held = 0
+                if source is None:
+                    source = self.pool.copy(x)
+                    held = x.numel() * x.element_size()
+                else:
+                    source.hold()
+                item_ref = None
+                if reference is not None and work.stats:
+                    if ref is None:
+                        ref = self.pool.copy(reference.detach())
+                        held += reference.numel() * reference.element_size()
+                    else:
+                        ref.hold()
+                    item_ref = ref
+                self.writer.put(Item(records, nbytes=held, work=work, source=source, reference=item_ref))
+            else:  # CPU, sampled rows only: copy just those
+                payload = work.sample(x)
+                payload = payload.clone() if payload._base is not None or payload is x else payload
+                self.writer.put(Item(records, payload, None, False, None, nbytes))
 
-    def _reserve(self, nbytes: int) -> bool:
+    def _plan(self, taps: tuple[Tap, ...], requantize: bool) -> list[tuple[Work, list[tuple[Tap, str]]]]:
+        """The distinct tensor work for the live taps of one call, each with the (tap, section name)s it serves:
+        taps that store the same thing (one tensor tapped at several sites) share one payload."""
+        groups: dict[Work, list[tuple[Tap, str]]] = {}
+        for tap in taps:
+            sections = [self.spec.sections[i] for i in tap.sections if i in self._active]
+            if not sections:
+                continue
+            store = next((s for s in sections if s.what.tensors), None)
+            quantized = tap.copy is Copy.QUANTIZED
+            work = Work(store=store is not None, stats=any(s.what.stats for s in sections),
+                        sampling=None if store is None else store.sampling,
+                        qspec=tap.qspec if quantized else None, dim=tap.dim if quantized else None,
+                        flatten=quantized and tap.component is Component.LINEAR, requantize=quantized and requantize)
+            groups.setdefault(work, []).append((tap, sections[0].name))
+        return list(groups.items())
+
+    def _reserve(self, nbytes: int, records: int) -> int:
+        """How many of ``records`` records (sharing one ``nbytes`` payload) the budget admits; 0 stops capture."""
         b = self.spec.budget
         if b.bytes is not None and self.reserved_bytes + nbytes > b.bytes:
             self._stop(f"budget.bytes={b.bytes} reached ({self.reserved_bytes} bytes captured)")
-            return False
-        if b.tensors is not None and self.seq >= b.tensors:
-            self._stop(f"budget.tensors={b.tensors} reached")
-            return False
+            return 0
+        if b.tensors is not None:
+            records = min(records, b.tensors - self.seq)
+            if records <= 0:
+                self._stop(f"budget.tensors={b.tensors} reached")
+                return 0
         self.reserved_bytes += nbytes
-        return True
+        return records
 
     @staticmethod
     def _to_host(payload: torch.Tensor | None, vec: torch.Tensor | None):
@@ -241,7 +255,7 @@ class CaptureSession:
         event.record()
         return out[0], out[1], event
 
-    def _record(self, tap: Tap, x: torch.Tensor, payload, seq: int, sample: dict | None, section: str) -> dict:
+    def _record(self, tap: Tap, work: Work, x: torch.Tensor, seq: int, key_seq: int, section: str) -> dict:
         fmt = None if tap.qspec is None else tap.qspec.split(":", 1)[0]
         return {
             **self._base, "format": fmt, "qspec": tap.qspec, "component": tap.component.value,
@@ -249,9 +263,9 @@ class CaptureSession:
             "role": tap.role.value, "copy": tap.copy.value, "gemm": None if tap.gemm is None else tap.gemm.value,
             "phase": tap.phase.value, "direction": tap.direction.value, "iteration": self.iteration,
             "micro_batch": self.micro_batch, "seq": seq, "section": section, "shard_dim": tap.shard_dim,
-            "blocked_dim": tap.dim, "shape": list(x.shape), "dtype": str(x.dtype).replace("torch.", ""),
-            "stored_shape": None if payload is None else list(payload.shape), "sample": sample,
-            "key": None if payload is None else layout.tensor_key(seq), "file": None, "checksum": None,
+            "blocked_dim": tap.dim, "shape": work.shape(x), "dtype": str(x.dtype).replace("torch.", ""),
+            "stored_shape": work.stored_shape(x), "sample": work.sample_info(x),
+            "key": layout.tensor_key(key_seq) if work.store else None, "file": None, "checksum": None,
             "time": time.time(),
         }
 
@@ -282,6 +296,7 @@ class CaptureSession:
             return self.summary
         self._closed = True
         st = self.writer.close()
+        self.pool.clear()
         if st.error is not None or st.budget_reason is not None:
             self._stop(st.error_reason or st.budget_reason)
         self.summary = {"run_id": self.config.run_id, "records": st.records, "shards": st.shards, "bytes": st.bytes,
@@ -329,16 +344,31 @@ def start(spec: CaptureSpec, root: str | Path, **config) -> CaptureSession:
 
 
 # -- the op ------------------------------------------------------------------------------------------
-@torch.library.custom_op("fxquant::capture", mutates_args=())
-def capture(x: torch.Tensor, tap: str, reference: torch.Tensor | None = None) -> None:
+# Defined with torch.library.Library rather than torch.library.custom_op: the call is a plain dispatcher
+# call into a Python kernel, about 6x cheaper than custom_op's wrapper (measured 2 us vs 12 us per call on
+# the 2-core CPU box), which matters because every tap in a compiled graph makes one call per step, in
+# its window or not.
+_LIB = torch.library.Library("fxquant", "FRAGMENT")
+_LIB.define("capture(Tensor x, str tap, Tensor? reference=None) -> ()")
+
+
+def _capture_impl(x: torch.Tensor, tap: str, reference: torch.Tensor | None = None) -> None:
     session = _STATE.session
     if session is not None:
         session.capture(x, tap, reference)
 
 
-@capture.register_fake
+_LIB.impl("capture", _capture_impl, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("fxquant::capture", lib=_LIB)
 def _capture_fake(x: torch.Tensor, tap: str, reference: torch.Tensor | None = None) -> None:
     return None
+
+
+def capture(x: torch.Tensor, tap: str, reference: torch.Tensor | None = None) -> None:
+    """``torch.ops.fxquant.capture``: report ``x`` under the tap string ``tap`` (tap.encode_taps) to the session."""
+    torch.ops.fxquant.capture(x, tap, reference)
 
 
 def _register_effect() -> None:
@@ -357,21 +387,23 @@ _register_effect()
 
 class _GradTap(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, taps: tuple) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, taps: str) -> torch.Tensor:
         ctx.taps = taps
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        for tap in ctx.taps:
-            torch.ops.fxquant.capture(grad, tap)
+        torch.ops.fxquant.capture(grad, ctx.taps)
         return grad, None
 
 
-def capture_grad(x: torch.Tensor, taps: tuple) -> torch.Tensor:
-    """Identity whose backward captures the gradient arriving at ``x`` once per tap string in ``taps``
-    (a module-level wrapper the tap pass inserts, ARCHITECTURE.md trap 1)."""
-    return _GradTap.apply(x, tuple(taps))
+def capture_grad(x: torch.Tensor, taps: str | tuple) -> torch.Tensor:
+    """Identity whose backward captures the gradient arriving at ``x``, in one op call for all its taps:
+    ``taps`` is a tap string (tap.encode_taps) or a tuple of single-tap strings (a module-level wrapper the
+    tap pass inserts, ARCHITECTURE.md trap 1)."""
+    if not isinstance(taps, str):
+        taps = encode_taps([decode_tap(t) for t in taps])
+    return _GradTap.apply(x, taps)
 
 
 def capture_operand(q: torch.Tensor, hp: torch.Tensor, tap: str) -> None:

@@ -1,8 +1,10 @@
 """A capture tap's identity: which tensor of which site, encoded as the string argument of the op.
 
-The tap-insertion pass bakes one ``Tap`` per captured tensor into the graph as the ``str`` argument of
-``fxquant::capture``; the runtime decodes it (cached). Everything the manifest needs about the site
-travels in the string, so graphs restored from a compile cache need no side table.
+The tap-insertion pass bakes the ``Tap``s of one tensor into the graph as the ``str`` argument of a single
+``fxquant::capture`` call (``encode_taps``: one JSON object for one tap, a JSON list for several, e.g. the
+shared input of q/k/v projections); the runtime decodes it (``decode_taps``, cached). Everything the
+manifest needs about the site travels in the string, so graphs restored from a compile cache need no
+side table.
 """
 from __future__ import annotations
 
@@ -42,18 +44,45 @@ class Tap:
         return ROLE_TABLE[self.component][self.role][1]
 
     def encode(self) -> str:
-        d = {
+        return json.dumps(self._fields(), separators=(",", ":"), sort_keys=True)
+
+    def _fields(self) -> dict:
+        return {
             "c": self.component.value, "r": self.role.value, "m": self.module, "s": list(self.sections),
             "k": None if self.kind is None else self.kind.value, "l": self.layer, "cp": self.copy.value,
             "g": None if self.gemm is None else self.gemm.value, "q": self.qspec, "d": self.dim, "sd": self.shard_dim,
         }
-        return json.dumps(d, separators=(",", ":"), sort_keys=True)
+
+
+def encode_taps(taps: tuple[Tap, ...] | list[Tap]) -> str:
+    """The op's string for the taps of one tensor: ``Tap.encode()`` for one tap, a JSON list for several."""
+    if not taps:
+        raise ValueError("encode_taps needs at least one tap")
+    if len(taps) == 1:
+        return taps[0].encode()
+    return json.dumps([t._fields() for t in taps], separators=(",", ":"), sort_keys=True)
 
 
 @functools.lru_cache(maxsize=4096)
-def decode_tap(text: str) -> Tap:
+def decode_taps(text: str) -> tuple[Tap, ...]:
+    """The taps of one ``fxquant::capture`` call (either form ``encode_taps`` writes)."""
     try:
         d = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"malformed capture tap string {text[:200]!r}: {exc}") from None
+    return tuple(_tap(x, text) for x in d) if isinstance(d, list) else (_tap(d, text),)
+
+
+def decode_tap(text: str) -> Tap:
+    """The single tap of ``text`` (a string holding several is an error)."""
+    taps = decode_taps(text)
+    if len(taps) != 1:
+        raise ValueError(f"capture tap string holds {len(taps)} taps, expected one: {text[:200]!r}")
+    return taps[0]
+
+
+def _tap(d: object, text: str) -> Tap:
+    try:
         return Tap(
             component=Component(d["c"]), role=Role(d["r"]), module=str(d["m"]), sections=tuple(d["s"]),
             kind=None if d["k"] is None else ModuleKind(d["k"]), layer=d["l"], copy=Copy(d["cp"]),

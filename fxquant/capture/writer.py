@@ -1,16 +1,18 @@
 """The asynchronous capture writer: a bounded queue drained by one background thread per rank.
 
-The capture op (training thread) hands over ``Item``s whose tensors are already private host copies
-(on CUDA: pinned buffers filled by non-blocking copies, plus an event recorded after them), so it never
-waits for the device. The thread waits on each item's event, computes its checksum, groups tensors
-into safetensors shards of about ``shard_bytes`` and, after each shard is durable, appends its records
-to the manifest (layout.py). A shard is also committed when ``flush_seconds`` have passed, and at close.
-The queue is bounded both in items and in bytes held: a full queue blocks the producer (back-pressure)
-rather than growing host memory without limit.
+The capture op (training thread) hands over ``Item``s holding private host copies: on CUDA pinned
+buffers filled by non-blocking copies plus an event recorded after them (the thread waits on the
+event), on CPU a pooled copy of the captured tensor plus the ``Work`` (prepare.py) that the thread runs
+on it: re-quantization, sampling, statistics. Either way the training thread never waits for the device
+or for the statistics. The thread groups tensors into safetensors shards of about ``shard_bytes``,
+hashing each tensor as it writes it (layout.py) and, after each shard is durable, appends the records
+to the manifest. A shard is also committed when ``flush_seconds`` have passed, and at close. The queue
+is bounded in items and in bytes held: a full queue blocks the producer (back-pressure) rather than
+growing host memory without limit; tensors waiting for their shard add at most ``shard_bytes``.
 
 An I/O error (disk full...) is never swallowed: the writer stops, removes its temporary file, keeps the
 exception and the reason; the session then stops capturing (policy ``stop``) or re-raises it in the
-training thread (policy ``abort``).
+training thread (policy ``abort``). A failure of an item's deferred work is handled the same way.
 """
 from __future__ import annotations
 
@@ -24,18 +26,39 @@ from pathlib import Path
 import torch
 
 from fxquant.capture import layout, stats
+from fxquant.capture.hostpool import Lease
+from fxquant.capture.prepare import Work
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Item:
-    record: dict  # manifest fields known at capture time
-    tensor: torch.Tensor | None  # host copy to store (None: statistics only)
-    stats: torch.Tensor | None  # packed statistics vector (host, maybe pinned)
+    """One captured tensor: its manifest records (several when one tensor serves several taps; they share
+    one stored copy) and either what to store, ready, or the work to derive it in the writer thread."""
+
+    records: list[dict] | dict  # manifest fields known at capture time (a dict: one record)
+    tensor: torch.Tensor | None = None  # host copy to store (None: statistics only, or ``work`` derives it)
+    stats: torch.Tensor | None = None  # packed statistics vector (host, maybe pinned)
     quantized: bool = False
     event: object | None = None  # torch.cuda.Event recorded after the device->host copies
-    nbytes: int = 0
+    nbytes: int = 0  # host bytes this item holds while queued (back-pressure)
+    work: Work | None = None  # CPU captures: run here on ``source`` (a private copy) for tensor and stats
+    source: Lease | None = None  # each released once by the writer when done with it
+    reference: Lease | None = None
+
+
+@dataclass
+class _Buffered:
+    """An item waiting for its shard: records (statistics filled in), the tensor, the lease holding it."""
+
+    records: list[dict]
+    tensor: torch.Tensor | None
+    lease: Lease | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.tensor is None else self.tensor.numel() * self.tensor.element_size()
 
 
 @dataclass
@@ -89,6 +112,10 @@ class ShardWriter:
             self._held += item.nbytes
         self._q.put(item)
 
+    def wait_idle(self) -> None:
+        """Block until every queued item has been processed (buffered for its shard or written); commits nothing."""
+        self._q.join()
+
     def flush(self) -> None:
         """Commit everything queued so far (blocks until done)."""
         done = threading.Event()
@@ -104,35 +131,30 @@ class ShardWriter:
 
     # -- writer thread ---------------------------------------------------------------------------------
     def _run(self) -> None:
-        buf: list[tuple[dict, torch.Tensor | None]] = []
+        buf: list[_Buffered] = []
         buf_bytes = 0
         first_at: float | None = None
         while True:
             timeout = None if first_at is None else max(0.0, first_at + self.flush_seconds - time.monotonic())
             try:
                 item = self._q.get(timeout=timeout)
-            except queue.Empty:
-                item = ("flush", None)
-            if item is None or isinstance(item, tuple):
+            except queue.Empty:  # flush_seconds passed since the oldest buffered item: commit
                 buf, buf_bytes, first_at = self._commit(buf), 0, None
-                if isinstance(item, tuple) and item[1] is not None:
+                continue
+            if item is None or isinstance(item, tuple):  # close, or flush(): commit
+                buf, buf_bytes, first_at = self._commit(buf), 0, None
+                if item is not None:
                     item[1].set()
+                self._q.task_done()
                 if item is None:
                     return
                 continue
             try:
-                if self.stopped:
-                    self.state.dropped += 1
-                    continue  # drain: after an error or the files budget nothing more is written
-                if item.event is not None:
-                    item.event.synchronize()
-                rec = dict(item.record)
-                if item.stats is not None:
-                    rec["stats"] = stats.unpack(item.stats.tolist(), item.quantized)
-                if item.tensor is not None:
-                    rec["checksum"] = layout.checksum(item.tensor)
-                    buf_bytes += item.tensor.numel() * item.tensor.element_size()
-                buf.append((rec, item.tensor))
+                entry = self._prepare(item)
+                if entry is None:  # stopped (before, or by a failed preparation): dropped
+                    continue
+                buf.append(entry)
+                buf_bytes += entry.nbytes
                 first_at = first_at if first_at is not None else time.monotonic()
                 if buf_bytes >= self.shard_bytes:
                     buf, buf_bytes, first_at = self._commit(buf), 0, None
@@ -140,37 +162,88 @@ class ShardWriter:
                 with self._cv:
                     self._held -= item.nbytes
                     self._cv.notify_all()
+                self._q.task_done()
 
-    def _commit(self, buf: list) -> list:
+    def _prepare(self, item: Item) -> _Buffered | None:
+        """The item's records with their statistics, and the tensor to store: the host copies it came with (after
+        waiting for their event), or what its work derives from its source. None when it is dropped."""
+        records = [item.records] if isinstance(item.records, dict) else item.records
+        leases = [x for x in (item.source, item.reference) if x is not None]
+        if self.stopped:  # drain: after an error or the files budget nothing more is written
+            self.state.dropped += len(records)
+            for lease in leases:
+                lease.release()
+            return None
+        keep = None  # the lease the stored tensor lives in, released after its shard is written
+        if item.work is None:
+            if item.event is not None:
+                item.event.synchronize()
+            tensor, vec, quantized = item.tensor, item.stats, item.quantized
+        else:
+            source = item.source.tensor
+            try:
+                prep = item.work.run(source, None if item.reference is None else item.reference.tensor)
+            except Exception as exc:  # noqa: BLE001 - any failure stops capture (the session applies on_error)
+                self._fail(exc, f"capture preparation failed in the writer thread: {type(exc).__name__}: {exc}")
+                self.state.dropped += len(records)
+                for lease in leases:
+                    lease.release()
+                return None
+            tensor, vec, quantized = prep.payload, prep.stats, prep.quantized
+            if tensor is not None and tensor.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
+                if tensor.numel() == source.numel():
+                    keep = item.source  # stored as it is: no copy
+                else:
+                    tensor = tensor.clone()  # sampled rows of the source: keep only them
+        for lease in leases:
+            if lease is not keep:
+                lease.release()
+        records = [dict(r) for r in records]
+        if vec is not None:
+            st = stats.unpack(vec.tolist(), quantized)
+            for rec in records:
+                rec["stats"] = st
+        return _Buffered(records, tensor, keep)
+
+    def _commit(self, buf: list[_Buffered]) -> list:
         """Write one shard (if any tensors) and append the records; returns the new (empty) buffer."""
         if not buf:
             return []
-        if self.stopped:
-            self.state.dropped += len(buf)
-            return []
-        tensors = [(rec["key"], t) for rec, t in buf if t is not None]
-        records = [rec for rec, _ in buf]
         try:
-            if tensors:
+            self._write(buf)
+        finally:
+            for entry in buf:
+                if entry.lease is not None:
+                    entry.lease.release()
+        return []
+
+    def _write(self, buf: list[_Buffered]) -> None:
+        records = [rec for entry in buf for rec in entry.records]
+        if self.stopped:
+            self.state.dropped += len(records)
+            return
+        stored = [entry for entry in buf if entry.tensor is not None]
+        try:
+            if stored:
                 if self.max_files is not None and self.state.shards >= self.max_files:
                     self.state.budget_reason = f"budget.files={self.max_files} reached"
                     self.state.dropped += len(records)
                     log.warning("capture stopped: %s", self.state.budget_reason)
-                    return []
+                    return
                 index = self.state.shards + 1
                 name = layout.shard_name(index)
                 path = self.dir / layout.SHARDS / name
-                n = layout.write_safetensors(path, tensors, {"format": "fxquant-capture", **self.metadata})
+                n, sums = layout.write_safetensors(path, [(e.records[0]["key"], e.tensor) for e in stored],
+                                                   {"format": "fxquant-capture", **self.metadata})
                 self.state.shards = index
                 self.state.bytes += n
-                for rec in records:
-                    if rec.get("key") is not None:
-                        rec["file"] = f"{layout.SHARDS}/{name}"
+                for entry, checksum in zip(stored, sums):
+                    for rec in entry.records:
+                        rec["file"], rec["checksum"] = f"{layout.SHARDS}/{name}", checksum
             layout.append_lines(self.dir / layout.MANIFEST, records)
             self.state.records += len(records)
         except OSError as exc:
             self._fail(exc, f"I/O error while writing {self.dir}: {exc.strerror or exc} (errno {exc.errno})")
-        return []
 
     def _fail(self, exc: BaseException, reason: str) -> None:
         log.error("capture writer stopped: %s", reason)

@@ -37,7 +37,7 @@ from torch import fx
 
 from fxquant.capture.runtime import capture_grad
 from fxquant.capture.spec import GEMM_OPERANDS, CaptureSpec, Component, Copy, Direction, Gemm, ModuleKind, Role
-from fxquant.capture.tap import Tap
+from fxquant.capture.tap import Tap, encode_taps
 from fxquant.passes.graph_edit import copy_meta
 from fxquant.passes.rewrite_megatron_linear import operand_positions
 from fxquant.passes.sites import META_KEY, OpKind, SiteMeta, body_modules, example_value
@@ -174,6 +174,7 @@ def insert_capture_taps(gm: fx.GraphModule, spec: CaptureSpec) -> TapReport:
         raise TypeError(f"spec must be a CaptureSpec (fxquant.capture.load_spec), got {type(spec).__name__}")
     report = TapReport()
     graph = gm.graph
+    forward: dict[fx.Node, list[_Pending]] = {}  # tensor -> its forward taps, one call per tensor at the end
     for node in list(graph.nodes):
         meta = node.meta.get(META_KEY)
         if not isinstance(meta, SiteMeta):
@@ -182,8 +183,8 @@ def insert_capture_taps(gm: fx.GraphModule, spec: CaptureSpec) -> TapReport:
         if not taps:
             continue
         nodes = _site_nodes(gm, node, meta.op)
-        grad_out: list[str] = []
-        grad_args: dict[int, list[str]] = {}
+        grad_out: list[Tap] = []
+        grad_args: dict[int, list[Tap]] = {}
         for tap, where in taps:
             target = nodes.output if where[0] == "out" else nodes.operands[where[1]]
             if target is None:
@@ -194,25 +195,22 @@ def insert_capture_taps(gm: fx.GraphModule, spec: CaptureSpec) -> TapReport:
             backward = tap.direction is Direction.BACKWARD and tap.copy is Copy.HP
             backward |= tap.copy is Copy.QUANTIZED and tap.role in (Role.GRAD_OUTPUT, Role.GRAD_SCORES)
             if backward:
-                (grad_out if where[0] == "out" else grad_args.setdefault(where[1], [])).append(tap.encode())
-            elif where[0] == "arg":
-                with graph.inserting_before(node):
-                    _new(graph, node, CAPTURE, (target, tap.encode()))
+                (grad_out if where[0] == "out" else grad_args.setdefault(where[1], [])).append(tap)
             else:
-                with graph.inserting_after(target):
-                    _new(graph, node, CAPTURE, (target, tap.encode()))
-        for i, texts in grad_args.items():
+                forward.setdefault(target, []).append(_Pending(tap, node, where[0] == "out"))
+        for i, grad_taps in grad_args.items():  # one gradient per (site, operand): one call for all its taps
             operand = nodes.operands[i]
             with graph.inserting_before(node):
-                wrapped = _new(graph, node, capture_grad, (operand, tuple(texts)))
+                wrapped = _new(graph, node, capture_grad, (operand, encode_taps(grad_taps)))
             node.replace_input_with(operand, wrapped)
         if grad_out:
             out = nodes.output
             users = list(out.users)
             with graph.inserting_after(out):
-                wrapped = _new(graph, node, capture_grad, (out, tuple(grad_out)))
+                wrapped = _new(graph, node, capture_grad, (out, encode_taps(grad_out)))
             for user in users:
                 user.replace_input_with(out, wrapped)
+    _insert_forward(graph, forward)
     if report.unavailable:  # one warning per graph; the full list at DEBUG and in the returned report
         shown = "; ".join(report.unavailable[:3])
         more = f" (+{len(report.unavailable) - 3} more; -vv or logging DEBUG lists them)" if len(report.unavailable) > 3 else ""
@@ -222,6 +220,60 @@ def insert_capture_taps(gm: fx.GraphModule, spec: CaptureSpec) -> TapReport:
     graph.lint()
     gm.recompile()
     return report
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A forward tap waiting for insertion: after its tensor (``after``) or just before its ``site``."""
+
+    tap: Tap
+    site: fx.Node
+    after: bool
+
+
+_INPLACE_OPERATORS = frozenset({operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                                operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior,
+                                operator.ixor, operator.ilshift, operator.irshift, operator.imatmul})
+
+
+def _may_mutate(node: fx.Node) -> bool:
+    """Conservatively: can this Dynamo-graph node change a tensor in place? (sites never do)."""
+    if node.op == "call_module":
+        return True
+    if node.op not in ("call_function", "call_method") or isinstance(node.meta.get(META_KEY), SiteMeta):
+        return False
+    target = node.target
+    if target in _INPLACE_OPERATORS or "out" in node.kwargs:
+        return True
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.is_mutable
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return True
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    return name.endswith("_") and not name.endswith("__")
+
+
+def _insert_forward(graph: fx.Graph, forward: dict[fx.Node, list[_Pending]]) -> None:
+    """One ``fxquant::capture`` per tapped tensor, carrying all its taps (the input q, k and v projections share
+    is captured, and stored, once), at the first tap's position: right after the tensor, or before the first
+    site reading it. A node that may mutate tensors in place between two positions starts a new call there."""
+    nodes = list(graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    for target, pending in forward.items():
+        def position(p: _Pending) -> int:  # index of the node the capture goes before
+            return order[target] + 1 if p.after else order[p.site]
+
+        groups: list[list[_Pending]] = []
+        for p in sorted(pending, key=position):
+            if groups and not any(_may_mutate(n) for n in nodes[position(groups[-1][0]):position(p)]):
+                groups[-1].append(p)
+            else:
+                groups.append([p])
+        for group in groups:
+            first = group[0]
+            point = graph.inserting_after(target) if first.after else graph.inserting_before(first.site)
+            with point:
+                _new(graph, first.site, CAPTURE, (target, encode_taps([p.tap for p in group])))
 
 
 def _new(graph: fx.Graph, site: fx.Node, target, args: tuple) -> fx.Node:

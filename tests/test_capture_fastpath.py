@@ -1,0 +1,193 @@
+"""The capture fast paths: one op call and one stored copy per tapped tensor (taps grouped by the pass, with a
+mutation guard), CPU tensor work in the writer thread on pooled copies, XXH3 checksums written on the fly
+(older CRC-32 sets still verify), failures of deferred work stopping capture cleanly; and, on a GPU, the
+pinned-memory path that never synchronises the device per tensor."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from fxquant import capture, schemes
+from fxquant.backend import FxquantBackend
+from fxquant.capture import layout
+from fxquant.capture.hostpool import HostPool
+from fxquant.capture.spec import Component, Copy, ModuleKind, Role
+from fxquant.capture.tap import Tap, decode_tap, decode_taps, encode_taps
+
+from tests.capture_helpers import spec_text, tap
+
+
+def _taps(n: int) -> str:
+    base = decode_tap(tap())
+    return encode_taps([dataclasses.replace(base, module=f"layers.0.m{i}") for i in range(n)])
+
+
+def test_one_tensor_tapped_at_three_sites_is_one_call_three_records_one_stored_copy(tmp_path):
+    text = _taps(3)
+    assert len(decode_taps(text)) == 3 and decode_taps(tap()) == (decode_tap(tap()),)
+    x = torch.randn(64, 32)
+    with capture.start(spec_text(), tmp_path) as s:
+        torch.ops.fxquant.capture(x, text)
+        s.set_iteration(10**6)  # outside the window: no copy is even made
+        torch.ops.fxquant.capture(x, text)
+        assert (s.pool.hits, s.pool.misses) == (0, 1)
+    cs = capture.open(tmp_path)
+    assert cs.verify() == [] and [r.module for r in cs] == [f"layers.0.m{i}" for i in range(3)]
+    assert len({(r.file, r.key, r.checksum) for r in cs}) == 1 and len({r.seq for r in cs}) == 3
+    with safe_open(str(cs[0].path), "pt") as f:
+        assert list(f.keys()) == [cs[0].key]  # stored once
+    for rec in cs:
+        assert torch.equal(cs.load(rec, check=True), x) and rec.stats["max"] == x.max().item()
+
+
+def test_tensor_budget_counts_records_of_a_shared_copy(tmp_path):
+    with capture.start(spec_text(budget="{tensors: 2}"), tmp_path) as s:
+        torch.ops.fxquant.capture(torch.randn(4, 8), _taps(3))
+        assert s.stop_reason is None  # 2 of the 3 records admitted
+        torch.ops.fxquant.capture(torch.randn(4, 8), _taps(1))
+        assert s.stop_reason == "budget.tensors=2 reached"
+    assert [r.module for r in capture.open(tmp_path)] == ["layers.0.m0", "layers.0.m1"]
+
+
+class SharedInput(nn.Module):
+    """q and k read one tensor (one capture call); an in-place op before v keeps v's tap separate."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = x * 2.0
+        y = self.q_proj(h) + self.k_proj(h)
+        h.mul_(3.0)
+        return (y + self.v_proj(h)).sum()
+
+
+def test_pass_groups_taps_of_one_tensor_but_not_across_an_inplace_op(tmp_path):
+    spec = capture.load_spec("t.yaml", text="sections: [{points: [{component: linear, roles: [input]}]}]")
+    model = SharedInput()
+    x = torch.randn(4, 8)
+    be = FxquantBackend(schemes.get("bf16"), capture=spec, inner="aot_eager", root=model)
+    with capture.start(spec, tmp_path), torch.no_grad():  # (autograd would refuse h's in-place change)
+        torch.compile(model, backend=be)(x)
+    cs = capture.open(tmp_path)
+    by = {r.module: r for r in cs}
+    assert set(by) == {"q_proj", "k_proj", "v_proj"}
+    assert by["q_proj"].key == by["k_proj"].key != by["v_proj"].key  # q, k: one call, one copy; v: its own
+    assert torch.equal(cs.load(by["q_proj"]), x * 2.0) and torch.equal(cs.load(by["v_proj"]), x * 6.0)
+
+
+def test_host_pool_reuses_released_buffers_and_keeps_at_most_its_cap():
+    pool = HostPool(max_free_bytes=4096)
+    x = torch.arange(256, dtype=torch.float32).reshape(16, 16)
+    a = pool.copy(x.t())  # non-contiguous source: a contiguous copy of the same values
+    assert a.tensor.is_contiguous() and torch.equal(a.tensor, x.t())
+    a.hold()
+    a.release()
+    assert pool.copy(x).tensor.data_ptr() != a.tensor.data_ptr()  # still held once: not reused
+    ptr = a.tensor.data_ptr()
+    a.release()
+    with pytest.raises(RuntimeError, match="already returned"):
+        a.hold()
+    b = pool.copy(x + 1)
+    assert b.tensor.data_ptr() == ptr and torch.equal(b.tensor, x + 1) and pool.hits == 1
+    big = pool.copy(torch.zeros(2048))  # 8 KiB: over the cap, dropped when released
+    big.release()
+    assert pool.copy(torch.zeros(2048)).tensor is not None and pool.hits == 1
+
+
+@pytest.mark.parametrize("policy", ["stop", "abort"])
+def test_failure_of_deferred_tensor_work_stops_capture_cleanly(tmp_path, policy):
+    bad = Tap(Component.LINEAR, Role.INPUT, "layers.0.fc2", (0,), ModuleKind.FC2, 0, copy=Copy.QUANTIZED,
+              qspec="no_such_format", dim=1).encode()
+    spec = capture.load_spec("t.yaml", text=f"""
+sections: [{{points: [{{component: linear, roles: [input], copies: [hp, quantized]}}]}}]
+on_error: {policy}
+""")
+    s = capture.start(spec, tmp_path)
+    torch.ops.fxquant.capture(torch.randn(4, 8), tap())
+    torch.ops.fxquant.capture(torch.randn(4, 8), bad)  # re-quantized in the writer thread: fails there
+    s.writer.wait_idle()
+    if policy == "stop":
+        torch.ops.fxquant.capture(torch.randn(4, 8), tap())  # noticed here: capture stops, training goes on
+        assert "capture preparation failed" in s.stop_reason and "no_such_format" in s.stop_reason
+        s.close()
+    else:
+        with pytest.raises(capture.CaptureError, match="capture preparation failed"):
+            torch.ops.fxquant.capture(torch.randn(4, 8), tap())
+        s.close()
+    committed = json.loads((tmp_path / "rank-00000" / layout.COMMITTED).read_text())
+    assert committed["clean"] is False and "no_such_format" in committed["error"]
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_checksums_are_xxh3_written_on_the_fly_and_crc32_sets_still_verify(tmp_path):
+    with capture.start(spec_text(), tmp_path, shard_bytes=1):
+        torch.ops.fxquant.capture(torch.randn(8, 16), tap())
+        torch.ops.fxquant.capture(torch.randn(8, 16), tap())
+    cs = capture.open(tmp_path)
+    for rec in cs:
+        assert rec.checksum.startswith("xxh3_64:") and rec.checksum == layout.checksum(cs.load(rec))
+    manifest = tmp_path / "rank-00000" / layout.MANIFEST
+    recs = [json.loads(line) for line in manifest.read_text().splitlines()]
+    import zlib
+
+    recs[0]["checksum"] = f"crc32:{zlib.crc32(layout.tensor_bytes(cs.load(cs[0]))):08x}"  # an older set
+    recs[1]["checksum"] = "crc32:00000000"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    problems = capture.open(tmp_path).verify()
+    assert len(problems) == 1 and recs[1]["key"] in problems[0] and "checksum mismatch" in problems[0]
+
+
+def test_first_rows_sampling_stores_only_the_rows(tmp_path):
+    spec = capture.load_spec("t.yaml", text="""
+sections: [{points: [{component: linear, roles: [input]}], sampling: {first_rows: 2}, what: full}]
+""")
+    x = torch.randn(1024, 64)
+    with capture.start(spec, tmp_path):
+        torch.ops.fxquant.capture(x, tap())
+    cs = capture.open(tmp_path)
+    assert torch.equal(cs.load(cs[0]), x[:2]) and cs[0].stored_shape == [2, 64]
+    assert cs[0].path.stat().st_size < 4096  # the rows, not the whole copy
+
+
+@pytest.mark.gpu
+def test_cuda_capture_goes_through_pinned_memory_without_a_sync_per_tensor(tmp_path):
+    spec = capture.load_spec("t.yaml", text="""
+sections: [{points: [{component: linear, roles: [input]}], what: full}]
+""")
+    x = torch.randn(256, 64, device="cuda")
+    sent = []
+    with capture.start(spec, tmp_path) as s:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")  # any synchronising call on this path raises
+        try:
+            for i in range(3):
+                s.set_iteration(i)
+                torch.ops.fxquant.capture(x, _taps(2))
+                sent.append(x.clone())
+                x.mul_(2.0)  # the device buffer changes right after: the copy was ordered before it
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    cs = capture.open(tmp_path)
+    assert len(cs) == 6 and cs.verify() == []
+    for rec in cs:
+        assert torch.equal(cs.load(rec), sent[rec.iteration].cpu())
+
+
+@pytest.mark.gpu
+def test_cuda_statistics_match_the_cpu_ones(tmp_path):
+    spec = capture.load_spec("t.yaml", text="sections: [{points: [{component: linear, roles: [input]}]}]")
+    x = torch.randn(128, 32)
+    with capture.start(spec, tmp_path / "gpu"):
+        torch.ops.fxquant.capture(x.cuda(), tap())
+    with capture.start(spec, tmp_path / "cpu"):
+        torch.ops.fxquant.capture(x, tap())
+    g, c = capture.open(tmp_path / "gpu")[0], capture.open(tmp_path / "cpu")[0]
+    assert g.stats["exp_hist"] == c.stats["exp_hist"] and g.stats["max"] == c.stats["max"]
+    assert g.stats["mean"] == pytest.approx(c.stats["mean"], rel=1e-9, abs=1e-12)
