@@ -13,7 +13,7 @@ is fsync'ed after the rename. A manifest line is written (and fsync'ed) only aft
 so a crashed run's manifest names only complete shards; a torn last line is ignored by the reader.
 Shards are safetensors files written in a streaming fashion (header, then each tensor's bytes), read
 back by the ``safetensors`` library; each tensor carries an XXH3-64 checksum of its stored bytes,
-computed while it is written (1 MiB at a time, so the bytes are hashed and written from cache; XXH3 runs
+computed while it is written (4 MiB at a time, so the bytes are hashed and written while cached; XXH3 runs
 at ~20 GB/s on one core where zlib's CRC-32 managed ~2 GB/s, the difference between the writer keeping up
 with the disk or not). Capture sets written with ``crc32:`` checksums still verify.
 """
@@ -76,7 +76,7 @@ def sanitize(name: object, max_len: int = 120) -> str:
     return s
 
 
-CHUNK = 1 << 20  # bytes hashed then written at a time (stays in cache between the two)
+CHUNK = 4 << 20  # bytes hashed then written at a time (1 MiB writes measured slower on ext4 here)
 
 
 def checksum(t: torch.Tensor) -> str:
