@@ -56,14 +56,9 @@ class _Sets:
 _WORKER_SETS = _Sets()
 
 
-def _init_worker(barrier, started) -> None:
-    """One intra-op thread per worker; wait until every worker has started, so all of them take tasks;
-    then tell the parent (``started``), which works on tasks itself until then."""
+def _init_worker(started) -> None:
+    """One intra-op thread per worker; tell the parent (``started``), which works on tasks itself until then."""
     torch.set_num_threads(1)
-    try:
-        barrier.wait(timeout=120)
-    except threading.BrokenBarrierError:
-        log.warning("not every analysis worker started within 120 s; going on with those that did")
     started.set()
 
 
@@ -122,8 +117,13 @@ def worker_pool(workers: int) -> cf.ProcessPoolExecutor | None:
     ctx.set_forkserver_preload([__name__, "fxquant.analysis._worker_preload"])
     started = ctx.Event()
     pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
-                                  initargs=(ctx.Barrier(workers), started))
+                                  initargs=(started,))
     pool.fxquant_started = started  # set once the workers are up (see _stream)
+    # The executor starts a worker per submit while none is idle, and the first one blocks until the forkserver
+    # has imported everything: submit one short task per worker from a thread, so that every worker starts
+    # and this process can work meanwhile (_stream).
+    threading.Thread(target=lambda: [pool.submit(time.sleep, 0.01) for _ in range(workers)],
+                     name="fxquant-pool-start", daemon=True).start()
     return pool
 
 
@@ -175,7 +175,7 @@ def _stream(plan: Plan, config: AnalysisConfig, pool: cf.ProcessPoolExecutor, in
             done: Callable[[TaskResult], None], local: _Sets) -> None:
     """Submit tasks from the front, keeping at most ``in_flight`` in the pool; merge results in task order.
     Until the pool's workers are up (seconds: a forkserver imports torch, numba kernels, matplotlib), this
-    process summarises tasks from the back itself, so the start-up is not idle time."""
+    process summarises tasks itself, from the back, so the start-up is not idle time."""
     tasks = plan.tasks
     started = getattr(pool, "fxquant_started", None)
     pending: dict[int, cf.Future] = {}
@@ -183,10 +183,11 @@ def _stream(plan: Plan, config: AnalysisConfig, pool: cf.ProcessPoolExecutor, in
     lo, hi = 0, len(tasks)  # tasks not yet claimed: [lo, hi)
     next_merge = 0
     while next_merge < len(tasks):
-        while lo < hi and len(pending) < in_flight:
+        up = started is None or started.is_set()
+        while up and lo < hi and len(pending) < in_flight:
             pending[lo] = pool.submit(run_task, tasks[lo], config)
             lo += 1
-        if lo < hi and started is not None and not started.is_set():
+        if lo < hi and not up:
             hi -= 1
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
@@ -194,6 +195,7 @@ def _stream(plan: Plan, config: AnalysisConfig, pool: cf.ProcessPoolExecutor, in
                 ready[hi] = run_task(tasks[hi], config, local)
             finally:
                 torch.set_num_threads(threads)
+            log.debug("task %d summarised in this process while the workers start (%.2f s)", hi, ready[hi].seconds)
         elif pending:
             finished, _ = cf.wait(list(pending.values()), return_when=cf.FIRST_COMPLETED)
             for number in [n for n, f in pending.items() if f in finished]:
