@@ -1,8 +1,7 @@
 """Imported once by the analysis process pool's forkserver, before any worker forks: loads
-fxquant.kernels.host's compiled kernels (numba's on-disk cache, or a first compile) and matplotlib's Agg
-backend, so every worker starts with them (workers summarise tensors, then render figures)."""
-from fxquant.analysis.outputs import pyplot
+fxquant.kernels.host's compiled kernels (numba's on-disk cache, or a first compile), so every worker
+starts with them. matplotlib is left to the workers' first figure job: a tables-only report never
+imports it, and the streaming phase does not wait for it."""
 from fxquant.kernels import host
 
 host.warm_up()
-pyplot()

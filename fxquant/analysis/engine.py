@@ -2,9 +2,10 @@
 
 ``run(plan, config, workers)`` with ``workers == 1`` works in this process; with ``workers > 1`` it
 starts that many worker processes (``forkserver``: a clean interpreter, safe however much torch the
-parent has run), each with one intra-op thread. At most ``2 * workers`` tasks are in flight, and a
+parent has run), each with one intra-op thread; until the first is up (the forkserver imports torch), the
+parent summarises tasks from the back of the plan itself. At most ``2 * workers`` tasks are in the pool, and a
 finished task's summaries are merged as soon as every earlier task has been merged, so results do not
-depend on the number of workers and memory stays bounded by the tasks in flight. Each worker opens a
+depend on the number of workers and memory stays bounded (summaries are small sparse histograms). Each worker opens a
 capture directory once (manifests only) and reads tensors through ``fxquant.capture``'s reader, which
 memory-maps safetensors shards and never unpickles anything.
 """
@@ -107,8 +108,8 @@ def run_task(task: Task, config: AnalysisConfig, sets: _Sets | None = None) -> T
 
 def worker_pool(workers: int) -> cf.ProcessPoolExecutor | None:
     """The report's process pool (None for one worker): ``workers`` processes forked from a forkserver that
-    has imported torch, matplotlib and the host kernels, each with one intra-op thread. The same pool
-    summarises tensors (``run``) and then renders figures (``outputs.Outputs``)."""
+    has imported torch and the host kernels, each with one intra-op thread. The same pool
+    summarises tensors (``run``) and then runs the report jobs that draw the figures (``outputs.run_jobs``)."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers={workers!r}: must be an int >= 1")
     if workers == 1:
@@ -174,7 +175,7 @@ def run(plan: Plan, config: AnalysisConfig, workers: int, merge: Callable[[TaskR
 def _stream(plan: Plan, config: AnalysisConfig, pool: cf.ProcessPoolExecutor, in_flight: int,
             done: Callable[[TaskResult], None], local: _Sets) -> None:
     """Submit tasks from the front, keeping at most ``in_flight`` in the pool; merge results in task order.
-    Until the pool's workers are up (seconds: a forkserver imports torch, numba kernels, matplotlib), this
+    Until the pool's workers are up (seconds: a forkserver imports torch and loads the numba kernels), this
     process summarises tasks itself, from the back, so the start-up is not idle time."""
     tasks = plan.tasks
     started = getattr(pool, "fxquant_started", None)
