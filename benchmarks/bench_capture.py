@@ -161,9 +161,13 @@ def main() -> None:
     p.add_argument("--write-mib", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=3, help="raw-write / writer measurements (best kept)")
     p.add_argument("--skip-io", action="store_true", help="only the step-time part")
+    p.add_argument("--skip-steps", action="store_true", help="only the write part")
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads for training (default: torch's)")
     p.add_argument("--out", default="bench_capture.json")
     args = p.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     io: dict = {}
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
@@ -175,20 +179,11 @@ def main() -> None:
                 raw.append(max(raw_write(root, args.write_mib << 20, chunk) for chunk in (1 << 20, 64 << 20)))
                 wr.append(writer_throughput(root / f"w{i}", args.write_mib << 20))
             io.update(raw_write_gbps=raw, writer_gbps=wr, writer_vs_raw=max(wr) / max(raw))
-        st = step_times(args, root)
-    times = st["times"]
-    med = {m: statistics.median(t) for m, t in times.items()}
+        st = None if args.skip_steps else step_times(args, root)
     result = {
         "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
-                   f"{'cuda' if torch.cuda.is_available() else 'cpu'}",
-        "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-        **io,
-        "step_s_median": med, "step_s_all": times, "drain_s_all": st["drains"],
-        "ratio_none_b": _ratios(times, "none_b"), "ratio_inactive": _ratios(times, "inactive"),
-        "ratio_active": _ratios(times, "active"), "ratio_active_plus_drain": _ratios(times, "active", st["drains"]),
-        "min_ratio": {m: min(times[m]) / min(times["none"]) for m in MODES},
-        "records_per_active_step": st["records_per_step"], "stored_mb_per_active_step": st["stored_mb_per_step"],
-        "config": vars(args),
+                   f"{'cuda' if torch.cuda.is_available() else 'cpu'}, {torch.get_num_threads()} intra-op threads",
+        "loadavg_before": load_before, "loadavg_after": os.getloadavg(), **io, "config": vars(args),
     }
     if io:
         print(tabulate([[k, f"{v:.2f}"] for k, v in io["hash_gbps"].items()], headers=["checksum", "GB/s"]))
@@ -197,17 +192,34 @@ def main() -> None:
                         ["capture writer (GB/s)", f"{max(io['writer_gbps']):.3f}"],
                         ["writer / raw", f"{io['writer_vs_raw']:.2f}"]], headers=["write", "value"]))
         print()
-    rows = [[m, f"{med[m]:.4f}", f"{result['ratio_' + m]:.3f}x" if m != "none" else "",
-             f"{min(times[m]):.4f}", f"{result['min_ratio'][m]:.3f}x" if m != "none" else ""] for m in MODES]
-    rows.append(["active + drain", f"{med['active'] + statistics.median(st['drains']):.4f}",
-                 f"{result['ratio_active_plus_drain']:.3f}x", "", ""])
-    print(tabulate(rows, headers=[f"step (dim {args.dim}, {args.layers} layers, {args.backend})", "median s",
-                                  "median of round ratios", "min s", "min / min none"]))
-    print(f"records per active step: {st['records_per_step']:.0f}, stored: {st['stored_mb_per_step']:.1f} MB; "
-          f"load average {load_before[0]:.2f} -> {result['loadavg_after'][0]:.2f}")
+    if st is not None:
+        result.update(_step_report(args, st))
+        result["loadavg_after"] = os.getloadavg()
+        print(f"load average {load_before[0]:.2f} -> {result['loadavg_after'][0]:.2f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")
+
+
+def _step_report(args, st: dict) -> dict:
+    """Print the step-time table; the JSON fields of the step part."""
+    times = st["times"]
+    med = {m: statistics.median(t) for m, t in times.items()}
+    out = {
+        "step_s_median": med, "step_s_all": times, "drain_s_all": st["drains"],
+        "ratio_none_b": _ratios(times, "none_b"), "ratio_inactive": _ratios(times, "inactive"),
+        "ratio_active": _ratios(times, "active"), "ratio_active_plus_drain": _ratios(times, "active", st["drains"]),
+        "min_ratio": {m: min(times[m]) / min(times["none"]) for m in MODES},
+        "records_per_active_step": st["records_per_step"], "stored_mb_per_active_step": st["stored_mb_per_step"],
+    }
+    rows = [[m, f"{med[m]:.4f}", f"{out['ratio_' + m]:.3f}x" if m != "none" else "",
+             f"{min(times[m]):.4f}", f"{out['min_ratio'][m]:.3f}x" if m != "none" else ""] for m in MODES]
+    rows.append(["active + drain", f"{med['active'] + statistics.median(st['drains']):.4f}",
+                 f"{out['ratio_active_plus_drain']:.3f}x", "", ""])
+    print(tabulate(rows, headers=[f"step (dim {args.dim}, {args.layers} layers, {args.backend})", "median s",
+                                  "median of round ratios", "min s", "min / min none"]))
+    print(f"records per active step: {st['records_per_step']:.0f}, stored: {st['stored_mb_per_step']:.1f} MB")
+    return out
 
 
 if __name__ == "__main__":

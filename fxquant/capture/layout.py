@@ -134,7 +134,20 @@ def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]],
             sums.append(f"xxh3_64:{h.intdigest():016x}")
 
     write_atomic(path, write)
+    _drop_cached(path)
     return 8 + len(hbytes) + offset, sums
+
+
+def _drop_cached(path: Path) -> None:
+    """Let the kernel reuse the page cache of a shard that is durable (clean after its fsync): a capture run
+    writes many GB that training will not read again, and recycled pages are cheaper to write than new ones."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def _write_all(fd: int, data) -> None:
