@@ -191,3 +191,23 @@ def test_cuda_statistics_match_the_cpu_ones(tmp_path):
     g, c = capture.open(tmp_path / "gpu")[0], capture.open(tmp_path / "cpu")[0]
     assert g.stats["exp_hist"] == c.stats["exp_hist"] and g.stats["max"] == c.stats["max"]
     assert g.stats["mean"] == pytest.approx(c.stats["mean"], rel=1e-9, abs=1e-12)
+
+
+def test_mutation_guard_recognises_inplace_nodes():
+    import operator
+
+    from torch import fx
+
+    from fxquant.passes.capture_taps import _may_mutate
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    methods = {"add_": True, "masked_fill_": True, "__setitem__": True, "__iadd__": True, "add": False,
+               "view": False, "__getitem__": False, "__iter__": False}
+    for name, want in methods.items():
+        assert _may_mutate(g.create_node("call_method", name, (x,))) is want, name
+    functions = {operator.setitem: True, operator.iadd: True, torch.relu_: True, torch.ops.aten.add_.Tensor: True,
+                 operator.getitem: False, torch.relu: False, torch.ops.aten.add.Tensor: False}
+    for fn, want in functions.items():
+        assert _may_mutate(g.call_function(fn, (x,))) is want, fn
+    assert _may_mutate(g.call_function(torch.add, (x, x), {"out": x}))

@@ -250,7 +250,9 @@ def _may_mutate(node: fx.Node) -> bool:
     if isinstance(target, torch._ops.HigherOrderOperator):
         return True
     name = target if isinstance(target, str) else getattr(target, "__name__", "")
-    return name.endswith("_") and not name.endswith("__")
+    if name.endswith("__"):  # dunders: only item assignment and the augmented assignments mutate
+        return name == "__setitem__" or (name.startswith("__i") and name not in ("__init__", "__iter__", "__index__"))
+    return name.endswith("_")
 
 
 def _insert_forward(graph: fx.Graph, forward: dict[fx.Node, list[_Pending]]) -> None:
