@@ -162,19 +162,15 @@ def heatmap(ax, data: np.ndarray, rows: list, cols: list, label: str, cmap: str 
     ax.set_xticks(range(len(cols)), [str(c) for c in cols], rotation=45, ha="right")
     cb = ax.figure.colorbar(im, ax=ax)
     cb.set_label(label)
-    if data.size <= 400:
+    if data.size <= 400:  # value labels, black or white by the cell's luminance (plain text: cheap to draw)
+        rgba = cm(im.norm(masked))
+        light = (rgba[..., :3] * np.array([0.299, 0.587, 0.114])).sum(axis=-1) > 0.5
         for i in range(data.shape[0]):
             for j in range(data.shape[1]):
                 if np.isfinite(data[i, j]):
-                    ax.text(j, i, fmt.format(data[i, j]), ha="center", va="center", fontsize=7, color="white",
-                            path_effects=_outline())
+                    ax.text(j, i, fmt.format(data[i, j]), ha="center", va="center", fontsize=7,
+                            color="black" if light[i, j] else "white")
     return im
-
-
-def _outline():
-    import matplotlib.patheffects as pe
-
-    return [pe.withStroke(linewidth=1.5, foreground="black")]
 
 
 def sort_key(v: object) -> tuple:

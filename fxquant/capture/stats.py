@@ -39,7 +39,7 @@ def pack_tensor_stats_torch(x: torch.Tensor) -> torch.Tensor:
     n_finite = finite.sum()
     total = xz.sum(dtype=torch.float64)
     base = torch.stack([
-        torch.tensor(float(xf.numel()), dtype=torch.float64, device=xf.device),
+        torch.full((), float(xf.numel()), dtype=torch.float64, device=xf.device),  # no host-to-device copy
         torch.isnan(xf).sum().double(),
         torch.isinf(xf).sum().double(),
         (xf == 0).sum().double(),
