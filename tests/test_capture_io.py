@@ -53,6 +53,24 @@ def test_round_trip_values_records_and_real_safetensors(tmp_path):
         cs.query(nope=1)
 
 
+def test_a_second_session_appends_and_is_uncommitted_until_it_closes(tmp_path):
+    with capture.start(spec_text(end=3), tmp_path, scheme="bf16", run_id="first"):
+        emit(2)
+    marker = tmp_path / "rank-00000" / layout.COMMITTED
+    assert marker.is_file()
+    s = capture.start(spec_text(end=3), tmp_path, scheme="mxfp8", run_id="second")
+    try:
+        assert not marker.exists()  # a crash now must not leave the first session's marker on the second's records
+        assert not capture.open(tmp_path).committed
+        emit(2)
+    finally:
+        s.close()
+    cs = capture.open(tmp_path)
+    assert cs.committed and cs.verify() == []
+    assert [r.run_id for r in cs] == ["first"] * 2 + ["second"] * 2
+    assert [r.scheme for r in cs] == ["bf16"] * 2 + ["mxfp8"] * 2
+
+
 def test_stats_nan_inf_and_quantized_operand(tmp_path):
     from fxquant.capture import stats
     from fxquant.formats.tensor_quant import TensorQuant

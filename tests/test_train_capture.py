@@ -158,6 +158,17 @@ def test_interrupted_run_commits_what_it_captured(tmp_path):
     assert (root / "rank-00000" / "COMMITTED").is_file()
     assert not [p for p in root.rglob("*") if p.name.endswith(".tmp")]
     assert set(cs.values("role")) == {"input", "grad_output"} and cs.values("micro_batch") == [0, 1]
+    first_id = cs.values("run_id")[0]
+
+    def interrupt_early(record):
+        if record["iteration"] == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):  # the same run again, from iteration 0: its captures replace the old
+        train(run, progress=interrupt_early)
+    cs = capture.open(root)
+    assert cs.committed and cs.verify() == [] and cs.values("iteration") == [0]
+    assert first_id not in cs.values("run_id")
 
 
 def test_capture_arguments_map_to_the_run(monkeypatch, tmp_path):

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from fxquant._fileio import fsync_dir
 from fxquant.capture import layout
 from fxquant.capture.hostpool import HostPool
 from fxquant.capture.prepare import Work
@@ -111,6 +112,10 @@ class CaptureSession:
         self.spec, self.config = spec, config
         self.dir = layout.rank_dir(config.root, config.rank.rank)
         self.dir.mkdir(parents=True, exist_ok=True)
+        if (self.dir / layout.COMMITTED).exists():  # an earlier session's: this one appends, uncommitted until close
+            log.info("capture: %s holds an earlier session's records; appending (uncommitted until close)", self.dir)
+            (self.dir / layout.COMMITTED).unlink()
+            fsync_dir(self.dir)
         info = {"format_version": layout.FORMAT_VERSION, "run_id": config.run_id, "scheme": config.scheme,
                 "spec_name": spec.name, "spec_source": spec.source, "spec_text": spec.text,
                 "started": time.time(), **config.rank.coords(), "layer_offset": config.rank.layer_offset}
