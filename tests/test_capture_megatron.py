@@ -119,3 +119,18 @@ sections:
         assert torch.equal(got, tq.quantize(src, want_dim)), (rec.role, rec.gemm)
         # The block axis matters for these operands: along the other axis the copy would differ.
         assert not torch.equal(got, tq.quantize(src, 1 - want_dim)), (rec.role, rec.gemm)
+
+
+def test_unfused_attention_points_are_reported_only_when_no_site_of_the_module_has_them(single_process, tmp_path):
+    """Megatron's unfused attention is two sites of one module (QK^T and PV): value, probs and output exist at
+    PV only. The predecessor spec asks for them: they are captured, and "not materialised" is not reported for
+    them at the QK^T site (bf16 has no quantized copies: those are reported once, as kept in high precision)."""
+    spec = capture.load_spec(capture.shipped_specs()["predecessor"])
+    model, batch = _model_and_batch("local")
+    be = FxquantBackend(schemes.get("bf16"), capture=spec, inner="aot_eager", root=model)
+    with capture.start(spec, tmp_path, scheme="bf16"):
+        _step(torch.compile(model, backend=be), batch)
+    unavailable = [u for r in be.tap_reports for u in r.unavailable]
+    assert not [u for u in unavailable if "not materialised" in u], unavailable
+    cs = capture.open(tmp_path)
+    assert {"probs", "value", "output"} <= set(cs.query(component="attention").values("role"))

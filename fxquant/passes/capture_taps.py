@@ -71,6 +71,10 @@ class TapReport:
 
     taps: list[Tap] = field(default_factory=list)
     unavailable: list[str] = field(default_factory=list)
+    # points a site does not materialise, keyed by (module, component, role, copy): reported only when no
+    # other site of the same module offers them (Megatron's unfused attention: probs exist at PV, not QK^T)
+    absent: list[tuple[tuple, str]] = field(default_factory=list)
+    offered: set[tuple] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -146,8 +150,11 @@ def _site_taps(meta: SiteMeta, spec: CaptureSpec, report: TapReport) -> list[tup
     for (role, copy), secs in chosen.items():
         where = None if positions is None else positions.get(role)
         what = f"{site.module_path} ({meta.op.value}): {component.value}.{role.value}[{copy.value}]"
+        if where is not None:
+            report.offered.add((site.module_path, component, role, copy))
         if where is None:
-            report.unavailable.append(f"{what}: not materialised at a {meta.op.value} site")
+            report.absent.append(((site.module_path, component, role, copy),
+                                  f"{what}: not materialised at a {meta.op.value} site"))
             continue
         base = dict(component=component, role=role, module=site.module_path, sections=tuple(secs), kind=kind,
                     layer=site.layer)
@@ -211,6 +218,7 @@ def insert_capture_taps(gm: fx.GraphModule, spec: CaptureSpec) -> TapReport:
             for user in users:
                 user.replace_input_with(out, wrapped)
     _insert_forward(graph, forward)
+    report.unavailable.extend(msg for key, msg in report.absent if key not in report.offered)
     if report.unavailable:  # one warning per graph; the full list at DEBUG and in the returned report
         shown = "; ".join(report.unavailable[:3])
         more = f" (+{len(report.unavailable) - 3} more; -vv or logging DEBUG lists them)" if len(report.unavailable) > 3 else ""
