@@ -46,3 +46,14 @@ def wikitext_dir() -> Path:
 def _inductor_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     """One Inductor cache per test session unless the caller chose one (scripts/run_tests.sh does)."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor-cache")))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo_for_megatron(request: pytest.FixtureRequest):
+    """Megatron tests build fresh GPTModels whose forward is one code object: without a reset, Dynamo's
+    recompile limit is reached after some tests and later ones silently run eager (nothing rewritten)."""
+    if request.node.get_closest_marker("megatron") is not None:
+        import torch._dynamo
+
+        torch._dynamo.reset()
+    yield
