@@ -74,6 +74,13 @@ def test_pair_sums_equal_the_torch_twin(dtype, shape):
     _assert_same(host.pair_sums(q, x), host.pair_sums_torch(q, x))
 
 
+def test_counts_refuse_wrong_dtypes_and_blocks():
+    with pytest.raises(TypeError, match="bf16_counts takes a torch.bfloat16 tensor"):
+        host.bf16_counts(torch.zeros(4))
+    with pytest.raises(ValueError, match="block=0"):
+        host.f32_counts(torch.zeros(4), 0)
+
+
 def test_pair_sums_refuse_mismatched_sizes():
     with pytest.raises(ValueError, match="elements"):
         host.pair_sums(torch.zeros(3), torch.zeros(4))

@@ -111,12 +111,19 @@ class Bf16Counts:
     rel: np.ndarray  # int64 [NREL]: block-relative histogram
 
 
+def _counts_kernels(x: torch.Tensor, dtype: torch.dtype, block: int, name: str) -> dict | None:
+    """Check a counts call's arguments; the compiled kernels when they apply to ``x`` (else None: the twin)."""
+    if x.dtype != dtype:
+        raise TypeError(f"{name} takes a {dtype} tensor, not {x.dtype}")
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"block={block!r}: must be an int >= 1")
+    return _kernels() if x.device.type == "cpu" else None
+
+
 def bf16_counts(x: torch.Tensor, block: int = 32) -> Bf16Counts:
     """Pattern and block-relative histograms of a bfloat16 tensor, blocks of ``block`` along its last dim."""
-    if x.dtype != torch.bfloat16:
-        raise TypeError(f"bf16_counts takes a bfloat16 tensor, not {x.dtype}")
-    k = _kernels()
-    if k is None or x.device.type != "cpu":
+    k = _counts_kernels(x, torch.bfloat16, block, "bf16_counts")
+    if k is None:
         return bf16_counts_torch(x, block)
     x2, length = _rows(x)
     hist, rel = np.zeros(1 << 16, np.int64), np.zeros(NREL, np.int64)
@@ -172,10 +179,8 @@ def _f32_result(signed, binade, rel, nf, nan, inf, s1, s2, lo, hi, k) -> F32Coun
 
 def f32_counts(x: torch.Tensor, block: int = 32) -> F32Counts:
     """Histograms and moment sums of a float32 tensor (blocks of ``block`` along its last dim)."""
-    if x.dtype != torch.float32:
-        raise TypeError(f"f32_counts takes a float32 tensor, not {x.dtype}")
-    k = _kernels()
-    if k is None or x.device.type != "cpu":
+    k = _counts_kernels(x, torch.float32, block, "f32_counts")
+    if k is None:
         return f32_counts_torch(x, block)
     x2, length = _rows(x)
     signed, binade, rel = np.zeros(NSIGNED, np.int64), np.zeros(NBINADE, np.int64), np.zeros(NREL, np.int64)
