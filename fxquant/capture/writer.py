@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from fxquant._threads import start_daemon
 from fxquant.capture import layout, stats
 from fxquant.capture.hostpool import Lease
 from fxquant.capture.prepare import Work
@@ -90,8 +91,7 @@ class ShardWriter:
         self._held = 0
         self._cv = threading.Condition()
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name=f"fxquant-capture-writer:{self.dir.name}", daemon=True)
-        self._thread.start()
+        self._thread = start_daemon(self._run, name=f"fxquant-capture-writer:{self.dir.name}")
 
     # -- training thread -----------------------------------------------------------------------------
     @property
