@@ -117,7 +117,7 @@ def cmd_matrix(args) -> int:
     table = tabulate(rows, headers=["run", "status", "iters", "final loss", "val loss", "MRE vs bf16", f"MRE last {args.last_n}"])
     (out / "matrix_summary.txt").write_text(table + "\n")
     print(table)
-    plot = compare.plot_curves(records, out / "loss_curves.png")
+    plot = compare.plot_curves(records, out / "loss_curves.svg")
     print(f"summary: {out / 'matrix_summary.json'}, {out / 'matrix_summary.txt'}" + (f", {plot}" if plot else ""))
     failed = [r for r in records if r["status"] not in ("ok", "dry-run")]
     return 1 if failed else 0

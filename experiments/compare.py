@@ -38,29 +38,28 @@ def against_bf16(records: list[dict], last_n: int) -> dict[str, dict]:
 
 
 def plot_curves(records: list[dict], path: Path) -> Path | None:
-    """One loss-vs-iteration plot per model/dataset (matplotlib, when installed)."""
-    try:
-        import matplotlib
+    """One loss-vs-iteration panel per model/dataset (SVG, fxquant.analysis.svg); None when no run succeeded."""
+    from fxquant.analysis import svg
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
     done = [r for r in records if r.get("status") == "ok"]
     groups = sorted({(r["model"], r["dataset"]) for r in done})
     if not groups:
         return None
-    fig, axes = plt.subplots(len(groups), 1, figsize=(8, 3.5 * len(groups)), squeeze=False)
-    for ax, (model, dataset) in zip(axes[:, 0], groups):
+    fig = svg.Figure(len(groups), 1, panel=(560, 240), title="Training loss per scheme")
+    schemes = sorted({r["scheme"] for r in done})
+    for row, (model, dataset) in zip(fig.axes, groups):
+        ax = row[0]
         for r in done:
             if (r["model"], r["dataset"]) == (model, dataset):
                 losses = read_losses(Path(r["run_dir"]) / "metrics.jsonl")
-                ax.plot(range(1, len(losses) + 1), losses, label=r["scheme"], lw=2 if r["scheme"] == "bf16" else 1)
+                ax.plot(range(1, len(losses) + 1), losses, label=r["scheme"],
+                        color=svg.TAB10[schemes.index(r["scheme"]) % len(svg.TAB10)],
+                        lw=2.2 if r["scheme"] == "bf16" else 1.3)
         ax.set_title(f"{model} / {dataset}")
         ax.set_xlabel("iteration")
+        ax.integer_x = True
         ax.set_ylabel("loss")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+        ax.grid()
+        ax.legend("outside")
+    fig.save(path)
     return path

@@ -49,7 +49,7 @@ def test_loss_curves_mean_relative_error(tmp_path):
                           last_n=2, progress=False)
     rows = {r["run"]: r for r in json.loads((tmp_path / "r/training/loss_vs_reference.json").read_text())["runs"]}
     assert rows["FA_linear_mxfp4"]["mre_last_2"] == pytest.approx(0.1) and rows["bf16"]["mre_all"] is None
-    assert "training/curves.png" in res.files and "training/relative_error.png" in res.files
+    assert "training/curves.svg" in res.files and "training/relative_error.svg" in res.files
     assert any("missing" in p for p in res.problems)
 
 
@@ -63,15 +63,15 @@ def test_index_html_renders_in_headless_chromium_without_broken_images(tmp_path)
                           formats=["hifp8", "mxfp8_e4m3", "nvfp4"], mx_formats=["mxfp8_e4m3"], offsets=(0, 1),
                           sample_blocks=8, metrics=[tmp_path / "run_bf16", tmp_path / "run_mx"])
     page = res.index.read_text()
-    figures = [f for f in res.files if f.endswith(".png")]
-    for needed in ("distributions/hifp8/overall_density.png", "distributions/hifp8/per_layer_density.png",
-                   "distributions/hifp8/per_rank_density.png", "distributions/per_layer_moments.png",
-                   "distributions/hifp8/layer_rank_heatmap.png", "quant_error/heatmap_sqnr_db_FA_linear_mxfp8.png",
-                   "mx_study/mxfp8_e4m3.png", "overflow/summary.png", "training/curves.png",
-                   "stats/binades_by_direction.png", "compare/linear_input_hp.png"):
+    figures = [f for f in res.files if f.endswith(".svg")]
+    for needed in ("distributions/hifp8/overall_density.svg", "distributions/hifp8/per_layer_density.svg",
+                   "distributions/hifp8/per_rank_density.svg", "distributions/per_layer_moments.svg",
+                   "distributions/hifp8/layer_rank_heatmap.svg", "quant_error/heatmap_sqnr_db_FA_linear_mxfp8.svg",
+                   "mx_study/mxfp8_e4m3.svg", "overflow/summary.svg", "training/curves.svg",
+                   "stats/binades_by_direction.svg", "compare/linear_input_hp.svg"):
         assert needed in figures, needed
     assert all(f"src='{f}'" in page for f in figures)
-    assert all(f"href='{f}'" in page for f in res.files if not f.endswith(".png"))
+    assert all(f"href='{f}'" in page for f in res.files if not f.endswith(".svg"))
     assert "http://" not in page and "https://" not in page  # offline: relative links only
     check = tmp_path / "report" / "_check.html"
     check.write_text(page.replace("</body>", CHECK + "</body>"))

@@ -19,7 +19,8 @@ import torch
 from fxquant import formats
 from fxquant.analysis import bins
 from fxquant.analysis.aggregate import FLOW_KEY, Aggregator, format_thresholds
-from fxquant.analysis.outputs import Job, Outputs, heatmap, pyplot, slug, sort_key
+from fxquant.analysis import svg
+from fxquant.analysis.outputs import Job, Outputs, slug, sort_key
 from fxquant.formats.element import HiF8
 
 SECTION = "Distributions per format"
@@ -70,9 +71,15 @@ def _decorate(ax, name: str) -> None:
     if elem.bits <= 8:
         table = elem.decode_table()
         pos = table[torch.isfinite(table) & (table > 0)].unique().double().log2().numpy()
-        ax.plot(pos, np.full(pos.shape, 0.97), "|", color="black", ms=7, alpha=0.6, label="representable values",
-                transform=ax.get_xaxis_transform())
+        ax.rug(pos, color="black", alpha=0.6, label="representable values")
     ax.set_xlim(lo_x, hi_x)
+
+
+def _thin_layers(keys: list) -> tuple[list[int], list[str]]:
+    """x tick positions and labels for layers: every one up to 24, else every k-th."""
+    k = max(1, -(-len(keys) // 24))
+    idx = list(range(0, len(keys), k))
+    return idx, ["-" if keys[i] is None else str(keys[i]) for i in idx]
 
 
 def _density(mag: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -117,28 +124,27 @@ def layer_moments(agg: Aggregator, copy: str, out: Outputs) -> dict:
     stats = {k: layers[k].moments.to_dict() for k in lay_keys}
     if not lay_keys:
         return stats
-    plt = pyplot()
-    fig, axes = plt.subplots(2, 2, figsize=(10, 6), sharex=True)
+    fig, axes = svg.subplots(2, 2, panel=(440, 210), sharex=True,
+                             title=f"Per-layer mean / std / min / max of {copy} tensors (raw values)")
     xs = np.arange(len(lay_keys))
+    labels = _thin_layers(lay_keys)
     for ax, key in zip(axes.ravel(), ("mean", "std", "min", "max")):
         ys = [stats[k][key] if stats[k][key] is not None else np.nan for k in lay_keys]
-        ax.plot(xs, ys, "o-", ms=3)
+        ax.plot(xs, ys, marker="o", ms=4)
         ax.set_ylabel(f"{key} (value)")
-        ax.grid(alpha=0.3)
+        ax.grid()
         if key == "std" and all(np.isfinite(y) and y > 0 for y in ys) and ys:
             ax.set_yscale("log")
+        ax.set_xticks(*labels)
     for ax in axes[1]:
-        ax.set_xticks(xs, ["-" if k is None else str(k) for k in lay_keys], fontsize=7)
         ax.set_xlabel("layer")
-    fig.suptitle(f"Per-layer mean / std / min / max of {copy} tensors (raw values)")
-    out.figure("distributions/per_layer_moments.png", fig, SECTION, "Per-layer mean/std/min/max (every format)")
+    out.figure("distributions/per_layer_moments.svg", fig, SECTION, "Per-layer mean/std/min/max (every format)")
     return stats
 
 
 def format_page(agg: Aggregator, name: str, copy: str, out: Outputs) -> dict:
     """One format's page: densities against its representable values, layer x rank heatmap, quantiles."""
     layers = _layers(agg, copy)
-    plt = pyplot()
     d = f"distributions/{slug(name)}"
     sec = f"{SECTION}: {name}"
     domain = "block-scaled elements x/2^s (floor)" if format_thresholds(name)[2] is not None else "values"
@@ -151,9 +157,9 @@ def format_page(agg: Aggregator, name: str, copy: str, out: Outputs) -> dict:
     rank_keys = sorted(ranks, key=sort_key)
     xr = _xrange([overall], name)
 
-    fig, ax = plt.subplots(figsize=(12, 4.5))
+    fig, ax = svg.subplots(panel=(860, 320))
     fine = overall[1:bins.INF_BIN] / max(overall.sum(), 1)
-    ax.plot(bins.mag_bin_centres_log2(), fine, drawstyle="steps-mid", color="tab:blue", lw=1,
+    ax.plot(bins.mag_bin_centres_log2(), np.where(fine > 0, fine, np.nan), steps=True, color="tab:blue", lw=1,
             label=f"{copy} tensors (1/16-binade bins)")
     ax.set_yscale("log")
     ax.set_xlim(*xr)
@@ -161,16 +167,16 @@ def format_page(agg: Aggregator, name: str, copy: str, out: Outputs) -> dict:
     ax.set_ylabel("fraction of elements")
     ax.set_title(f"{name}: overall density of {copy} tensors vs the format's representable range")
     _decorate(ax, name)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax.grid(alpha=0.3)
-    out.figure(f"{d}/overall_density.png", fig, sec, f"{name}: overall density vs representable values")
+    ax.legend("outside")
+    ax.grid()
+    out.figure(f"{d}/overall_density.svg", fig, sec, f"{name}: overall density vs representable values")
 
     pages = [("layer", lay_keys, layers, "per_layer_density")]
     if len(rank_keys) > 1:  # one rank: its density is the overall density above
         pages.append(("rank", rank_keys, ranks, "per_rank_density"))
     for label, keys, table, fname in pages:
-        fig, ax = plt.subplots(figsize=(12, 4.5))
-        cmap = plt.get_cmap("viridis")
+        fig, ax = svg.subplots(panel=(860, 320))
+        cmap = svg.cmap("viridis")
         for i, k in enumerate(keys):
             m = element_mag(table[k], name)
             if m is None or m.sum() == 0:
@@ -184,9 +190,9 @@ def format_page(agg: Aggregator, name: str, copy: str, out: Outputs) -> dict:
         ax.set_ylabel("fraction of elements per binade")
         ax.set_title(f"{name}: density per {label} ({copy} tensors)")
         _decorate(ax, name)
-        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=1 + len(keys) // 16)
-        ax.grid(alpha=0.3)
-        out.figure(f"{d}/{fname}.png", fig, sec, f"{name}: density per {label}")
+        ax.legend("outside", ncol=1 + len(keys) // 22)
+        ax.grid()
+        out.figure(f"{d}/{fname}.svg", fig, sec, f"{name}: density per {label}")
 
     _layer_rank(agg, out, name, copy, d, sec)
     quant = {str(k): bins.quantiles(layers[k].signed, agg.config.quantiles) for k in lay_keys
@@ -213,16 +219,16 @@ def _layer_rank(agg: Aggregator, out: Outputs, name: str, copy: str, d: str, sec
         return
     layers = sorted({k[0] for k in cells}, key=sort_key)
     ranks = sorted({k[1] for k in cells}, key=sort_key)
-    plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(max(8.0, 1.2 * len(ranks) + 7), max(3.5, 0.3 * len(layers) + 2)))
+    fig, axes = svg.subplots(1, 2, panel=(max(90.0, 70.0 * len(ranks)), max(160.0, 16.0 * len(layers))),
+                             title=f"{name}: layer x rank, {copy} tensors")
     for ax, col, label in ((axes[0], 2, "flushed to zero (% of non-zero)"), (axes[1], 3, "saturated (% of elements)")):
         data = np.full((len(layers), len(ranks)), np.nan)
         for (l, r), c in cells.items():
             denom = c[1] if col == 2 else c[0]
             data[layers.index(l), ranks.index(r)] = 100.0 * c[col] / denom if denom else np.nan
-        heatmap(ax, data, ["-" if v is None else v for v in layers], [f"rank {r}" for r in ranks], label, "magma", vmin=0.0)
+        ax.heatmap(data, ["-" if v is None else v for v in layers], [f"rank {r}" for r in ranks], label=label,
+                   cmap="magma", vmin=0.0)
         ax.set_xlabel("rank")
         ax.set_ylabel("layer")
-        ax.set_title(label, fontsize=9)
-    fig.suptitle(f"{name}: layer x rank, {copy} tensors")
-    out.figure(f"{d}/layer_rank_heatmap.png", fig, sec, f"{name}: layer x rank flushed/saturated %")
+        ax.set_title(label)
+    out.figure(f"{d}/layer_rank_heatmap.svg", fig, sec, f"{name}: layer x rank flushed/saturated %")

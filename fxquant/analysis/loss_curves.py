@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 from tabulate import tabulate
 
-from fxquant.analysis.outputs import Outputs, fmt_num, pyplot
+from fxquant.analysis import svg
+from fxquant.analysis.outputs import Outputs, fmt_num
 
 log = logging.getLogger(__name__)
 SECTION = "Training runs"
@@ -98,42 +99,41 @@ def write(runs: list[Run], out: Outputs, reference: str = "bf16", last_n: int = 
     out.text("training/loss_vs_reference.txt", txt, SECTION, f"Mean relative error vs {reference} (text)")
     if not runs or not plots:
         return {"runs": rows}
-    plt = pyplot()
-    from matplotlib.ticker import MaxNLocator
-
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    fig, axes = svg.subplots(2, 2, panel=(400, 230), title="Training runs across schemes")
     for ax, (key, label) in zip(axes.ravel(), SERIES):
-        for r in runs:
+        for k, r in enumerate(runs):
             s = r.series(key)
             if s:
                 its = sorted(s)
-                ax.plot(its, [s[i] for i in its], label=r.label, lw=2 if r.label == reference else 1)
+                ax.plot(its, [s[i] for i in its], color=svg.TAB10[k % len(svg.TAB10)], label=r.label,
+                        lw=2.2 if r.label == reference else 1.3)
         ax.set_xlabel("iteration")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.integer_x = True
         ax.set_ylabel(label)
         ax.set_title(label)
-        ax.grid(alpha=0.3)
+        ax.grid()
         if key in ("loss", "grad_norm"):
             vals = [v for r in runs for v in r.series(key).values() if v > 0]
             if vals and max(vals) / min(vals) > 20:
                 ax.set_yscale("log")
-    axes[0, 0].legend(fontsize=7)
-    fig.suptitle("Training runs across schemes")
-    out.figure("training/curves.png", fig, SECTION, "Loss, grad norm, throughput and step time")
+    axes[0, 1].legend("outside")
+    out.figure("training/curves.svg", fig, SECTION, "Loss, grad norm, throughput and step time")
     ref = next((r for r in runs if r.label == reference), None)
     if ref is not None and len(runs) > 1:
-        fig, ax = plt.subplots(figsize=(9, 4))
+        fig, ax = svg.subplots(panel=(620, 260))
         b = ref.series("loss")
-        for r in runs:
+        for k, r in enumerate(runs):
             if r is ref:
                 continue
             a = r.series("loss")
             its = sorted(i for i in a.keys() & b.keys() if b[i] != 0)
-            ax.plot(its, [100 * abs(a[i] - b[i]) / abs(b[i]) for i in its], label=r.label)
+            ax.plot(its, [100 * abs(a[i] - b[i]) / abs(b[i]) for i in its], color=svg.TAB10[k % len(svg.TAB10)],
+                    label=r.label)
         ax.set_xlabel("iteration")
         ax.set_ylabel(f"|loss - loss_{reference}| / loss_{reference} (%)")
         ax.set_title(f"Relative loss error against the {reference} run")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        out.figure("training/relative_error.png", fig, SECTION, f"Relative loss error vs {reference}")
+        ax.integer_x = True
+        ax.grid()
+        ax.legend("outside")
+        out.figure("training/relative_error.svg", fig, SECTION, f"Relative loss error vs {reference}")
     return {"runs": rows}

@@ -6,9 +6,9 @@ import dataclasses
 import numpy as np
 from tabulate import tabulate
 
-from fxquant.analysis import mx_study
+from fxquant.analysis import mx_study, svg
 from fxquant.analysis.aggregate import Aggregator
-from fxquant.analysis.outputs import Outputs, fmt_num, pyplot, slug, sort_key
+from fxquant.analysis.outputs import Outputs, fmt_num, slug, sort_key
 
 SECTION = "MX scaling study"
 COLUMNS = [f.name for f in dataclasses.fields(mx_study.StudyRow)]
@@ -60,19 +60,19 @@ def write(agg: Aggregator, out: Outputs, plots: bool = True) -> dict:
 
 
 def _plots(rows: list[mx_study.StudyRow], out: Outputs) -> None:
-    plt = pyplot()
     for fmt in sorted({r.format for r in rows}):
         mine = [r for r in rows if r.format == fmt]
         offsets = sorted({r.offset for r in mine})
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        fig, axes = svg.subplots(1, 2, panel=(340, 250))
         for mode in mx_study.MODES:
             pts = {r.offset: r for r in mine if r.scale_mode == mode.value}
             ys = [pts[k].sqnr_db if k in pts and pts[k].sqnr_db is not None else np.nan for k in offsets]
-            axes[0].plot(offsets, np.minimum(ys, 200), "o-", label=mode.value)
+            colour = svg.TAB10[list(mx_study.MODES).index(mode) % len(svg.TAB10)]
+            axes[0].plot(offsets, np.minimum(ys, 200), color=colour, marker="o", label=mode.value)
             sat = [pts[k].saturated_pct if k in pts else np.nan for k in offsets]
             fl = [pts[k].flushed_pct if k in pts else np.nan for k in offsets]
-            axes[1].plot(offsets, sat, "o-", label=f"{mode.value} saturated")
-            axes[1].plot(offsets, fl, "x--", label=f"{mode.value} flushed")
+            axes[1].plot(offsets, sat, color=colour, marker="o", label=f"{mode.value} saturated")
+            axes[1].plot(offsets, fl, color=colour, ls="--", marker="x", label=f"{mode.value} flushed")
         axes[0].set_xlabel("shared-exponent offset k (s = s_mode + k)")
         axes[0].set_ylabel("SQNR (dB)")
         axes[0].set_title(f"{fmt}: SQNR per scale rule and offset")
@@ -82,9 +82,9 @@ def _plots(rows: list[mx_study.StudyRow], out: Outputs) -> None:
         axes[1].set_title("saturated % / flushed % (of non-zero)")
         for ax in axes:
             ax.set_xticks(offsets)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
-        out.figure(f"mx_study/{slug(fmt)}.png", fig, SECTION, f"{fmt}: SQNR, saturation and flushes per scale rule")
+            ax.grid()
+            ax.legend("outside")
+        out.figure(f"mx_study/{slug(fmt)}.svg", fig, SECTION, f"{fmt}: SQNR, saturation and flushes per scale rule")
 
 
 def study_table(rows: list[mx_study.StudyRow]) -> str:

@@ -1,4 +1,5 @@
-"""Writing report files: deterministic names, strict JSON, CSV, tabulate text, and matplotlib (Agg) figures.
+"""Writing report files: deterministic names, strict JSON, CSV, tabulate text, and SVG figures
+(fxquant.analysis.svg).
 
 Every file goes through ``Outputs``, which records its section and title for index.html. JSON is strict
 (no NaN/Infinity tokens): NaN becomes null and ±Inf the strings "inf" / "-inf".
@@ -16,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from fxquant.analysis import svg
 
 log = logging.getLogger(__name__)
 
@@ -100,14 +103,12 @@ class Outputs:
         self.entries.append(Entry(rel, section, title, "data"))
         return p
 
-    def figure(self, rel: str, fig, section: str, title: str) -> Path:
-        """Write ``fig`` as PNG at ``rel`` (tight layout; no timestamps: same bytes for the same data), close it."""
+    def figure(self, rel: str, fig: svg.Figure, section: str, title: str) -> Path:
+        """Write ``fig`` (fxquant.analysis.svg) as SVG at ``rel``: same bytes for the same data."""
+        if not rel.endswith(".svg"):
+            raise ValueError(f"figure {rel!r}: figures are SVG files (.svg)")
         p = self._path(rel)
-        try:
-            fig.tight_layout()
-            fig.savefig(p, dpi=110, metadata={"Software": None})
-        finally:
-            pyplot().close(fig)
+        fig.save(p)
         self.entries.append(Entry(rel, section, title, "figure"))
         return p
 
@@ -139,38 +140,6 @@ def run_jobs(jobs: list[Job], out: Outputs, pool: cf.ProcessPoolExecutor | None 
     for _, entries in done:
         out.entries.extend(entries)
     return [r for r, _ in done]
-
-
-def pyplot():
-    """matplotlib.pyplot on the Agg backend (never a display)."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def heatmap(ax, data: np.ndarray, rows: list, cols: list, label: str, cmap: str = "viridis", fmt: str = "{:.2g}",
-            vmin: float | None = None):
-    """Annotated heatmap; NaN cells (no data) are grey."""
-    plt = pyplot()
-    masked = np.ma.masked_invalid(data)
-    cm = plt.get_cmap(cmap).with_extremes(bad="#dddddd")
-    im = ax.imshow(masked, aspect="auto", cmap=cm, interpolation="nearest", vmin=vmin)
-    ax.set_yticks(range(len(rows)), [str(r) for r in rows])
-    ax.set_xticks(range(len(cols)), [str(c) for c in cols], rotation=45, ha="right")
-    cb = ax.figure.colorbar(im, ax=ax)
-    cb.set_label(label)
-    if data.size <= 400:  # value labels, black or white by the cell's luminance (plain text: cheap to draw)
-        rgba = cm(im.norm(masked))
-        light = (rgba[..., :3] * np.array([0.299, 0.587, 0.114])).sum(axis=-1) > 0.5
-        for i in range(data.shape[0]):
-            for j in range(data.shape[1]):
-                if np.isfinite(data[i, j]):
-                    ax.text(j, i, fmt.format(data[i, j]), ha="center", va="center", fontsize=7,
-                            color="black" if light[i, j] else "white")
-    return im
 
 
 def sort_key(v: object) -> tuple:

@@ -17,7 +17,8 @@ from tabulate import tabulate
 
 from fxquant.analysis import bins
 from fxquant.analysis.aggregate import FLOW_KEY, Aggregator, format_thresholds
-from fxquant.analysis.outputs import Outputs, fmt_num, heatmap, pyplot, slug, sort_key
+from fxquant.analysis import svg
+from fxquant.analysis.outputs import Outputs, fmt_num, slug, sort_key
 
 SECTION = "Over/underflow across formats"
 
@@ -92,18 +93,17 @@ def write(agg: Aggregator, out: Outputs, plots: bool = True) -> dict:
 def _plots(agg: Aggregator, out: Outputs, copy: str, rows: list[dict]) -> None:
     if not rows:
         return
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(rows) + 2), 4))
+    fig, ax = svg.subplots(panel=(max(320.0, 64.0 * len(rows)), 260))
     x = np.arange(len(rows))
     ax.bar(x - 0.2, [r["flushed_pct"] or 0 for r in rows], 0.4, label="flushed to zero (% of non-zero)")
     ax.bar(x + 0.2, [r["saturated_pct"] or 0 for r in rows], 0.4, label="saturated (% of elements)")
-    ax.set_xticks(x, [r["format"] for r in rows], rotation=30, ha="right")
+    ax.set_xticks(x, [r["format"] for r in rows], rotation=30)
     ax.set_ylabel("% of elements")
     ax.set_yscale("symlog", linthresh=1e-3)
     ax.set_title(f"Over/underflow of {copy} tensors per format")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3, axis="y")
-    out.figure("overflow/summary.png", fig, SECTION, "Flushed and saturated % per format")
+    ax.legend("outside")
+    ax.grid("y")
+    out.figure("overflow/summary.svg", fig, SECTION, "Flushed and saturated % per format")
     per = rollup(agg, copy, ("layer", "direction", "role"))
     layers = sorted({k[0] for k in per}, key=sort_key)
     cols = sorted({(k[1], k[2]) for k in per}, key=lambda c: tuple(sort_key(v) for v in c))
@@ -116,10 +116,10 @@ def _plots(agg: Aggregator, out: Outputs, copy: str, rows: list[dict]) -> None:
                 data[layers.index(layer), cols.index((direction, role))] = 100.0 * c[2] / c[1]
         if np.isnan(data).all():
             continue
-        fig, ax = plt.subplots(figsize=(max(5.0, 0.8 * len(cols) + 3), max(3.0, 0.3 * len(layers) + 2)))
-        heatmap(ax, data, ["-" if v is None else v for v in layers], [f"{d}/{ro}" for d, ro in cols],
-                "flushed to zero (% of non-zero)", "magma", vmin=0.0)
+        fig, ax = svg.subplots(panel=(max(160.0, 60.0 * len(cols)), max(140.0, 16.0 * len(layers))))
+        ax.heatmap(data, ["-" if v is None else v for v in layers], [f"{d}/{ro}" for d, ro in cols],
+                   label="flushed to zero (% of non-zero)", cmap="magma", vmin=0.0)
         ax.set_xlabel("direction / role")
         ax.set_ylabel("layer")
         ax.set_title(f"{name}: underflow by layer x direction x role")
-        out.figure(f"overflow/underflow_{slug(name)}.png", fig, SECTION, f"{name}: underflow by layer x direction x role")
+        out.figure(f"overflow/underflow_{slug(name)}.svg", fig, SECTION, f"{name}: underflow by layer x direction x role")

@@ -14,7 +14,8 @@ import numpy as np
 from tabulate import tabulate
 
 from fxquant.analysis.aggregate import Aggregator
-from fxquant.analysis.outputs import Outputs, fmt_num, heatmap, pyplot, slug, sort_key
+from fxquant.analysis import svg
+from fxquant.analysis.outputs import Outputs, fmt_num, slug, sort_key
 
 SECTION = "Quantization error"
 COLUMNS = ("scheme", "format", "component", "module", "layer", "role", "gemm", "direction", "rank", "iteration",
@@ -71,7 +72,6 @@ def write(agg: Aggregator, out: Outputs, plots: bool = True) -> dict:
 def _heatmaps(sites: list[dict], out: Outputs) -> None:
     if not sites:
         return
-    plt = pyplot()
     for scheme in sorted({s["scheme"] for s in sites}, key=sort_key):
         mine = [s for s in sites if s["scheme"] == scheme]
         layers = sorted({s["layer"] for s in mine}, key=sort_key)
@@ -88,11 +88,11 @@ def _heatmaps(sites: list[dict], out: Outputs) -> None:
             data = np.full((len(layers), len(roles)), np.nan)
             for (layer, role), vals in cells.items():
                 data[layers.index(layer), roles.index(role)] = float(np.mean(vals))
-            fig, ax = plt.subplots(figsize=(max(7.0, 0.9 * len(roles) + 3), max(3.5, 0.35 * len(layers) + 2.5)))
-            heatmap(ax, data, ["-" if v is None else v for v in layers], roles, label, cmap,
-                    vmin=None if metric == "sqnr_db" else 0.0)
+            fig, ax = svg.subplots(panel=(max(200.0, 64.0 * len(roles)), max(160.0, 16.0 * len(layers))))
+            ax.heatmap(data, ["-" if v is None else v for v in layers], roles, label=label, cmap=cmap,
+                       vmin=None if metric == "sqnr_db" else 0.0)
             ax.set_xlabel("operand role / GEMM")
             ax.set_ylabel("layer")
-            ax.set_title(f"{label} of quantized operands\nscheme {scheme}, mean over captures", fontsize=10)
-            out.figure(f"quant_error/heatmap_{metric}_{slug(scheme)}.png", fig, SECTION,
+            ax.set_title(f"{label} of quantized operands\nscheme {scheme}, mean over captures")
+            out.figure(f"quant_error/heatmap_{metric}_{slug(scheme)}.svg", fig, SECTION,
                        f"{label}: layer x role, scheme {scheme}")

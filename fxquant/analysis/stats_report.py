@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 from tabulate import tabulate
 
-from fxquant.analysis import bins
+from fxquant.analysis import bins, svg
 from fxquant.analysis.aggregate import COMPARE_GROUPING, STAT_GROUPINGS, Aggregator
-from fxquant.analysis.outputs import Outputs, fmt_num, pyplot, sort_key
+from fxquant.analysis.outputs import Outputs, fmt_num, sort_key
 
 SECTION = "Global statistics"
 
@@ -54,26 +54,25 @@ def write(agg: Aggregator, out: Outputs, plots: bool = True) -> dict:
 
 
 def _binade_plots(agg: Aggregator, out: Outputs) -> None:
-    plt = pyplot()
     for grouping, title in ((("direction",), "forward vs backward"), (("role",), "tensor role")):
         table = {k: g for k, g in agg.groups[grouping].items() if g.binade is not None and g.binade.sum()}
         if not table:
             continue
-        fig, ax = plt.subplots(figsize=(9, 4.5))
+        fig, ax = svg.subplots(panel=(620, 300))
         exps = np.arange(bins.NBINADE) - 127
         for key in sorted(table, key=lambda k: tuple(sort_key(v) for v in k)):
             h = table[key].binade[1:255].astype(float)  # normal binades; zero/subnormal and Inf/NaN apart
             if h.sum() == 0:
                 continue
-            ax.plot(exps[1:255], 100 * h / table[key].binade.sum(), drawstyle="steps-mid", label=str(key[0]))
+            ax.plot(exps[1:255], np.where(h > 0, 100 * h / table[key].binade.sum(), np.nan), steps=True, label=str(key[0]))
         _tight_xlim(ax, [g.binade for g in table.values()])
         ax.set_yscale("log")
         ax.set_xlabel("binary exponent floor(log2|x|)")
         ax.set_ylabel("% of elements")
         ax.set_title(f"Exponent (binade) histogram by {title}")
-        ax.legend(fontsize=7, ncol=2)
-        ax.grid(alpha=0.3)
-        out.figure(f"stats/binades_by_{grouping[0]}.png", fig, SECTION, f"Exponent histogram by {title}")
+        ax.legend("outside")
+        ax.grid()
+        out.figure(f"stats/binades_by_{grouping[0]}.svg", fig, SECTION, f"Exponent histogram by {title}")
 
 
 def _tight_xlim(ax, hists) -> None:
@@ -89,12 +88,11 @@ def _compare(agg: Aggregator, out: Outputs) -> None:
     schemes = sorted({k[0] for k in table}, key=sort_key)
     if len(schemes) < 2:
         return
-    plt = pyplot()
     sites = sorted({k[1:] for k in table}, key=lambda k: tuple(sort_key(v) for v in k))
     centres = bins.mag_bin_centres_log2()
     rows = []
     for copy, comp, role in sites:
-        fig, ax = plt.subplots(figsize=(8, 4))
+        fig, ax = svg.subplots(panel=(560, 280))
         drawn = 0
         for sch in schemes:
             g = table.get((sch, copy, comp, role))
@@ -111,15 +109,14 @@ def _compare(agg: Aggregator, out: Outputs) -> None:
             ax.plot(_coarse(centres), _coarse_sum(mag) / mag.sum(), label=str(sch))
             drawn += 1
         if not drawn:
-            plt.close(fig)
             continue
         ax.set_xlabel("log2 |x|")
         ax.set_ylabel("fraction of non-zero elements per binade")
         ax.set_title(f"{comp} {role} ({copy}) across schemes")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
+        ax.legend("outside")
+        ax.grid()
         _focus(ax, [table[k].signed for k in table if k[1:] == (copy, comp, role) and table[k].signed is not None])
-        out.figure(f"compare/{comp}_{role}_{copy}.png", fig, "Comparison across schemes", f"{comp} {role} ({copy})")
+        out.figure(f"compare/{comp}_{role}_{copy}.svg", fig, "Comparison across schemes", f"{comp} {role} ({copy})")
     out.text("compare/schemes.txt", tabulate(rows, headers=["scheme", "component", "role", "copy", "tensors", "mean",
                                                             "std", "amax", "zero frac"], disable_numparse=True),
              "Comparison across schemes", "Statistics per scheme and site")
