@@ -57,6 +57,12 @@ def test_log_ticks_are_powers_of_ten_or_1_2_5_inside_the_range(a, b):
         assert ticks
 
 
+def test_tick_labels_keep_the_digits_of_the_step():
+    assert [s for _, s in svg.Scale().ticks(0.0, 10.0, n=4)] == ["0", "2.5", "5.0", "7.5", "10.0"]
+    assert [s for _, s in svg.Scale().ticks(0.0, 1.0, n=4)] == ["0", "0.25", "0.50", "0.75", "1.00"]
+    assert [s for _, s in svg.Scale().ticks(0.0, 40.0, n=4)] == ["0", "10", "20", "30", "40"]
+
+
 def test_symlog_ticks_and_transform():
     sc = svg.Scale("symlog", 1e-3)
     vals = [v for v, _ in sc.ticks(0.0, 40.0)]

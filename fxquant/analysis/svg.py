@@ -114,9 +114,7 @@ def _fmt_tick(v: float, step: float) -> str:
         sig = math.floor(math.log10(abs(v))) - math.floor(math.log10(step) + 1e-9) + 1
         sig += 1 if round(step / 10.0 ** math.floor(math.log10(step) + 1e-9), 6) % 1 else 0
         return f"{v:.{min(15, max(1, sig))}g}".replace("e+0", "e").replace("e-0", "e-").replace("e+", "e")
-    decimals = max(0, -math.floor(math.log10(step) + 1e-9)) if step < 1 else 0
-    if step < 1 and round(step * 10**decimals, 6) % 1:  # 2.5-type steps need one more digit
-        decimals += 1
+    decimals = next((d for d in range(10) if abs(round(step, d) - step) <= 1e-9 * step), 10)  # 2.5 -> 1, 0.25 -> 2
     return f"{v:.{decimals}f}"
 
 
