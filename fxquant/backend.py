@@ -94,7 +94,15 @@ class FxquantBackend:
         if self.inner is Inner.EAGER or self.dry_run:
             return gm.forward
         if self.inner is Inner.AOT_EAGER:
-            return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+            from torch._dynamo.backends.debugging import aot_eager, boxed_nop
+
+            from fxquant.passes.effects import direct_capture_calls
+
+            def nop(g: fx.GraphModule, inputs: list) -> object:  # aot_eager's compiler, capture calls made direct
+                direct_capture_calls(g)
+                return boxed_nop(g, inputs)
+
+            return aot_eager(gm, example_inputs, fw_compiler=nop, bw_compiler=nop)
         from torch._inductor.compile_fx import compile_fx
 
         from fxquant.passes.cache_key import inductor_config_patches
