@@ -11,7 +11,8 @@ measurement), ``inactive`` (taps compiled in, session outside its window) and ``
 step the benchmark waits until the writer has processed the step's tensors (``drain``), outside the timed
 step, so no mode pays for another's writes; ``active + drain`` is the cost if nothing overlapped with the
 next step (an upper bound). Ratios are medians of per-round ratios against ``none`` of the same round, and
-ratios of the fastest step of each mode (other load on the machine only ever adds time).
+ratios of the fastest step of each mode (other load on the machine only ever adds time). Last, the cost of one
+op call outside the window, from a stack of tiny linears where the calls dominate the step.
 """
 from __future__ import annotations
 
@@ -141,6 +142,46 @@ def step_times(args, root: Path) -> dict:
             "stored_mb_per_step": summary["bytes"] / n_active / 1e6}
 
 
+def per_call_cost(backend: str, rounds: int = 30, reps: int = 100) -> dict:
+    """Cost of one ``fxquant::capture`` call outside the window: a 10-layer stack of 8x8 linears (so the
+    calls dominate), compiled without and with taps on every linear point, alternating in rounds."""
+    spec = capture.load_spec("per-call.yaml", text="sections:\n  - name: all\n    points: [{component: linear}]\n"
+                                                   "    when: {iterations: {start: 0, end: 1000000}}\n")
+    x = torch.randn(4, 8, requires_grad=True)
+    compiled = {}
+    for mode in ("none", "taps"):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(10)])
+        be = FxquantBackend(schemes.get("bf16"), inner=backend, root=m, capture=None if mode == "none" else spec)
+        compiled[mode] = torch.compile(m, backend=be)
+    with tempfile.TemporaryDirectory() as d:
+        with capture.start(spec, d, start_iteration=10**9) as session:
+            for fn in compiled.values():
+                for _ in range(20):
+                    fn(x).sum().backward()
+            times: dict[str, list[float]] = {m: [] for m in compiled}
+            for _ in range(rounds):
+                for mode, fn in compiled.items():
+                    t0 = time.perf_counter()
+                    for _ in range(reps):
+                        fn(x).sum().backward()
+                    times[mode].append((time.perf_counter() - t0) / reps)
+            calls = [0]  # count the op's calls in one step (the op calls the session once per call)
+            inner = session.capture
+
+            def counting(*a, **k):
+                calls[0] += 1
+                return inner(*a, **k)
+
+            session.capture = counting
+            compiled["taps"](x).sum().backward()
+            del session.capture
+    none, taps = statistics.median(times["none"]), statistics.median(times["taps"])
+    n = calls[0]
+    return {"backend": backend, "step_us_none": none * 1e6, "step_us_taps": taps * 1e6, "calls_per_step": n,
+            "us_per_call": (taps - none) / n * 1e6 if n else None}
+
+
 def _ratios(times: dict[str, list[float]], mode: str, extra: list[float] | None = None) -> float:
     """Median over rounds of (mode [+ extra]) / none of the same round."""
     vals = times[mode] if extra is None else [a + b for a, b in zip(times[mode], extra)]
@@ -180,6 +221,7 @@ def main() -> None:
                 wr.append(writer_throughput(root / f"w{i}", args.write_mib << 20))
             io.update(raw_write_gbps=raw, writer_gbps=wr, writer_vs_raw=max(wr) / max(raw))
         st = None if args.skip_steps else step_times(args, root)
+        per_call = None if args.skip_steps else per_call_cost(args.backend)
     result = {
         "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
                    f"{'cuda' if torch.cuda.is_available() else 'cpu'}, {torch.get_num_threads()} intra-op threads",
@@ -194,6 +236,10 @@ def main() -> None:
         print()
     if st is not None:
         result.update(_step_report(args, st))
+        result["per_call_outside_window"] = per_call
+        print(f"one fxquant::capture call outside the window ({args.backend}): {per_call['us_per_call']:.1f} us "
+              f"({per_call['calls_per_step']} calls per step of a 10-layer 8x8 stack: {per_call['step_us_none']:.0f} "
+              f"-> {per_call['step_us_taps']:.0f} us)")
         result["loadavg_after"] = os.getloadavg()
         print(f"load average {load_before[0]:.2f} -> {result['loadavg_after'][0]:.2f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -49,11 +49,12 @@ def _inductor_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _fresh_dynamo_for_megatron(request: pytest.FixtureRequest):
-    """Megatron tests build fresh GPTModels whose forward is one code object: without a reset, Dynamo's
-    recompile limit is reached after some tests and later ones silently run eager (nothing rewritten)."""
-    if request.node.get_closest_marker("megatron") is not None:
-        import torch._dynamo
+def _fresh_dynamo():
+    """Every test starts from a fresh Dynamo. Fresh models of one class (tests.models' Llama, Megatron's
+    GPTModel) share one forward code object: without a reset, Dynamo's recompile limit is reached after some
+    tests, and a later test of the same worker silently runs eager, nothing rewritten (it made
+    test_compile_layers' "match no site" check pass or fail with the order pytest-xdist chose)."""
+    import torch._dynamo
 
-        torch._dynamo.reset()
+    torch._dynamo.reset()
     yield

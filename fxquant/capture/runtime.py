@@ -349,17 +349,26 @@ def start(spec: CaptureSpec, root: str | Path, **config) -> CaptureSession:
 
 
 # -- the op ------------------------------------------------------------------------------------------
-# A torch.library.custom_op. A bare torch.library.Library definition is cheaper per eager call (2 us vs 12 us),
-# but inside aot_eager graphs of a Megatron training step it measured slower: the main command's steps outside
-# the capture window took 246 ms with it vs 197 ms with custom_op (125 ms without taps), 2-core CPU box.
-@torch.library.custom_op("fxquant::capture", mutates_args=())
-def _capture_op(x: torch.Tensor, tap: str, reference: torch.Tensor | None = None) -> None:
+# Defined with torch.library.Library rather than torch.library.custom_op: the call is a plain dispatcher call
+# into a Python kernel, several times cheaper than custom_op's wrapper, which matters because every tap in a
+# compiled graph makes one call per step, in its window or not (per call outside the window, 2-core CPU box:
+# see docs/capture.md, "What the figures say"). Session 2 had measured this definition slower in the main
+# command's Megatron steps (246 vs 197 ms); that measurement was taken while the writer thread's OpenMP team
+# slowed every step by a varying amount (fxquant/_threads.py), and did not hold up.
+_LIB = torch.library.Library("fxquant", "FRAGMENT")
+_LIB.define("capture(Tensor x, str tap, Tensor? reference=None) -> ()")
+
+
+def _capture_impl(x: torch.Tensor, tap: str, reference: torch.Tensor | None = None) -> None:
     session = _STATE.session
     if session is not None:
         session.capture(x, tap, reference)
 
 
-@_capture_op.register_fake
+_LIB.impl("capture", _capture_impl, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("fxquant::capture", lib=_LIB)
 def _capture_fake(x: torch.Tensor, tap: str, reference: torch.Tensor | None = None) -> None:
     return None
 
