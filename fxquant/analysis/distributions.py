@@ -164,6 +164,7 @@ def format_page(agg: Aggregator, name: str, copy: str, out: Outputs) -> dict:
     ax.set_yscale("log")
     ax.set_xlim(*xr)
     ax.set_xlabel(f"log2 |{domain}|")
+    ax.integer_x = True  # log2 axes: whole binades
     ax.set_ylabel("fraction of elements")
     ax.set_title(f"{name}: overall density of {copy} tensors vs the format's representable range")
     _decorate(ax, name)
@@ -187,6 +188,7 @@ def format_page(agg: Aggregator, name: str, copy: str, out: Outputs) -> dict:
         ax.set_yscale("log")
         ax.set_xlim(*xr)
         ax.set_xlabel(f"log2 |{domain}|")
+        ax.integer_x = True  # log2 axes: whole binades
         ax.set_ylabel("fraction of elements per binade")
         ax.set_title(f"{name}: density per {label} ({copy} tensors)")
         _decorate(ax, name)

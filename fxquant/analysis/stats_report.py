@@ -68,6 +68,7 @@ def _binade_plots(agg: Aggregator, out: Outputs) -> None:
         _tight_xlim(ax, [g.binade for g in table.values()])
         ax.set_yscale("log")
         ax.set_xlabel("binary exponent floor(log2|x|)")
+        ax.integer_x = True  # log2 axes: whole binades
         ax.set_ylabel("% of elements")
         ax.set_title(f"Exponent (binade) histogram by {title}")
         ax.legend("outside")
@@ -111,6 +112,7 @@ def _compare(agg: Aggregator, out: Outputs) -> None:
         if not drawn:
             continue
         ax.set_xlabel("log2 |x|")
+        ax.integer_x = True  # log2 axes: whole binades
         ax.set_ylabel("fraction of non-zero elements per binade")
         ax.set_title(f"{comp} {role} ({copy}) across schemes")
         ax.legend("outside")
