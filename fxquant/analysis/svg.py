@@ -367,7 +367,8 @@ class Axes:
         lo, hi = float(u.min()), float(u.max())
         pad = 0.04 * (hi - lo) if hi > lo else (0.5 if sc.kind != "linear" else max(abs(lo) * 0.05, 0.5))
         if any(isinstance(i, _Bars) for i in self.items) and axis == "y" and lo >= 0:
-            return sc.inv(0.0) if sc.kind != "log" else sc.inv(lo - pad), sc.inv(hi + pad)
+            low = sc.inv(0.0) if sc.kind != "log" else sc.inv(lo - pad)  # bars stand on 0
+            return low, sc.inv(hi + pad)
         return sc.inv(lo - pad), sc.inv(hi + pad)
 
     def _limits(self) -> tuple[tuple[float, float], tuple[float, float]]:
@@ -448,11 +449,10 @@ class _Writer:
         self.parts.append(s)
 
     def text(self, x: float, y: float, s: str, *, size: float = _TICK_FS, anchor: str = "middle", rotate: float = 0.0,
-             weight: str | None = None, fill: str = "#222222", baseline: str | None = None) -> None:
+             weight: str | None = None, fill: str = "#222222") -> None:
         tr = f' transform="rotate({_num(rotate)} {_num(x)} {_num(y)})"' if rotate else ""
         w = f' font-weight="{weight}"' if weight else ""
-        b = f' dominant-baseline="{baseline}"' if baseline else ""
-        self.add(f'<text x="{_num(x)}" y="{_num(y)}" font-size="{size:g}" text-anchor="{anchor}" fill="{fill}"{w}{b}{tr}>'
+        self.add(f'<text x="{_num(x)}" y="{_num(y)}" font-size="{size:g}" text-anchor="{anchor}" fill="{fill}"{w}{tr}>'
                  f"{escape(s)}</text>")
 
 
