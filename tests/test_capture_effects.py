@@ -28,7 +28,7 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
 
 
-def _run(model, backend, root, x) -> list[torch.Tensor]:
+def _run(model, backend, root, x) -> list[tuple[str, str, torch.Tensor]]:
     compiled = torch.compile(model, backend=backend) if backend is not None else model
     with capture.start(spec_text(), root):
         compiled(x).sum().backward()

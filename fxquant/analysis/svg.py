@@ -1,6 +1,6 @@
 """Report figures written as SVG text: line, step, bar and heatmap panels with ticks, legends and colour bars.
 
-Why not matplotlib's renderer: it spent 0.2-0.7 s per figure here (tick and text layout, rasterising, PNG),
+Why not matplotlib's renderer: it spent 0.17-0.76 s per figure here (tick and text layout, rasterising, PNG),
 and a report draws tens of figures, one set per format and layer grouping: on the 2-core CI box the figures
 alone took twice as long as streaming a 2 GB capture set. Writing the SVG elements directly takes
 milliseconds per figure; the browser lays out the text. The figures are vectors (zoom, paste into a paper),
@@ -244,7 +244,6 @@ class Axes:
     xscale: Scale = field(default_factory=Scale)
     yscale: Scale = field(default_factory=Scale)
     xlim: tuple[float, float] | None = None
-    ylim: tuple[float, float] | None = None
     xticks: list[tuple[float, str]] | None = None
     xtick_rotation: float = 0.0
     integer_x: bool = False
@@ -297,9 +296,6 @@ class Axes:
     def set_xlim(self, lo: float, hi: float) -> None:
         self.xlim = (float(lo), float(hi))
 
-    def set_ylim(self, lo: float, hi: float) -> None:
-        self.ylim = (float(lo), float(hi))
-
     def get_xlim(self) -> tuple[float, float]:
         return self.xlim if self.xlim is not None else self._auto("x")
 
@@ -311,9 +307,6 @@ class Axes:
 
     def set_yscale(self, kind: str, linthresh: float = 1.0) -> None:
         self.yscale = self._scale(kind, linthresh)
-
-    def set_xscale(self, kind: str, linthresh: float = 1.0) -> None:
-        self.xscale = self._scale(kind, linthresh)
 
     def set_title(self, s: str) -> None:
         self.title = s
@@ -373,7 +366,7 @@ class Axes:
 
     def _limits(self) -> tuple[tuple[float, float], tuple[float, float]]:
         xl = self.xlim if self.xlim is not None else self._auto("x")
-        yl = self.ylim if self.ylim is not None else self._auto("y")
+        yl = self._auto("y")
         return xl, yl
 
     def _yticks(self, yl) -> list[tuple[float, str]]:
@@ -677,9 +670,6 @@ class Figure:
         self.title = title
         self.sharex = sharex
         self.axes = [[Axes(float(panel[0]), float(panel[1])) for _ in range(ncols)] for _ in range(nrows)]
-
-    def suptitle(self, s: str) -> None:
-        self.title = s
 
     def to_svg(self) -> str:
         grid = self.axes
