@@ -351,10 +351,8 @@ def start(spec: CaptureSpec, root: str | Path, **config) -> CaptureSession:
 # -- the op ------------------------------------------------------------------------------------------
 # Defined with torch.library.Library rather than torch.library.custom_op: the call is a plain dispatcher call
 # into a Python kernel, several times cheaper than custom_op's wrapper, which matters because every tap in a
-# compiled graph makes one call per step, in its window or not (per call outside the window, 2-core CPU box:
-# see docs/capture.md, "What the figures say"). Session 2 had measured this definition slower in the main
-# command's Megatron steps (246 vs 197 ms); that measurement was taken while the writer thread's OpenMP team
-# slowed every step by a varying amount (fxquant/_threads.py), and did not hold up.
+# compiled graph makes one call per step, in its window or not (cost per call outside the window on the
+# 2-core CPU box: docs/capture.md, "What the figures say").
 _LIB = torch.library.Library("fxquant", "FRAGMENT")
 _LIB.define("capture(Tensor x, str tap, Tensor? reference=None) -> ()")
 
