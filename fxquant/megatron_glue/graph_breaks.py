@@ -20,7 +20,7 @@ own modules (torch is never patched) and restores them on exit. Each measure rem
 Hold it while a compiled Megatron model runs (its first calls trace it; Dynamo guards on the rebound names,
 so a call outside it recompiles): `fxquant.megatron_glue.train` holds it for the whole run. Re-entrant:
 nested uses share one patch; the outermost exit restores everything. `quiet_tp_group_lookup` is the
-same context manager under its first name.
+same context manager under another name.
 
 Not covered: sequence parallelism on a non-CUDA device. Megatron 0.16.1's sequence-parallel paths allocate
 their gather/scatter buffers on `torch.cuda.current_device()` (tensor_parallel/mappings.py, and the
@@ -136,7 +136,7 @@ def traceable_megatron() -> Iterator[None]:
                 _restore()
 
 
-quiet_tp_group_lookup = traceable_megatron  # its first name, used by train.py and the tests
+quiet_tp_group_lookup = traceable_megatron  # alias, used by train.py and the tests
 
 
 def is_quiet() -> bool:
