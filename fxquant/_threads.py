@@ -4,9 +4,9 @@ libgomp (the OpenMP runtime of torch's CPU builds) gives every OS thread that en
 team of workers. Once a background thread has run one multi-threaded torch op, the process holds more OpenMP
 workers than CPUs, and libgomp then shortens the spin-wait of *every* team's idle workers to almost nothing:
 the training thread's workers go to sleep between parallel regions and each small parallel op pays a futex
-wake-up. On the 2-core CI box this made the main command's Megatron steps outside the capture window take
-about 200-250 ms instead of about 120-130 ms, after the capture writer thread had computed statistics once
-(and a 3-op loop of small parallel ops 4x slower, ``tests/test_threads.py`` keeps the mechanism checked).
+wake-up. On the 2-core CPU box that makes a loop of three small parallel ops about 4x slower in the training
+thread once the capture writer thread has computed statistics with the default thread count
+(``tests/test_threads.py`` checks the mechanism).
 
 ``start_daemon`` runs its target with one intra-op thread (``torch.set_num_threads(1)`` in that thread: an
 OpenMP setting of the calling thread), then restores the process-wide default that call also changed, so

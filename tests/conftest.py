@@ -52,8 +52,8 @@ def _inductor_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
 def _fresh_dynamo():
     """Every test starts from a fresh Dynamo. Fresh models of one class (tests.models' Llama, Megatron's
     GPTModel) share one forward code object: without a reset, Dynamo's recompile limit is reached after some
-    tests, and a later test of the same worker silently runs eager, nothing rewritten (it made
-    test_compile_layers' "match no site" check pass or fail with the order pytest-xdist chose)."""
+    tests, and a later test of the same worker silently runs eager, nothing rewritten (so a check such as
+    test_compile_layers' "match no site" would pass or fail depending on test order)."""
     import torch._dynamo
 
     torch._dynamo.reset()
