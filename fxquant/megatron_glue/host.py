@@ -24,8 +24,8 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.tensor_parallel import random as megatron_random
 from megatron.core.utils import GlobalMemoryBuffer
 

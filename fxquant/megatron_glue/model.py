@@ -150,8 +150,8 @@ def build_gpt_model(cfg: ModelConfig, *, attention: AttentionKind | str = Attent
     model.to(device)
     initialize_weights(model, cfg, seed=seed)
     if cfg.tie_embeddings and parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        # Megatron synchronised the stages' copies at construction, before the draw above: again, so the
-        # last stage's copy (left undrawn) becomes the first stage's drawn embedding.
+        # The stages' copies were synchronised at construction, before the draw: again (zero the last
+        # stage's copy, all-reduce), so that copy becomes the first stage's drawn embedding.
         model.setup_embeddings_and_output_layer()
     return model
 
@@ -191,9 +191,10 @@ def initialize_weights(model: GPTModel, cfg: ModelConfig, *, seed: int) -> None:
     """Draw every matrix from N(0, std) seeded by (seed, global name), then keep this rank's TP shard.
 
     Output projections (linear_proj, linear_fc2) use std / sqrt(2 * num_layers) as Megatron does. Vectors
-    (norm scales, biases) keep Megatron's deterministic init, and so does a copy Megatron marks `shared`
-    (the last pipeline stage's copy of tied embeddings, which `build_gpt_model` sets from the first stage's). Gated fc1 weights ([gate; up]) are sharded
-    per half, matching how Megatron's ColumnParallelLinear lays out a SwiGLU fc1 on each TP rank.
+    (norm scales, biases) keep Megatron's deterministic init. Gated fc1 weights ([gate; up]) are sharded
+    per half, matching how Megatron's ColumnParallelLinear lays out a SwiGLU fc1 on each TP rank. A copy
+    Megatron marks `shared` (the last pipeline stage's copy of tied embeddings) is not drawn:
+    `build_gpt_model` sets it from the first stage's.
     """
     tp = parallel_state.get_tensor_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
