@@ -29,6 +29,22 @@ def test_published_architectures():
     assert round(ds.num_parameters() / 1e9, 1) == 15.7
 
 
+@pytest.mark.parametrize("name", ["llama31-8b", "llama32-1b"])
+def test_tiny_llamas_keep_the_published_embedding_tie(name):
+    """The tiny variants keep the published tie (Llama 3.2 1B tied, Llama 3.1 8B not), and the built Megatron
+    model follows it: a tied model has no LM-head weight of its own (it reads the embedding)."""
+    from experiments.catalog import MODELS, TINY
+    from fxquant.megatron_glue.model import build_gpt_model
+    from fxquant.megatron_glue.parallel import initialize_parallel
+
+    tiny = TINY[name]
+    assert tiny.tie_embeddings == MODELS[name].tie_embeddings == (name == "llama32-1b")
+    initialize_parallel()
+    model = build_gpt_model(tiny, seed=1)
+    assert model.share_embeddings_and_output_weights == tiny.tie_embeddings
+    assert (model.output_layer.weight is None) == tiny.tie_embeddings
+
+
 def test_predecessor_schemes_are_presets():
     from experiments.catalog import PREDECESSOR_SCHEMES, scheme_names
 

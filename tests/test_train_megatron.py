@@ -1,4 +1,5 @@
-"""The Megatron-core training loop on CPU: loss falls on WikiText, resume is exact, TP=2 / PP=2 match one process."""
+"""The Megatron-core training loop on CPU: loss falls on WikiText, resume is exact, TP=2 / PP=2 match one process,
+tied embeddings split over two pipeline stages equal one process bit for bit."""
 from __future__ import annotations
 
 import json
@@ -143,3 +144,55 @@ def test_catalogue_tiny_llamas_train_on_wikitext(tmp_path, wiki_data, model, sch
     if scheme != "bf16":
         quantized = [s for s in result.sites if s["status"] == "rewritten"]
         assert {s["kind"] for s in quantized} >= {"qkv", "proj", "fc1", "fc2", "attention"}
+
+
+
+def _checkpointed_model(run, rank: int, iteration: int) -> dict:
+    import torch
+
+    path = Path(run.output_dir) / "checkpoints" / f"iter_{iteration:07d}" / f"rank_{rank:05d}.pt"
+    return torch.load(path, map_location="cpu", weights_only=True)["model"]
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_tied_embeddings_pp2_match_one_process(tmp_path):
+    """Llama 3.2 1B (tiny) ties its embeddings. Split over two pipeline stages, each stage holds a copy, kept
+    equal by Megatron's protocol: the last stage's copy is set from the first stage's at set-up (it is not drawn),
+    and the two copies' gradients are all-reduced after every backward. Six iterations, so the gradient sync
+    changes the weights five times before the last loss is measured.
+
+    Bit for bit: with one micro-batch per iteration the tied gradient is the sum of the same two terms (LM head,
+    embedding) on one process and on two, and every other operation is the same. (With several micro-batches
+    the two-stage sum adds each stage's micro-batches first, so losses then differ in the last bit.) The grad
+    norm sums the same squares in another order (per stage, then across stages), in float64."""
+    from dataclasses import replace
+
+    import torch
+
+    from experiments.catalog import TINY
+    from fxquant.megatron_glue.run_config import ParallelLayout
+    from fxquant.megatron_glue.train import train
+
+    tied = TINY["llama32-1b"]
+    assert tied.tie_embeddings
+    iters = 6
+
+    def run(name, layout=None):
+        return replace(_run(tmp_path, name, iters=iters, layout=layout, global_batch_size=2, save_interval=iters),
+                       model=tied)
+
+    one_run, two_run = run("pp1"), run("pp2", ParallelLayout(pp=2))
+    one = train(one_run).records
+    two = _torchrun(tmp_path, two_run, 2)
+    assert [r["iteration"] for r in two] == list(range(1, iters + 1))
+    assert _losses(two) == _losses(one)
+    for a, b in zip(one, two):
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-12, abs=0)  # the copy is counted once
+    # One weight on one process; after six updates both stages' copies still equal it, bit for bit.
+    single = _checkpointed_model(one_run, 0, iters)
+    first, last = _checkpointed_model(two_run, 0, iters), _checkpointed_model(two_run, 1, iters)
+    assert "output_layer.weight" not in single and "output_layer.weight" not in first
+    embedding = single["embedding.word_embeddings.weight"]
+    torch.testing.assert_close(first["embedding.word_embeddings.weight"], embedding, rtol=0, atol=0)
+    torch.testing.assert_close(last["output_layer.weight"], embedding, rtol=0, atol=0)

@@ -1,15 +1,17 @@
 """Megatron-core 0.16.1 on a non-CUDA device (ARCHITECTURE.md trap 10): what has to be swapped, and nothing more.
 
-Megatron-core assumes CUDA in three places a CPU run reaches:
+Megatron-core assumes CUDA in four places a CPU run reaches:
 - `parallel_state`'s global memory buffer (used by the unfused `DotProductAttention` for its baddbmm
   output) allocates on `torch.cuda.current_device()`: `DeviceMemoryBuffer` allocates on a chosen device.
 - the tensor-parallel RNG tracker (`get_cuda_rng_tracker().fork()` around attention dropout, expert
   init) saves and restores CUDA generator states: `HostRNGStatesTracker` keeps CPU generator states.
 - `RotaryEmbedding.get_emb` moves its frequencies to CUDA on first use: `HostRotaryEmbedding` keeps them
   on the device they were built on.
+- `LanguageModule.setup_embeddings_and_output_layer` moves a tied embedding to CUDA before the all-reduce
+  that gives the last pipeline stage the first stage's weights: `HostGPTModel` all-reduces it where it is.
 `install_device_support(device)` installs the first two into Megatron's module globals (the slots
-Megatron itself fills at initialisation; nothing of torch is touched); `model.build_gpt_model` swaps
-the rotary embedding. On CUDA nothing here is used.
+Megatron itself fills at initialisation; nothing of torch is touched); `model.build_gpt_model` builds a
+`HostGPTModel` and swaps the rotary embedding. On CUDA nothing here is used.
 """
 from __future__ import annotations
 
@@ -20,8 +22,10 @@ import operator
 from typing import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.tensor_parallel import random as megatron_random
 from megatron.core.utils import GlobalMemoryBuffer
 
@@ -101,6 +105,30 @@ class HostRotaryEmbedding(RotaryEmbedding):
         else:
             emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
         return emb[:, None, None, :]
+
+
+class HostGPTModel(GPTModel):
+    """Megatron's GPTModel, whose tied-embedding set-up all-reduces the weight on its own device.
+
+    With tied embeddings and pipeline stages, Megatron's set-up marks the last stage's copy of the word
+    embeddings (`shared`, `shared_embedding`), zeroes it, and all-reduces it with the first stage's over the
+    embedding group, so both start equal; after every backward the two gradients are all-reduced over the same
+    group (`optim.HostOptimizer` off CUDA, Megatron's `finalize_model_grads` on CUDA). Megatron 0.16.1 moves
+    the weight to CUDA for that all-reduce (`weight.data.cuda()`); here Megatron's own set-up runs with the
+    embedding group hidden for the duration of the call, which skips only its all-reduce, and the same
+    all-reduce then runs on the weight's device (gloo on CPU).
+    """
+
+    def setup_embeddings_and_output_layer(self) -> None:
+        group, self.embd_group = self.embd_group, None
+        try:
+            super().setup_embeddings_and_output_layer()
+        finally:
+            self.embd_group = group
+        tied = self.share_embeddings_and_output_weights or getattr(self.config, "mtp_num_layers", 0)
+        if (tied and self.config.pipeline_model_parallel_size > 1 and dist.is_initialized()
+                and self._is_in_embd_group()):
+            dist.all_reduce(self.shared_embedding_or_output_weight().data, group=self.embd_group)
 
 
 def install_device_support(device: torch.device | str, seed: int) -> None:

@@ -6,10 +6,12 @@
   (no Transformer Engine) spec, MoE layers where `cfg.moe` says, and the core attention chosen by
   `AttentionKind`: Megatron's unfused `DotProductAttention` (LOCAL) or `SDPACoreAttention` (SDPA).
 - `build_gpt_model(cfg, attention=...)` -> a `GPTModel` for this rank's pipeline stage and TP shard,
-  on the parallel state's device, with `HostRotaryEmbedding` off CUDA (host.py) and the host MLA / MoE
-  modules (host_moe_mla.py) in the spec, and weights drawn
+  on the parallel state's device, off CUDA a `HostGPTModel` with `HostRotaryEmbedding` (host.py) and the
+  host MLA / MoE modules (host_moe_mla.py) in the spec, and weights drawn
   per *global* parameter name (`global_parameter_name`): the model computes the same function for any
-  TP/PP layout, which is what lets a 2-process run be compared with a single-process one.
+  TP/PP layout, which is what lets a 2-process run be compared with a single-process one. With tied
+  embeddings split across pipeline stages, the last stage's copy is not drawn but set up from the first
+  stage's weights by Megatron's protocol (zero, then all-reduce over the embedding group).
 - `causal_attention_mask(seq)`: the explicit boolean mask Megatron needs on CPU (trap 10).
 Requires `parallel.initialize_parallel()` first.
 """
@@ -30,7 +32,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 
 from fxquant.megatron_glue.attention import MLADotProductAttention, SDPACoreAttention
 from fxquant.megatron_glue.config import Activation, AttentionKind, ModelConfig, RopeScaling
-from fxquant.megatron_glue.host import HostRotaryEmbedding
+from fxquant.megatron_glue.host import HostGPTModel, HostRotaryEmbedding
 from fxquant.megatron_glue.host_moe_mla import check_host_layout, swap_mla_moe_modules
 
 log = logging.getLogger(__name__)
@@ -131,7 +133,8 @@ def build_gpt_model(cfg: ModelConfig, *, attention: AttentionKind | str = Attent
     tp = parallel_state.get_tensor_model_parallel_world_size()
     check_host_layout(cfg, tp, parallel_state.get_expert_model_parallel_world_size(), device)
     tcfg = transformer_config(cfg, params_dtype=params_dtype, bf16=bf16, device=device, **config_overrides)
-    model = GPTModel(
+    model_class = GPTModel if device.type == "cuda" else HostGPTModel  # tied-embedding set-up (host.py)
+    model = model_class(
         config=tcfg, transformer_layer_spec=layer_spec(cfg, tcfg, attention, device),
         vocab_size=padded_vocab_size(cfg.vocab_size, tp),
         max_sequence_length=max_sequence_length or cfg.max_position_embeddings,
@@ -146,6 +149,10 @@ def build_gpt_model(cfg: ModelConfig, *, attention: AttentionKind | str = Attent
         model.rotary_pos_emb.__class__ = HostRotaryEmbedding  # same state, no move to CUDA (host.py)
     model.to(device)
     initialize_weights(model, cfg, seed=seed)
+    if cfg.tie_embeddings and parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        # The stages' copies were synchronised at construction, before the draw: again (zero the last
+        # stage's copy, all-reduce), so that copy becomes the first stage's drawn embedding.
+        model.setup_embeddings_and_output_layer()
     return model
 
 
@@ -185,13 +192,15 @@ def initialize_weights(model: GPTModel, cfg: ModelConfig, *, seed: int) -> None:
 
     Output projections (linear_proj, linear_fc2) use std / sqrt(2 * num_layers) as Megatron does. Vectors
     (norm scales, biases) keep Megatron's deterministic init. Gated fc1 weights ([gate; up]) are sharded
-    per half, matching how Megatron's ColumnParallelLinear lays out a SwiGLU fc1 on each TP rank.
+    per half, matching how Megatron's ColumnParallelLinear lays out a SwiGLU fc1 on each TP rank. A copy
+    Megatron marks `shared` (the last pipeline stage's copy of tied embeddings) is not drawn:
+    `build_gpt_model` sets it from the first stage's.
     """
     tp = parallel_state.get_tensor_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     gated = model.config.gated_linear_unit
     for name, param in model.named_parameters():
-        if param.dim() < 2:
+        if param.dim() < 2 or getattr(param, "shared", False):
             continue
         gname = global_parameter_name(name, model, cfg.tie_embeddings)
         dim = getattr(param, "partition_dim", -1) if getattr(param, "tensor_model_parallel", False) and tp > 1 else -1
