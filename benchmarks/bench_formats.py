@@ -36,7 +36,7 @@ from fxquant.formats.tensor_quant import TensorQuant  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TARGETS = {"mxfp8_e4m3": 0.85, "hifp8": 0.85, "mxfp4_e2m1": 0.75, "nvfp4": 0.75}
-IMPLS = ("eager", "compiled", "triton", "peers")
+IMPLS = ("eager", "compiled", "inductor", "triton", "peers")
 ROW_LEN = 4096  # x is [numel / 4096, 4096], blocked along the last dim
 
 
@@ -128,6 +128,11 @@ def bench(args: argparse.Namespace) -> dict:
     nbytes = 2 * x.numel() * x.element_size()
     gbs = lambda s: nbytes / s / 1e9  # noqa: E731
     copy_s, copy_min = timer(lambda: x.clone())
+    if "inductor" in impls:  # the same-run reference for the fused op: Inductor's own copy kernel
+        torch._dynamo.reset()
+        copy_c = torch.compile(lambda t: t * 1, dynamic=False)
+        copy_c(x)
+        copy_cs, _ = timer(lambda: copy_c(x))
     on_gpu = device.type == "cuda" and kernels.available()
     to_mx, torchao_elem, torchao_note = _torchao_to_mx()
     rows = [{"format": "(copy)", "impl": "x.clone()", "ms": copy_s * 1e3, "GB/s": gbs(copy_s), "x copy": 1.0,
@@ -143,6 +148,9 @@ def bench(args: argparse.Namespace) -> dict:
         rows.append({**row, **(extra or {})})
         print(f"  {name:12s} {impl:22s} {s * 1e3:9.2f} ms {gbs(s):8.2f} GB/s", file=sys.stderr, flush=True)
 
+    if "inductor" in impls:
+        rows.append({"format": "(copy)", "impl": "x * 1 (Inductor)", "ms": copy_cs * 1e3, "GB/s": gbs(copy_cs),
+                     "x copy": copy_s / copy_cs})
     for name in names:
         tq = TensorQuant(name)
         if "eager" in impls:
@@ -156,6 +164,8 @@ def bench(args: argparse.Namespace) -> dict:
             compiled(x)
             compile_s = time.perf_counter() - t0
             add(name, "reference (compiled)", lambda: compiled(x), f"first call {compile_s:.1f} s", {"compile_s": compile_s})
+        if "inductor" in impls:
+            add(name, *_inductor_quantize(tq, x))
         if "triton" in impls:
             if on_gpu:
                 target = TARGETS.get(name)
@@ -182,6 +192,20 @@ def bench(args: argparse.Namespace) -> dict:
         "bytes_per_call": nbytes,
         "rows": rows,
     }
+
+
+def _inductor_quantize(tq: TensorQuant, x: torch.Tensor) -> tuple:
+    """(impl, fn, note, extra) of ``fxquant::quantize`` lowered into Inductor's code (``kernels="inductor"``)."""
+    import fxquant.ops  # noqa: F401  (defines the op)
+    from fxquant import lowering
+
+    torch._dynamo.reset()
+    spec = tq.spec()
+    compiled = torch.compile(lambda t: torch.ops.fxquant.quantize(t, spec, -1, None), backend=lowering.inductor_backend)
+    t0 = time.perf_counter()
+    compiled(x)
+    compile_s = time.perf_counter() - t0
+    return "fxquant::quantize (Inductor)", lambda: compiled(x), f"first call {compile_s:.1f} s", {"compile_s": compile_s}
 
 
 def _triton_version() -> str | None:

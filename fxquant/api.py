@@ -24,6 +24,7 @@ from torch import nn
 
 from fxquant.backend import FxquantBackend, Inner
 from fxquant.formats.options import did_you_mean
+from fxquant.lowering import Kernels, parse_kernels
 from fxquant.passes import LayerNumbering, SiteMeta, UnmatchedOp, strict as checks
 from fxquant.passes.rewrite_sdpa import attention_impl
 from fxquant.schemes.scheme import Scheme
@@ -98,6 +99,10 @@ class CompileState:
     def unmatched(self) -> list[UnmatchedOp]:
         return self.backend.unmatched_ops()
 
+    def kernels(self) -> list[Kernels]:
+        """What the quantize ops of each compiled graph run (``fxquant.lowering.Kernels``), in compile order."""
+        return list(self.backend.kernels_used)
+
     def expected_quantize_calls(self) -> tuple[int, int]:
         """(forward, backward) ``fxquant::quantize`` calls per step that the current rewritten graphs make."""
         return self.backend.expected_calls()
@@ -155,6 +160,7 @@ def compile(
     layer_offset: int | None = None,
     num_layers: int | None = None,
     attention: str | None = None,
+    kernels: str = "auto",
 ) -> nn.Module:
     """``torch.compile(model)`` with every GEMM operand the scheme selects quantized, forward and backward.
 
@@ -179,6 +185,11 @@ def compile(
         ``quantized_sdpa`` elsewhere), "flash" (the flash op everywhere: the flash reference off CUDA, same
         semantics as the GPU kernel), "math" (``quantized_sdpa`` everywhere). Default: the environment
         variable FXQUANT_ATTENTION, else "auto" (docs/compile.md).
+    kernels: what the quantize ops run (``fxquant.lowering``): "inductor" (the reference's arithmetic as ATen
+        ops that Inductor fuses with their neighbours), "triton" (the standalone Triton kernels), "reference"
+        (the pure-torch reference as an opaque op), or "auto" (default): "inductor" with the Inductor backend
+        on CPU, else the Triton kernels where registered (CUDA), else the reference. Every choice gives the
+        same values bit for bit; ``compile_state(m).kernels()`` says what each graph uses.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -194,7 +205,7 @@ def compile(
         attention = attention_impl(attention).value  # a bad name fails here, with a did-you-mean
     layers = LayerNumbering.of_model(model, layer_offset=layer_offset, num_layers=num_layers)
     fx_backend = FxquantBackend(resolved, inner=_inner(backend), strict=strict, root=model, capture=spec,
-                                layers=layers, attention=attention)
+                                layers=layers, attention=attention, kernels=parse_kernels(kernels))
     compiled = torch.compile(model, backend=fx_backend, dynamic=dynamic)
     session = None
     if capture_dir is not None:
@@ -218,11 +229,13 @@ def compile_state(compiled: nn.Module) -> CompileState:
 
 
 def explain(model: nn.Module, *example_args: object, scheme: str | Path | Scheme, layer_offset: int | None = None,
-            num_layers: int | None = None, **example_kwargs: object):
+            num_layers: int | None = None, kernels: str = "auto", backend: str = "inductor", **example_kwargs: object):
     """Trace ``model(*example_args, **example_kwargs)`` once (forward only) and return an ``Explanation``:
-    every matched site with its resolved per-operand formats, and every matmul-like op left unmatched.
+    every matched site with its resolved per-operand formats, every matmul-like op left unmatched, and the
+    quantize implementation ``compile(kernels=..., backend=...)`` would use on the inputs' device.
     The model is not modified and nothing is quantized; ``print(explanation)`` shows the table.
     ``layer_offset`` / ``num_layers``: the global layer numbering, as in ``compile``."""
+    from fxquant import lowering
     from fxquant.passes.explanation import Explanation
 
     if not isinstance(model, nn.Module):
@@ -236,4 +249,9 @@ def explain(model: nn.Module, *example_args: object, scheme: str | Path | Scheme
     sites, unmatched = fx_backend.current_sites(), fx_backend.unmatched_ops()
     checks.check_model_has_sites(sites, unmatched, type(model).__name__)
     graphs = len(fx_backend.reports)
-    return Explanation(resolved, copy.copy(sites), unmatched, graphs, resolved.unmatched_rules([s.site for s in sites]))
+    requested = parse_kernels(kernels)
+    device = lowering.graph_device([*example_args, *example_kwargs.values(), *model.parameters()])
+    used = lowering.resolve(requested, inductor=_inner(backend) is Inner.INDUCTOR, device=device)
+    how = f"{used.value} (kernels={requested.value}, backend {_inner(backend).value}, {device})"
+    return Explanation(resolved, copy.copy(sites), unmatched, graphs, resolved.unmatched_rules([s.site for s in sites]),
+                       kernels=how)

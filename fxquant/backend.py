@@ -9,6 +9,9 @@ the rewritten graph with the inner backend:
     Inner.AOT_EAGER  AOT autograd without codegen (quick; what most tests use, trap 11)
     Inner.EAGER      the rewritten graph run as it is, by the Python interpreter: the eager reference
                      that compiled runs are compared with bit for bit
+
+``kernels`` (``fxquant.lowering.Kernels``) picks what the graph's quantize ops run, per graph and device: under
+INDUCTOR they are lowered into ATen ops through AOT autograd's decomposition table, so Inductor fuses them.
 """
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ import re
 import torch
 from torch import fx, nn
 
+from fxquant import lowering
+from fxquant.lowering import Kernels
 from fxquant.passes import GraphReport, LayerNumbering, ModuleNames, run_passes
 from fxquant.passes.strict import QuantizationError, failed_sites, report
 from fxquant.schemes.scheme import Scheme
@@ -44,8 +49,11 @@ class FxquantBackend:
 
     def __init__(self, scheme: Scheme, *, inner: Inner = Inner.INDUCTOR, strict: bool = False,
                  root: nn.Module | None = None, dry_run: bool = False, capture: object = None,
-                 layers: LayerNumbering | None = None, attention: str | None = None) -> None:
+                 layers: LayerNumbering | None = None, attention: str | None = None,
+                 kernels: Kernels = Kernels.AUTO) -> None:
         self.scheme = scheme
+        self.kernels = Kernels(kernels)
+        self.kernels_used: list[Kernels] = []  # what ``kernels`` resolved to, per compiled graph
         self.attention = attention  # SDPA implementation (passes.rewrite_sdpa.AttentionImpl); None: the env/auto
         self.capture = capture  # a CaptureSpec: taps are inserted after the rewrite passes
         self.tap_reports: list = []
@@ -84,6 +92,19 @@ class FxquantBackend:
             self.pending.append(exc)
         return self.compile_inner(gm, example_inputs)
 
+    def _resolve_kernels(self, example_inputs: list) -> Kernels:
+        """What this graph's quantize ops run (a ValueError, e.g. TRITON without kernels, is kept pending)."""
+        device = lowering.graph_device(example_inputs)
+        try:
+            used = lowering.resolve(self.kernels, inductor=self.inner is Inner.INDUCTOR, device=device)
+        except ValueError as exc:
+            self.pending.append(exc)
+            used = lowering.resolve(Kernels.AUTO, inductor=self.inner is Inner.INDUCTOR, device=device)
+        self.kernels_used.append(used)
+        log.info("fxquant: graph %d: quantize kernels %s (kernels=%s, %s)", len(self.kernels_used) - 1,
+                 used.value, self.kernels.value, device)
+        return used
+
     def raise_pending(self) -> None:
         """Raise the first error kept by ``__call__`` (and forget them all)."""
         if self.pending:
@@ -93,6 +114,8 @@ class FxquantBackend:
     def compile_inner(self, gm: fx.GraphModule, example_inputs: list) -> object:
         if self.inner is Inner.EAGER or self.dry_run:
             return gm.forward
+        kernels = self._resolve_kernels(example_inputs)
+        decompositions = lowering.decompositions(kernels)
         if self.inner is Inner.AOT_EAGER:
             from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 
@@ -102,12 +125,17 @@ class FxquantBackend:
                 direct_capture_calls(g)
                 return boxed_nop(g, inputs)
 
-            return aot_eager(gm, example_inputs, fw_compiler=nop, bw_compiler=nop)
+            return aot_eager(gm, example_inputs, fw_compiler=nop, bw_compiler=nop, decompositions=decompositions)
         from torch._inductor.compile_fx import compile_fx
+        from torch._inductor.decomposition import select_decomp_table
 
         from fxquant.passes.cache_key import inductor_config_patches
 
-        return compile_fx(gm, example_inputs, config_patches=inductor_config_patches(self._scheme_text))
+        patches = inductor_config_patches(f"{self._scheme_text}\nkernels: {kernels.value}")
+        if kernels is Kernels.INDUCTOR:
+            patches.update(lowering.inductor_config_patches())
+        return compile_fx(gm, example_inputs, config_patches=patches,
+                          decompositions={**select_decomp_table(), **decompositions})
 
     # -- what was seen, across graphs (recompiles replace earlier graphs of the same sites) ----------------
     def current_sites(self) -> list:

@@ -6,6 +6,10 @@
     implementation for CUDA when Triton is importable. ``seed=None`` with stochastic rounding draws a
     seed from torch's default generator when the op runs (not when it is traced). Its autograd is the
     straight-through estimator: the gradient passes unchanged. The output is always contiguous.
+``fxquant::quantize_reference(...)``
+    The same, always with the reference (any device, Triton registered or not). Compiled graphs reach it
+    through ``fxquant.lowering`` (``kernels="reference"``), which also lowers ``fxquant::quantize`` into
+    fusable ATen ops for Inductor (``kernels="inductor"``).
 """
 from __future__ import annotations
 
@@ -40,6 +44,15 @@ def _quantize_backward(ctx, grad: torch.Tensor):
 
 
 quantize.register_autograd(_quantize_backward, setup_context=_quantize_setup_context)
+
+
+@torch.library.custom_op("fxquant::quantize_reference", mutates_args=())
+def quantize_reference(x: torch.Tensor, qspec: str, dim: int, seed: int | None = None) -> torch.Tensor:
+    """``fxquant::quantize`` pinned to the pure-torch reference on every device (``kernels="reference"``)."""
+    return parse_qspec(qspec).quantize(x, dim, seed=seed)
+
+
+quantize_reference.register_fake(_quantize_fake)
 
 
 def quantize_tensor(x: torch.Tensor, tq: TensorQuant | None, dim: int = -1, seed: int | None = None) -> torch.Tensor:

@@ -13,6 +13,8 @@ import importlib
 import os
 import sys
 
+from fxquant.lowering import Kernels
+
 
 def _load_factory(spec: str):
     module_name, sep, attr = spec.partition(":")
@@ -39,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"--model {args.model!r} returned {type(model).__name__}, not an nn.Module")
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq_len))
-    print(fxquant.explain(model, tokens, scheme=args.scheme))
+    print(fxquant.explain(model, tokens, scheme=args.scheme, kernels=args.kernels, backend=args.backend))
     return 0
 
 
@@ -51,4 +53,8 @@ def register(subparsers) -> None:
     p.add_argument("--seq-len", type=int, default=16)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--vocab", type=int, default=128)
+    p.add_argument("--kernels", default="auto", choices=[k.value for k in Kernels],
+                   help="quantize implementation to report, as fxquant.compile(kernels=...) (default: %(default)s)")
+    p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager", "eager"],
+                   help="compile backend the report assumes (default: %(default)s)")
     p.set_defaults(func=run)

@@ -43,14 +43,22 @@ def mul_pow2(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 
 def fdiv(a: torch.Tensor, b: float | torch.Tensor) -> torch.Tensor:
-    """IEEE float32 division ``a / b`` (correctly rounded) on every device.
+    """The IEEE float32 quotient ``a / b`` (correctly rounded) for float32 ``a`` and ``b``, on every device and
+    under every compiler.
 
-    On CUDA, PyTorch turns a division by a Python scalar into a multiplication by its reciprocal, which
-    can be off by one bit; dividing by a tensor keeps the correctly rounded division.
+    Computed as a float64 division rounded to float32: double rounding is innocuous for division when the
+    wide format has at least 2p + 2 bits (53 >= 2 * 24 + 2), so this equals the float32 division. It stays
+    exact where a backend rewrites divisions: CUDA's default float32 ``/`` is approximate (Triton's
+    ``div.full.f32``), and Inductor on CUDA multiplies by the reciprocal of a constant divisor. For the
+    constant divisors fxquant uses (element max normals 448, 57344, 28, 7.5, 6, 127/64 and NVFP4's 2688
+    and 6, each o * 2**j with an odd o <= 127), a float64 product with the rounded reciprocal lies within
+    2**-52 relative of the exact quotient, while a quotient that is not itself a float32 midpoint (it never
+    is: A / o is dyadic only when o divides A) lies at least 2**-32 relative from one, so rounding to
+    float32 gives the same value (``tests/test_formats_lowering.py`` checks both forms).
     """
-    if not isinstance(b, torch.Tensor):
-        b = torch.full_like(a, b)
-    return a / b
+    if isinstance(b, torch.Tensor):
+        b = b.to(torch.float64)
+    return (a.to(torch.float64) / b).to(torch.float32)
 
 
 def round_integer(r: torch.Tensor, rounding: str, u: torch.Tensor | None) -> torch.Tensor:
@@ -73,23 +81,24 @@ def round_integer(r: torch.Tensor, rounding: str, u: torch.Tensor | None) -> tor
         up = u < frac
     else:  # pragma: no cover - guarded by option validation
         raise ValueError(f"unknown rounding {rounding!r}")
-    return fl.add_(up)  # fl is a fresh tensor: add the bool in place (no separate cast pass)
+    return fl + up  # out of place: compilers trace this function (fxquant.lowering)
 
 
-def _mix32(h: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (three xorshift-multiply rounds) on int64 tensors holding uint32 values."""
+def _mix32(h):
+    """A 32-bit integer hash (three xorshift-multiply rounds) on uint32 values held in Python ints or int64
+    tensors (the same operators, so both give the same numbers)."""
     h = ((h >> 16) ^ h) * _HASH_MUL & MASK32
     h = ((h >> 16) ^ h) * _HASH_MUL & MASK32
     return (h >> 16) ^ h
 
 
-def seed_key(seed: int) -> int:
-    """The per-call hash key derived from a user seed (any Python int)."""
-    s = torch.tensor([seed & MASK32], dtype=torch.int64)
-    return int(_mix32(s ^ ((seed >> 32) & MASK32)).item())
+def seed_key(seed: int | torch.Tensor) -> int | torch.Tensor:
+    """The per-call hash key derived from a seed: a Python int (any), or a 0-dim int64 tensor holding a
+    non-negative value (a seed drawn inside a compiled graph; no host sync)."""
+    return _mix32((seed & MASK32) ^ ((seed >> 32) & MASK32))
 
 
-def uniforms(numel: int, seed: int, device: torch.device, offset: int = 0) -> torch.Tensor:
+def uniforms(numel: int, seed: int | torch.Tensor, device: torch.device, offset: int = 0) -> torch.Tensor:
     """Counter-based uniforms in (0, 1) for element indices offset..offset+numel-1, reproducible from ``seed``.
 
     u_i = (2 * (h_i >> 9) + 1) * 2**-24 with h_i = mix(mix((i mod 2**32) ^ key) ^ (i >> 32)): 23 random

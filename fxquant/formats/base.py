@@ -120,10 +120,12 @@ class Format(abc.ABC):
     # -- the reference -------------------------------------------------------------------------------------
     @abc.abstractmethod
     def _quantize_canonical(
-        self, x2: torch.Tensor, opts: QuantOptions, seed: int, *, ctx: object = None, offset: int = 0
+        self, x2: torch.Tensor, opts: QuantOptions, seed: int, *, ctx: object = None, offset: int = 0,
+        out_dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
-        """Fake-quantize ``[rows, L]``; returns float32 of the same shape. For a slab of a larger tensor,
-        ``ctx`` is ``_tensor_context`` of the whole tensor and ``offset`` the slab's first flat index."""
+        """Fake-quantize ``[rows, L]``; returns ``out_dtype`` (float32 values cast with ``Tensor.to``) of the same
+        shape. For a slab of a larger tensor, ``ctx`` is ``_tensor_context`` of the whole tensor and ``offset``
+        the slab's first flat index. Block formats cast before un-blocking, so a compiler keeps one loop nest."""
 
     def _tensor_context(self, x2: torch.Tensor, opts: QuantOptions) -> object:
         """What depends on the whole tensor (NVFP4's amax, a per-tensor scale), computed once; None if nothing."""
@@ -180,6 +182,24 @@ class Format(abc.ABC):
             return x.clone()
         y = self._quantize_rows(to_canonical(x, d, self.canonical_float32), opts, seed_, x.dtype)
         return restore_layout(y, x.shape, d, x.dtype)
+
+    def quantize_traceable(self, x: torch.Tensor, dim: int, opts: QuantOptions, seed: int | torch.Tensor) -> torch.Tensor:
+        """``quantize`` for compilers: the same arithmetic over the whole tensor, as plain ATen ops.
+
+        No slab loop, no data-dependent Python control flow and no host sync, so torch.compile can trace it
+        and Inductor fuse it (``fxquant.lowering``). ``opts`` are resolved; ``seed`` is a Python int or a 0-dim
+        int64 tensor (a seed drawn inside the graph). The result equals ``quantize`` bit for bit; its layout is
+        whatever the arithmetic gives (not forced contiguous), so a consumer may fuse the layout change.
+        """
+        d = check_tensor(x, dim)
+        if x.numel() == 0:
+            return x.clone()
+        y = self._quantize_canonical(to_canonical(x, d, self.canonical_float32), opts, seed, out_dtype=x.dtype)
+        if x.dim() == 0:
+            return y.reshape(())
+        moved = list(x.shape)
+        moved.append(moved.pop(d))
+        return y.reshape(moved).movedim(-1, d)
 
     def encode(
         self,

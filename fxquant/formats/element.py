@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from fxquant.formats._bits import frexp_bits, mul_pow2, pow2, round_integer
 
@@ -50,16 +51,18 @@ class ElementSpec:
         Each factor is stored as a product of two normal float32 powers of two (A * B), so every
         multiplication is exact whatever the device does with subnormal operands.
         """
-        fields = torch.arange(256, dtype=torch.int32)
-        e = torch.clamp(fields - 127, self.emin, self.emax + 1)
-        m = torch.as_tensor(self.mantissa_bits(e), dtype=torch.int32).expand_as(e)
+        with _disable_current_modes():  # plain numbers, also when called while a compiler traces
+            fields = torch.arange(256, dtype=torch.int32)
+            e = torch.clamp(fields - 127, self.emin, self.emax + 1)
+            m = torch.as_tensor(self.mantissa_bits(e), dtype=torch.int32).expand_as(e)
+            m_minus_e, e_minus_m = (m - e).tolist(), (e - m).tolist()
 
         def split(ks: list[int]) -> tuple[list[float], list[float]]:
             a = [k if -126 <= k <= 127 else k // 2 for k in ks]
             return [2.0**x for x in a], [2.0 ** (k - x) for k, x in zip(ks, a)]
 
-        to_a, to_b = split((m - e).tolist())
-        from_a, from_b = split((e - m).tolist())
+        to_a, to_b = split(m_minus_e)
+        from_a, from_b = split(e_minus_m)
         return to_a, to_b, from_a, from_b
 
     def factors_are_normal(self) -> bool:
@@ -75,10 +78,12 @@ class ElementSpec:
         tables = _FACTORS.get(key)
         if tables is None:
             to_a, to_b, from_a, from_b = self.grid_factors()
-            tables = tuple(
-                None if all(v == 1.0 for v in t) else torch.tensor(t, dtype=torch.float32, device=device)
-                for t in (to_a, to_b, from_a, from_b)
-            )
+            # Built outside any tracing mode (fake tensors, make_fx): the cached tables are real constants.
+            with _disable_current_modes():
+                tables = tuple(
+                    None if all(v == 1.0 for v in t) else torch.tensor(t, dtype=torch.float32, device=device)
+                    for t in (to_a, to_b, from_a, from_b)
+                )
             _FACTORS[key] = tables
         return tables
 

@@ -103,12 +103,12 @@ class MXFormat(Format):
             u = blocks(u, self.block_size)
         return self.element.quantize(scaled, opts.rounding.value, True, u, finite=True)
 
-    def _quantize_canonical(self, x2, opts, seed, *, ctx=None, offset=0):
+    def _quantize_canonical(self, x2, opts, seed, *, ctx=None, offset=0, out_dtype=torch.float32):
         xb, s, bad = self._scales(x2, opts)
         p = self._elements(xb, s, bad, opts, seed, x2.shape[1], offset)
         scale = mul_pow2(torch.ones_like(s, dtype=torch.float32), s)
         y = p * torch.where(bad, float("nan"), scale).unsqueeze(-1)
-        return unblock(y, x2.shape[1])
+        return unblock(y.to(out_dtype), x2.shape[1])
 
     def _encode_canonical(self, x2, opts, seed):
         xb, s, bad = self._scales(x2, opts)

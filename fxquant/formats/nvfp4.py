@@ -66,12 +66,12 @@ class NVFP4Format(Format):
         v = torch.clamp(xb * inv.unsqueeze(-1), -6.0, 6.0)
         return E2M1.quantize(v, opts.rounding.value, True, u, finite=True)
 
-    def _quantize_canonical(self, x2, opts, seed, *, ctx=None, offset=0):
+    def _quantize_canonical(self, x2, opts, seed, *, ctx=None, offset=0, out_dtype=torch.float32):
         xb, g, b, inv, zero, bad = self._scales(x2, ctx)
         p = self._elements(xb, inv, opts, seed, x2.shape[1], offset)
         y = p * (g * b).unsqueeze(-1)
         y = torch.where(zero, 0.0, torch.where(bad, float("nan"), y))
-        return unblock(y, x2.shape[1])
+        return unblock(y.to(out_dtype), x2.shape[1])
 
     def _encode_canonical(self, x2, opts, seed):
         xb, g, b, inv, zero, bad = self._scales(x2)

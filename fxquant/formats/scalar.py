@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import math
+
+import numpy as np
 import torch
 
 from fxquant.formats._bits import frexp_bits, mul_pow2
@@ -23,7 +26,8 @@ def tensor_scale_exponent(x2: torch.Tensor, target: float) -> torch.Tensor:
     ok = torch.isfinite(amax) & (amax > 0)
     a = torch.where(ok, amax, 1.0)
     ea, ma = frexp_bits(a)
-    et, mt = frexp_bits(torch.tensor(target, dtype=torch.float32, device=x2.device))
+    mt, et = math.frexp(float(np.float32(target)))  # the float32 target = mt * 2**et, mt in [0.5, 1)
+    et, mt = et - 1, mt * 2.0  # as frexp_bits: mantissa in [1, 2)
     k = et - ea - (ma > mt).to(torch.int32)
     return torch.where(ok, torch.clamp(k, -126, 126), 0).to(torch.int32)
 
@@ -74,13 +78,13 @@ class ElementFormat(Format):
     def _tensor_context(self, x2, opts):
         return self._scale(x2, opts)
 
-    def _quantize_canonical(self, x2, opts, seed, *, ctx=None, offset=0):
+    def _quantize_canonical(self, x2, opts, seed, *, ctx=None, offset=0, out_dtype=torch.float32):
         u = draw_uniforms(opts.rounding, seed, x2.shape, x2.device, offset)
         k = ctx if ctx is not None else self._scale(x2, opts)
         x2 = x2.to(torch.float32)
         v = x2 if k is None else mul_pow2(x2, k)
         q = self.element.quantize(v, opts.rounding.value, opts.saturate, u)
-        return q if k is None else mul_pow2(q, -k)
+        return (q if k is None else mul_pow2(q, -k)).to(out_dtype)
 
     def _encode_canonical(self, x2, opts, seed):
         u = draw_uniforms(opts.rounding, seed, x2.shape, x2.device)

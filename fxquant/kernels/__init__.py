@@ -21,9 +21,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["available", "quantize", "register", "restore_reference"]
+__all__ = ["available", "quantize", "register", "registered", "restore_reference"]
 
 DEVICES = ("cuda", "cpu")
+_TRITON_DEVICES: set[str] = set()  # devices whose fxquant::quantize implementation is the Triton kernels
 
 
 def available() -> bool:
@@ -84,7 +85,14 @@ def register(device: str = "cuda") -> None:
     import fxquant.ops  # noqa: F401  (defines the op)
 
     torch.library.register_kernel("fxquant::quantize", device, _quantize_op_impl)
+    _TRITON_DEVICES.add(device)
     log.debug("registered the Triton implementation of fxquant::quantize for %s", device)
+
+
+def registered(device: str) -> bool:
+    """Whether ``fxquant::quantize`` runs the Triton kernels on ``device`` ("cuda" or "cpu")."""
+    _check_device_name(device)
+    return device in _TRITON_DEVICES
 
 
 def restore_reference(device: str) -> None:
@@ -93,6 +101,7 @@ def restore_reference(device: str) -> None:
     import fxquant.ops  # noqa: F401  (defines the op)
 
     torch.library.register_kernel("fxquant::quantize", device, _reference_op_impl)
+    _TRITON_DEVICES.discard(device)
     log.debug("fxquant::quantize on %s runs the reference again", device)
 
 

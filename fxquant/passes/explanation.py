@@ -45,6 +45,7 @@ class Explanation:
     unmatched: list[UnmatchedOp]
     graphs: int
     unmatched_rules: list[UnmatchedRule]
+    kernels: str = ""  # the quantize implementation compile would use, described (fxquant.lowering)
 
     @property
     def selected(self) -> list[SiteMeta]:
@@ -67,6 +68,8 @@ class Explanation:
         n_sel = len(self.selected)
         lines = [f"scheme {self.scheme.name}: {len(self.sites)} sites matched, {n_sel} quantized; "
                  f"{len(self.unmatched)} matmul-like ops unmatched; {self.graphs} graph(s)"]
+        if self.kernels:
+            lines.append(f"quantize kernels: {self.kernels}")
         lines.append(tabulate(self.rows(), headers=["module", "layer", "kind", "op", "gemm", "operands"]))
         if self.unmatched:
             lines.append("\nunmatched matmul-like ops (high precision):")

@@ -1,0 +1,201 @@
+"""Quantized training step vs the plain compiled step: fxquant.compile presets, the opaque-op baseline and
+eager fake-quant, round-robin in one process; prints a table and writes JSON.
+
+Models (``--models``): ``torch`` is a Llama-style ``nn.Module`` (tests.models: RMSNorm, RoPE, GQA SDPA,
+SwiGLU; nn.Linear + F.scaled_dot_product_attention); ``megatron`` is a Megatron-core GPTModel (single
+process, local gloo group; Column/RowParallelLinear, SDPA core attention). Both: ``--dim`` 512, 2 layers,
+8 heads, SwiGLU hidden ``--ffn`` 1376, vocabulary ``--vocab`` 8192, batch x seq = 2 x 256 tokens, float32,
+forward + backward (the gradient zeroing and the loss included), Inductor.
+
+Variants per model, each on its own copy of the same weights:
+  plain            torch.compile(model) (Inductor), the 1.0x reference
+  <preset>         fxquant.compile(model, preset) with kernels="auto" (on CPU: the Inductor lowering)
+  <preset> [ref]   the same with kernels="reference": the quantize op opaque, the eager reference per operand
+  <preset> [eager] fxquant.compile(..., backend="eager"): the rewritten graph run op by op by the Python
+                   interpreter, the reference per operand: eager fake-quant at equal work, no compiler
+Timing: every variant is built and warmed up (its first call, the compile, is reported as ``compile_s``
+with a cold Inductor cache directory per process), then ``--rounds`` rounds each time one step of every
+variant in turn; a variant's figure is the median over rounds of its step time divided by plain's in the
+same round. Targets (issue 12, 2-core CPU, hidden 512): linear_mxfp8 <= 1.3x, linear_hifp8 <= 1.4x,
+FA_linear_mxfp8 <= 1.6x, linear_mxfp4 / linear_nvfp4 <= 1.5x, every preset >= 2x faster than eager; compile
+time <= 1.5x plain's.
+
+    python benchmarks/bench_step.py --json benchmarks/results/bench_step_cpu.json
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tabulate import tabulate
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import fxquant  # noqa: E402
+from bench_formats import device_name  # noqa: E402
+from tests.models import make_llama, next_token_loss  # noqa: E402
+
+PRESETS = ("linear_mxfp8", "linear_hifp8", "FA_linear_mxfp8", "linear_mxfp4", "linear_nvfp4")
+TARGETS = {"linear_mxfp8": 1.3, "linear_hifp8": 1.4, "FA_linear_mxfp8": 1.6, "linear_mxfp4": 1.5, "linear_nvfp4": 1.5}
+MODELS = ("torch", "megatron")
+
+
+class Variant:
+    """One way of running the step: a callable doing forward + backward + zero_grad, and its timings."""
+
+    def __init__(self, label: str, preset: str | None, step: Callable[[], None]) -> None:
+        self.label, self.preset, self.step = label, preset, step
+        self.compile_s = 0.0
+        self.times: list[float] = []
+
+    def warm_up(self) -> None:
+        t0 = time.perf_counter()
+        self.step()
+        self.compile_s = time.perf_counter() - t0
+        self.step()
+
+    def time_once(self) -> float:
+        t0 = time.perf_counter()
+        self.step()
+        s = time.perf_counter() - t0
+        self.times.append(s)
+        return s
+
+
+def torch_model(args):
+    """(make_model, step_of(module)) for the plain PyTorch Llama."""
+    cfg = dict(dim=args.dim, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.heads, hidden_dim=args.ffn,
+               vocab_size=args.vocab, max_seq_len=args.seq)
+    base = make_llama(**cfg)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+
+    def step_of(module, model):
+        def step():
+            next_token_loss(module(tokens), tokens).backward()
+            model.zero_grad(set_to_none=True)
+        return step
+
+    return lambda: copy.deepcopy(base), step_of
+
+
+def megatron_model(args):
+    """(make_model, step_of(module)) for a Megatron-core GPTModel in one process."""
+    from fxquant.megatron_glue import parallel
+    from fxquant.megatron_glue.config import tiny_llama_config
+    from fxquant.megatron_glue.graph_breaks import traceable_megatron
+    from fxquant.megatron_glue.model import build_gpt_model, causal_attention_mask, position_ids
+
+    parallel.initialize_parallel()
+    cfg = tiny_llama_config(num_layers=args.layers, hidden_size=args.dim, ffn_hidden_size=args.ffn,
+                            num_attention_heads=args.heads, num_query_groups=args.heads, vocab_size=args.vocab,
+                            max_position_embeddings=args.seq)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    pos, mask = position_ids(args.batch, args.seq), causal_attention_mask(args.seq)
+
+    def step_of(module, model):
+        def step():
+            with traceable_megatron():
+                loss = module(ids, pos, mask, labels=ids).mean()
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+        return step
+
+    return lambda: build_gpt_model(cfg, attention="sdpa", seed=7), step_of  # same seed: same weights
+
+
+def variants(args, make_model, step_of) -> list[Variant]:
+    out = []
+
+    def add(label, preset, wrap):
+        model = make_model()
+        out.append(Variant(label, preset, step_of(wrap(model), model)))
+
+    add("plain torch.compile", None, lambda m: torch.compile(m))
+    for preset in args.presets:
+        add(preset, preset, lambda m, p=preset: fxquant.compile(m, p))
+    for preset in args.reference:
+        add(f"{preset} [ref]", preset, lambda m, p=preset: fxquant.compile(m, p, kernels="reference"))
+    for preset in args.eager:
+        add(f"{preset} [eager]", preset, lambda m, p=preset: fxquant.compile(m, p, backend="eager"))
+    return out
+
+
+def run_model(name: str, args) -> list[dict]:
+    make_model, step_of = (torch_model if name == "torch" else megatron_model)(args)
+    vs = variants(args, make_model, step_of)
+    for v in vs:
+        v.warm_up()
+        print(f"  {name}: {v.label} compiled in {v.compile_s:.1f} s", file=sys.stderr, flush=True)
+    ratios: dict[str, list[float]] = {v.label: [] for v in vs}
+    for r in range(args.rounds):
+        plain_s = vs[0].time_once()
+        for v in vs[1:]:
+            ratios[v.label].append(v.time_once() / plain_s)
+        print(f"  {name}: round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    plain = vs[0]
+    eager_ms = {v.preset: statistics.median(v.times) * 1e3 for v in vs if v.label.endswith("[eager]")}
+    rows = []
+    for v in vs:
+        ms = statistics.median(v.times) * 1e3
+        x_plain = 1.0 if v is plain else statistics.median(ratios[v.label])
+        target = TARGETS.get(v.label)
+        rows.append({
+            "model": name, "variant": v.label, "step_ms": ms, "min_ms": min(v.times) * 1e3, "x_plain": x_plain,
+            "target": target, "meets": None if target is None else x_plain <= target,
+            "eager_over_this": (eager_ms[v.preset] / ms) if v.preset in eager_ms and v.preset == v.label else None,
+            "compile_s": v.compile_s, "compile_x_plain": v.compile_s / plain.compile_s,
+        })
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="torch,megatron", help=f"comma-separated subset of {','.join(MODELS)}")
+    p.add_argument("--presets", default=",".join(PRESETS), help="fxquant presets (kernels='auto'), comma-separated")
+    p.add_argument("--reference", default="linear_mxfp8", help="presets also run with kernels='reference' ('' for none)")
+    p.add_argument("--eager", default=",".join(PRESETS), help="presets also run eagerly (backend='eager'; '' for none)")
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--ffn", type=int, default=1376)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--json", default=None, help="write the rows and the environment here")
+    args = p.parse_args(argv)
+    split = lambda s: [x for x in s.split(",") if x]  # noqa: E731
+    args.presets, args.reference, args.eager = split(args.presets), split(args.reference), split(args.eager)
+    models = split(args.models)
+    bad = [m for m in models if m not in MODELS]
+    if bad:
+        p.error(f"--models: unknown {bad}; choose from {list(MODELS)}")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="bench_step_inductor_"))
+    torch._dynamo.config.cache_size_limit = 64  # one code object, many compiled copies
+    torch._dynamo.config.accumulated_cache_size_limit = 512
+    rows = []
+    for name in models:
+        rows += run_model(name, args)
+    cols = ["model", "variant", "step_ms", "x_plain", "target", "meets", "eager_over_this", "compile_s", "compile_x_plain"]
+    print(tabulate([[r[c] for c in cols] for r in rows], headers=cols, floatfmt=".2f"))
+    if args.json:
+        env = {"device": device_name(torch.device("cpu")), "torch": torch.__version__,
+               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "argv": sys.argv[1:], "load_average": os.getloadavg()}
+        Path(args.json).write_text(json.dumps({"environment": env, "args": vars(args), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

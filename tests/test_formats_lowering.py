@@ -1,0 +1,190 @@
+"""``fxquant::quantize`` lowered for Inductor (``fxquant.lowering``, ``kernels="inductor"``) equals the
+reference bit for bit: every format, rounding mode, scale mode, saturation and tensor-scaling option, over
+every bf16 and fp16 bit pattern (NaN, Inf and subnormals included), boundary blocks, partial blocks, other
+dims, input dtypes and hypothesis-drawn values; plus the exactness arguments the lowering relies on.
+
+Inductor compiles one graph per test holding many quantize calls (C++ codegen on CPU), so the whole sweep
+costs a few compiles, not one per option.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fxquant.ops  # noqa: F401  (defines the op)
+from fxquant import formats, lowering
+from fxquant.formats._bits import fdiv, seed_key, uniforms
+from fxquant.formats.tensor_quant import TensorQuant
+from tests.bitwise import assert_bitwise_equal
+from tests.test_formats_exhaustive import every_pattern
+
+pytestmark = pytest.mark.slow
+
+ROUNDINGS = ("rne", "ta", "sr", "rz")
+MX = [n for n in formats.names() if n.startswith("mx")]
+SEED = 7
+
+
+def all_specs() -> list[str]:
+    """One spec per distinct arithmetic path of the reference (FORMATS.md options)."""
+    specs = [TensorQuant(f, rounding=r).spec() for f in MX + ["nvfp4"] for r in ROUNDINGS]
+    specs += [TensorQuant(f, scale_mode=m).spec() for f in MX for m in ("ceil", "rceil", "even")]
+    for f in ("hifp8", "fp8_e4m3", "fp8_e5m2", "bf16", "fp16"):
+        has_inf = formats.get(f).element.has_inf
+        for r in ROUNDINGS:
+            for sat in (True, False) if has_inf else (True,):
+                specs.append(TensorQuant(f, rounding=r, saturate=sat).spec())
+        if formats.get(f).allow_tensor_scaling:
+            specs.append(TensorQuant(f, scaling="tensor").spec())
+            specs.append(TensorQuant(f, scaling="tensor", scale_target=224.0, rounding="sr").spec())
+    return specs
+
+
+DEFAULT_SPECS = [TensorQuant(f).spec() for f in formats.names()] + [TensorQuant(f, rounding="sr").spec() for f in formats.names()]
+
+
+def _lowered(specs: list[str], dim: int = -1, dynamic: bool = False):
+    """One Inductor-compiled function returning every spec's quantization of its input (the lowering)."""
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.ops.fxquant.quantize(x, s, dim, SEED) for s in specs)
+
+    return torch.compile(fn, backend=lowering.inductor_backend, dynamic=dynamic)
+
+
+def _check(specs: list[str], got: tuple, x: torch.Tensor, dim: int = -1) -> None:
+    for spec, y in zip(specs, got):
+        want = TensorQuant.from_spec(spec).quantize(x, dim, seed=SEED)
+        assert_bitwise_equal(y, want, f"{spec} dim={dim} {x.dtype} {tuple(x.shape)}:")
+
+
+def boundary_rows(length: int) -> torch.Tensor:
+    """Blocks that exercise the scale rules: zero, tiny (scale clamped at 2**-127), power-of-two amax and its
+    neighbours (floor/ceil/rceil/even differ there), near each element's max normal, huge (scale > 127)."""
+    rows = [torch.zeros(length)]
+    for amax in (2.0**-140, 2.0**-130, 2.0**-120, 1.0, 1.0 + 2**-23, 2.0 - 2**-23, 448.0, 448.0 * (1 + 2**-23), 447.99,
+                 57344.0, 28.0, 7.5, 6.0, 1.984375, 32768.0, 40960.0, 2.0**126, 3.0e38):
+        ramp = torch.linspace(-1.0, 1.0, length) * amax
+        ramp[length // 3] = amax
+        rows.append(ramp)
+    return torch.stack(rows)
+
+
+def patterns(dtype: torch.dtype, length: int = 100) -> torch.Tensor:
+    """Every bit pattern of ``dtype`` (a 16-bit float), shuffled into rows of ``length`` (not a multiple of 32 or 16:
+    every row ends in a short block), followed by the boundary rows; float32."""
+    x = every_pattern(dtype)
+    x = x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(0))]
+    rows = x.numel() // length
+    return torch.cat([x[: rows * length].reshape(rows, length), boundary_rows(length)])
+
+
+def finite(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with non-finite values zeroed: NVFP4 and tensor scaling then see a finite tensor amax."""
+    return torch.where(torch.isfinite(x), x, 0.0)
+
+
+@pytest.mark.parametrize("source", ["bfloat16", "float16"])
+def test_every_option_on_every_pattern_float32(source):
+    specs = all_specs()
+    x = patterns(getattr(torch, source))
+    fn = _lowered(specs)
+    for data in (x, finite(x)):
+        _check(specs, fn(data), data)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_defaults_and_sr_in_half_precision_inputs(dtype):
+    x = patterns(dtype).to(dtype)
+    fn = _lowered(DEFAULT_SPECS)
+    for data in (x, finite(x)):
+        _check(DEFAULT_SPECS, fn(data), data)
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_other_dims_with_partial_blocks(dim):
+    """Blocks along a non-last dim of a 3-D tensor, its length (37) not a multiple of the block."""
+    specs = [TensorQuant(f).spec() for f in MX + ["nvfp4"]] + [TensorQuant("mxfp8_e4m3", rounding="sr").spec()]
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 37, 8, generator=g) * torch.pow(10.0, torch.empty(37, 37, 8).uniform_(-6, 6, generator=g))
+    _check(specs, _lowered(specs, dim)(x), x, dim)
+
+
+HYPOTHESIS_SPECS = [TensorQuant("mxfp8_e4m3").spec(), TensorQuant("mxfp4_e2m1", rounding="sr").spec(),
+                    TensorQuant("nvfp4").spec(), TensorQuant("hifp8").spec(),
+                    TensorQuant("fp8_e5m2", scaling="tensor").spec()]
+_HYPOTHESIS_FN = []
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=st.integers(1, 9), length=st.integers(1, 80), lo=st.integers(-30, 0), hi=st.integers(0, 30),
+       seed=st.integers(0, 2**31 - 1))
+def test_hypothesis_values_and_shapes(rows, length, lo, hi, seed):
+    """Random magnitudes and shapes through one dynamic-shape compile (no recompile per shape)."""
+    if not _HYPOTHESIS_FN:
+        _HYPOTHESIS_FN.append(_lowered(HYPOTHESIS_SPECS, dynamic=True))
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, length, generator=g) * torch.pow(2.0, torch.empty(rows, length).uniform_(lo, hi, generator=g))
+    _check(HYPOTHESIS_SPECS, _HYPOTHESIS_FN[0](x), x)
+
+
+def test_sr_without_a_seed_draws_inside_the_graph_and_is_unbiased():
+    """seed=None: a fresh seed per call, drawn in the graph (no host sync); the mean of many roundings of a
+    value between two grid points tends to the value (FORMATS.md: stochastic rounding is unbiased).
+
+    Every element is 1.03125 = 264 * 2**-8: the MX floor scale is 2**-8, E4M3's grid around 264 is
+    256, 288, so each element becomes 1.0 or 1.125, the latter with probability 8 / 32."""
+    spec = TensorQuant("mxfp8_e4m3", rounding="sr").spec()
+    fn = torch.compile(lambda x: torch.ops.fxquant.quantize(x, spec, -1, None), backend=lowering.inductor_backend)
+    x = torch.full((64, 64), 1.03125)
+    draws = torch.stack([fn(x) for _ in range(8)])
+    assert not torch.equal(draws[0], draws[1]), "two calls drew the same stochastic rounding"
+    assert bool(((draws == 1.0) | (draws == 1.125)).all()), "SR must land on a neighbouring grid point"
+    assert abs(float(draws.mean()) - 1.03125) < 2e-3  # std of the mean ~3e-4
+
+
+def test_tensor_seeds_give_the_reference_uniforms():
+    """The in-graph seed path (a 0-dim int64 tensor) hashes exactly as the Python-int path."""
+    for seed in (0, 1, 7, 2**40 + 3, 2**62 - 1):
+        assert int(seed_key(torch.tensor(seed, dtype=torch.int64))) == seed_key(seed)
+        assert torch.equal(uniforms(1000, torch.tensor(seed, dtype=torch.int64), torch.device("cpu"), 17),
+                           uniforms(1000, seed, torch.device("cpu"), 17))
+
+
+DIVISORS = (448.0, 57344.0, 28.0, 7.5, 6.0, 127 / 64, 2688.0)
+
+
+def test_fdiv_equals_float32_division_and_survives_reciprocal_rewrites():
+    """fdiv (float64 division rounded to float32) == IEEE float32 division (CPU eager); and the float64 product
+    with a rounded reciprocal, which Inductor on CUDA emits for constant divisors, gives the same float32."""
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(0, 0x7F800000, (1 << 20,), generator=g, dtype=torch.int32)
+    a = torch.cat([bits.view(torch.float32), every_pattern(torch.bfloat16).abs(), torch.tensor([0.0, 2.0**-149])])
+    a = a[torch.isfinite(a)]
+    for c in DIVISORS:
+        want = a / torch.tensor(c, dtype=torch.float32)
+        assert_bitwise_equal(fdiv(a, c), want, f"fdiv by {c}:")
+        assert_bitwise_equal((a.double() * (1.0 / c)).float(), want, f"reciprocal of {c}:")
+    b = torch.randint(1, 0x7F800000, (1 << 20,), generator=g, dtype=torch.int32).view(torch.float32)
+    assert_bitwise_equal(fdiv(a[: b.numel()], b[: a.numel()]), a[: b.numel()] / b[: a.numel()], "tensor divisor:")
+
+
+def test_lowered_graph_has_no_quantize_call_and_fuses_each_operand():
+    """Inductor's code for a quantized linear forward calls no fxquant op: the quantizes are generated kernels."""
+    from torch._inductor.utils import run_and_get_code
+
+    spec = TensorQuant("mxfp8_e4m3").spec()
+
+    def f(x, w):
+        xq = torch.ops.fxquant.quantize(torch.relu(x), spec, -1, None)
+        return torch.mm(xq, torch.ops.fxquant.quantize(w, spec, 0, None))
+
+    x, w = torch.randn(64, 96), torch.randn(96, 48)
+    out, codes = run_and_get_code(torch.compile(f, backend=lowering.inductor_backend), x, w)
+    code = "\n".join(codes)
+    assert "torch.ops.fxquant" not in code
+    assert code.count("cpp_pybinding(") == 2  # relu + quantize(x) in one kernel, quantize(w) in another
+    want = torch.mm(TensorQuant("mxfp8_e4m3").quantize(torch.relu(x), -1), TensorQuant("mxfp8_e4m3").quantize(w, 0))
+    assert_bitwise_equal(out, want, "lowered linear:")
