@@ -94,6 +94,13 @@ class OptimConfig:
             raise ValueError(f"warmup_iters and clip_grad must be >= 0, got {self.warmup_iters}, {self.clip_grad}")
 
 
+def warmup_for(optim: OptimConfig, train_iters: int) -> int:
+    """The warm-up a run of `train_iters` iterations uses: `optim.warmup_iters`, clipped to `train_iters - 1`
+    (Megatron's scheduler trains iteration 1 at lr 0 during warm-up; a warm-up as long as the run never
+    reaches the peak lr)."""
+    return max(0, min(optim.warmup_iters, train_iters - 1))
+
+
 class CompileBackend(enum.Enum):
     INDUCTOR = "inductor"
     AOT_EAGER = "aot_eager"
