@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 # Modules of fxquant.cli that provide verbs; add a new verb by adding its module here.
@@ -16,10 +17,26 @@ _VERB_MODULES: tuple[str, ...] = ("formats_cmd", "prepare_data_cmd", "check_spec
                                   "collect_cmd", "draw_cmd")
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help line shows its default: ``(default: X)`` is appended unless the help already says
+    what the default is, or there is none to show (a required option, a flag, an unset optional value)."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, width=100, max_help_position=34)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or action.required or action.default in (None, False, argparse.SUPPRESS)
+                or not action.option_strings):
+            return text
+        return text + " (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fxquant",
         description="Quantized-GEMM emulation, tensor capture and analysis for low-precision training research.",
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
@@ -27,6 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
     for name in _VERB_MODULES:
         importlib.import_module(f"{__name__}.{name}").register(sub)
     return parser
+
+
+def quiet_broken_pipe() -> int:
+    """Exit status after the reader of stdout went away (`fxquant capture ls DIR --records | head`): stdout is
+    pointed at /dev/null so the interpreter's final flush does not fail again; 141 = 128 + SIGPIPE, what a
+    command killed by the signal reports."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 141
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError) as exc:
         print(f"fxquant {args.verb}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        return quiet_broken_pipe()
 
 
 if __name__ == "__main__":
