@@ -178,7 +178,7 @@ def cmd_matrix(args) -> int:
     return 1 if failed else 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m experiments", description=__doc__, formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("list", help="models, configs, datasets, schemes", formatter_class=HelpFormatter).set_defaults(func=cmd_list)
@@ -203,9 +203,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="print each run's torchrun command; start and write nothing")
     _common(matrix)
     matrix.set_defaults(func=cmd_matrix)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not at the interpreter's exit
+        return status
     except (ValueError, TypeError, FileNotFoundError) as exc:
         print(f"experiments {args.cmd}: error: {exc}", file=sys.stderr)
         return 2

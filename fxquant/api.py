@@ -235,5 +235,6 @@ def explain(model: nn.Module, *example_args: object, scheme: str | Path | Scheme
     fx_backend.raise_pending()
     sites, unmatched = fx_backend.current_sites(), fx_backend.unmatched_ops()
     checks.check_model_has_sites(sites, unmatched, type(model).__name__)
+    checks.check_rules_match(resolved, sites)  # as compile: a rule with a selector must match a site
     graphs = len(fx_backend.reports)
     return Explanation(resolved, copy.copy(sites), unmatched, graphs, resolved.unmatched_rules([s.site for s in sites]))

@@ -20,7 +20,7 @@ import torch
 from torch import fx, nn
 
 from fxquant.passes import GraphReport, LayerNumbering, ModuleNames, run_passes
-from fxquant.passes.strict import QuantizationError, failed_sites, report
+from fxquant.passes.strict import QuantizationError, failed_sites, possible_sites, report, unmatched_rule_error
 from fxquant.schemes.scheme import Scheme
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ class FxquantBackend:
         self.inner = Inner(inner)
         self.strict = strict
         self.dry_run = dry_run
+        self.root = root
         self.names = ModuleNames(root)
         self.layers = layers if layers is not None else LayerNumbering.of_model(root)  # global layer indices
         self.reports: list[GraphReport] = []
@@ -59,8 +60,9 @@ class FxquantBackend:
         self._scheme_text = scheme_text(scheme)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> object:
-        # Dynamo wraps any exception raised here into BackendCompilerFailed; user errors (ValueError) and strict
-        # failures are kept in ``pending`` instead and raised by fxquant.compile's hook after the call.
+        # Dynamo wraps any exception raised here into BackendCompilerFailed. A user error (ValueError) is returned
+        # as a graph that raises it when called, so nothing of the graph runs; strict failures are kept in
+        # ``pending`` and raised by fxquant.compile's hook after the call.
         try:
             graph_report = run_passes(
                 gm, self.scheme, self.names, layers=self.layers, index=len(self.reports),
@@ -68,9 +70,12 @@ class FxquantBackend:
                 attention=self.attention,
             )
         except ValueError as exc:
-            self.pending.append(exc)
-            return self.compile_inner(gm, example_inputs)
+            return self.refusal(exc)
         self.reports.append(graph_report)
+        unmatched = self.unmatched_rules()
+        if unmatched is not None:
+            self.reports.pop()  # the graph never runs: nothing of it is checked again after the call
+            return self.refusal(unmatched)
         if self.capture is not None and not self.dry_run:
             from fxquant.passes.capture_taps import insert_capture_taps
 
@@ -83,6 +88,28 @@ class FxquantBackend:
         except QuantizationError as exc:
             self.pending.append(exc)
         return self.compile_inner(gm, example_inputs)
+
+    def unmatched_rules(self) -> ValueError | None:
+        """Scheme rules with a selector that match neither a site compiled so far nor any site a later graph
+        could show (``strict.possible_sites``): known before the graph that is compiling runs. Rules this
+        cannot rule out (e.g. ``kinds: [attention]`` on a model without attention) are caught after the call,
+        against the sites compiled (``CompileState._check_new_graphs``)."""
+        known = [s.site for s in self.current_sites()]
+        if self.root is not None:
+            known += possible_sites(self.root, self.layers)
+        return unmatched_rule_error(self.scheme, known)
+
+    def refusal(self, exc: ValueError):
+        """A compiled graph that raises ``exc`` instead of running (kept in ``pending`` too, for ``explain``,
+        whose example call may not reach the graph; raising it forgets it there)."""
+        self.pending.append(exc)
+
+        def refuse(*args: object) -> object:
+            if exc in self.pending:
+                self.pending.remove(exc)
+            raise exc
+
+        return refuse
 
     def raise_pending(self) -> None:
         """Raise the first error kept by ``__call__`` (and forget them all)."""

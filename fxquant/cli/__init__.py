@@ -13,8 +13,8 @@ import os
 import sys
 
 # Modules of fxquant.cli that provide verbs; add a new verb by adding its module here.
-_VERB_MODULES: tuple[str, ...] = ("formats_cmd", "prepare_data_cmd", "check_spec_cmd", "capture_cmd", "explain_cmd", "report_cmd",
-                                  "collect_cmd", "draw_cmd")
+_VERB_MODULES: tuple[str, ...] = ("formats_cmd", "schemes_cmd", "prepare_data_cmd", "check_spec_cmd", "capture_cmd",
+                                  "explain_cmd", "report_cmd", "collect_cmd", "draw_cmd")
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -26,7 +26,7 @@ class HelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if ("default" in text or action.required or action.default in (None, False, argparse.SUPPRESS)
+        if ("default" in text or action.required or action.default in (None, False, [], argparse.SUPPRESS)
                 or not action.option_strings):
             return text
         return text + " (default: %(default)s)"
@@ -43,7 +43,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     for name in _VERB_MODULES:
         importlib.import_module(f"{__name__}.{name}").register(sub)
+    _show_defaults(parser)
     return parser
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """HelpFormatter for every verb's (and sub-verb's) parser, so each help line shows its default."""
+    parser.formatter_class = HelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _show_defaults(sub)
 
 
 def quiet_broken_pipe() -> int:
@@ -61,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return int(args.func(args) or 0)
+        status = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, not at the interpreter's exit
+        return status
     except (ValueError, TypeError, FileNotFoundError) as exc:
         print(f"fxquant {args.verb}: error: {exc}", file=sys.stderr)
         return 2
