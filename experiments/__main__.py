@@ -97,7 +97,7 @@ def cmd_list(args) -> int:
     print()
     print("datasets:", ", ".join(f"{d.name} (${d.env})" if d.env else d.name for d in catalog.DATASETS.values()))
     print("predecessor schemes:", ", ".join(catalog.PREDECESSOR_SCHEMES))
-    print(f"all schemes ({len(catalog.scheme_names())}): see `fxquant explain` / fxquant.schemes.names()")
+    print(f"all schemes ({len(catalog.scheme_names())} presets, or a scheme YAML path): `fxquant schemes` lists them")
     return 0
 
 
