@@ -15,6 +15,7 @@ from experiments import catalog, compare
 from experiments.launcher import resolve, supervise
 from fxquant.capture import compat
 from fxquant.cli import HelpFormatter, quiet_broken_pipe
+from fxquant.cli.collect_cmd import scheme_for
 from fxquant.megatron_glue.config import AttentionKind
 from fxquant.megatron_glue.run_config import CompileBackend, capture_from_args
 
@@ -65,12 +66,18 @@ def _resolve(args, model, dataset, scheme, capture_per_run: bool = False):
 
 
 def _run_scheme(args) -> str:
-    """--scheme, else the predecessor's CUSTOM_QUANT_TYPE, else bf16; both given and different: refused."""
+    """--scheme; else the predecessor's CUSTOM_QUANT_TYPE (a quant type bf16/mxfp8/mxfp4/hifp8 means its
+    FA_linear_ scheme, as in `fxquant collect`; or a scheme name); else bf16. The flag wins over the
+    environment, as for the other predecessor controls, and the console says so."""
     env = os.environ.get(CUSTOM_QUANT_TYPE, "").strip() or None
-    if args.scheme is not None and env is not None and env != args.scheme:
-        raise ValueError(f"--scheme {args.scheme!r} and {CUSTOM_QUANT_TYPE}={env!r} disagree: unset "
-                         f"{CUSTOM_QUANT_TYPE} or pass the same scheme")
-    return args.scheme or env or "bf16"
+    if env is None:
+        return args.scheme or "bf16"
+    if args.scheme is not None:
+        print(f"note: --scheme {args.scheme} given; {CUSTOM_QUANT_TYPE}={env} is not used", file=sys.stderr)
+        return args.scheme
+    scheme = scheme_for(env)
+    print(f"scheme {scheme} (from {CUSTOM_QUANT_TYPE}={env})", file=sys.stderr)
+    return scheme
 
 
 def _replacing_note(launch) -> str | None:
@@ -125,8 +132,8 @@ def cmd_run(args) -> int:
 
 def cmd_matrix(args) -> int:
     if os.environ.get(CUSTOM_QUANT_TYPE, "").strip():
-        raise ValueError(f"{CUSTOM_QUANT_TYPE}={os.environ[CUSTOM_QUANT_TYPE]!r} names one run's scheme; a matrix "
-                         f"takes its schemes from --schemes: unset it, or use `experiments run`")
+        print(f"note: a matrix runs --schemes; {CUSTOM_QUANT_TYPE}={os.environ[CUSTOM_QUANT_TYPE].strip()} is not "
+              f"used", file=sys.stderr)
     out = Path(args.out)
     combos = list(itertools.product(args.models, args.datasets, args.schemes))
     rows, records = [], []
@@ -186,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--model", required=True, help="model: " + ", ".join(catalog.MODELS))
     run.add_argument("--dataset", default="mock", help="dataset: " + ", ".join(catalog.DATASETS))
     run.add_argument("--scheme", default=None, help="a preset name (`fxquant schemes` lists them) or a scheme YAML "
-                     f"path; default: ${CUSTOM_QUANT_TYPE} (the predecessor's), else bf16")
+                     f"path; default: ${CUSTOM_QUANT_TYPE} (the predecessor's: bf16, mxfp8, mxfp4, hifp8 mean "
+                     "bf16 and FA_linear_<type>, or a scheme name), else bf16")
     run.add_argument("--dry-run", action="store_true",
                      help="print the torchrun command and the resolved config; start and write nothing")
     run.add_argument("--timeout", type=float, default=3600.0, help="seconds before the run's processes are killed")

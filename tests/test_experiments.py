@@ -159,16 +159,23 @@ def test_scheme_yaml_is_accepted_and_recorded_whole(tmp_path, capsys, monkeypatc
     assert code == 2 and "named 'bf16', like a preset" in err
 
 
-def test_custom_quant_type_is_honoured_or_refused(tmp_path, capsys, monkeypatch):
+def test_custom_quant_type_is_honoured_and_an_overriding_flag_said(tmp_path, capsys, monkeypatch):
     from experiments.__main__ import main
 
-    monkeypatch.setenv("CUSTOM_QUANT_TYPE", "FA_linear_hifp8")
+    monkeypatch.setenv("CUSTOM_QUANT_TYPE", "hifp8")  # the predecessor's quant type: linear and attention
+    code, _, config, err = _dry(["--model", "llama32-1b", "--out", str(tmp_path)], capsys)
+    assert code == 0 and config["scheme"] == "FA_linear_hifp8" and "from CUSTOM_QUANT_TYPE=hifp8" in err
+    monkeypatch.setenv("CUSTOM_QUANT_TYPE", "FA_PV_mxfp8")
     code, _, config, _ = _dry(["--model", "llama32-1b", "--out", str(tmp_path)], capsys)
-    assert code == 0 and config["scheme"] == "FA_linear_hifp8"
-    code, _, _, err = _dry(["--model", "llama32-1b", "--scheme", "bf16"], capsys)
-    assert code == 2 and "--scheme 'bf16' and CUSTOM_QUANT_TYPE='FA_linear_hifp8' disagree" in err
-    assert main(["matrix", "--models", "llama32-1b", "--schemes", "bf16", "--dry-run"]) == 2
-    assert "a matrix takes its schemes from --schemes" in capsys.readouterr().err
+    assert code == 0 and config["scheme"] == "FA_PV_mxfp8"
+    code, _, config, err = _dry(["--model", "llama32-1b", "--scheme", "bf16", "--out", str(tmp_path)], capsys)
+    assert code == 0 and config["scheme"] == "bf16"
+    assert "note: --scheme bf16 given; CUSTOM_QUANT_TYPE=FA_PV_mxfp8 is not used" in err
+    monkeypatch.setenv("CUSTOM_QUANT_TYPE", "hifp9")
+    code, _, _, err = _dry(["--model", "llama32-1b"], capsys)
+    assert code == 2 and "did you mean 'hifp8'" in err
+    assert main(["matrix", "--models", "llama32-1b", "--schemes", "bf16", "--dry-run", "--out", str(tmp_path)]) == 0
+    assert "note: a matrix runs --schemes; CUSTOM_QUANT_TYPE=hifp9 is not used" in capsys.readouterr().err
 
 
 def test_runs_pointed_at_one_capture_dir_keep_each_others_captures(tmp_path, capsys, monkeypatch):
