@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -13,39 +14,82 @@ from tabulate import tabulate
 from experiments import catalog, compare
 from experiments.launcher import resolve, supervise
 from fxquant.capture import compat
-from fxquant.megatron_glue.run_config import capture_from_args
+from fxquant.cli import HelpFormatter, quiet_broken_pipe
+from fxquant.cli.collect_cmd import scheme_for
+from fxquant.megatron_glue.config import AttentionKind
+from fxquant.megatron_glue.run_config import CompileBackend, capture_from_args
+
+
+CUSTOM_QUANT_TYPE = "CUSTOM_QUANT_TYPE"  # the predecessor's environment variable naming a run's quant type
 
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default="cpu", help="training config: " + ", ".join(catalog.CONFIGS))
-    p.add_argument("--variant", default="tiny", choices=["tiny", "full"], help="model size (default tiny)")
-    p.add_argument("--capture", metavar="SPEC", help="capture during training: a shipped spec name (predecessor, "
-                   "linear_io, stats_only) or a spec YAML path; captures go to RUN_DIR/captures (or --tensor-save-dir)")
-    p.add_argument("--nproc", type=int, default=1, help="processes (torchrun --nproc-per-node)")
+    p.add_argument("--variant", default="tiny", choices=["tiny", "full"],
+                   help="model size: tiny (the same structure, trains on 2 CPU cores) or full (the published one)")
+    p.add_argument("--capture", metavar="SPEC", default=None,
+                   help="capture during training: a shipped spec name (predecessor, linear_io, stats_only) or a spec "
+                   "YAML path; captures go to RUN_DIR/captures, or to --tensor-save-dir (one subdirectory per run); "
+                   "default: no capture (predecessor with --save-tensors)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="processes (torchrun --nproc-per-node); default tp*pp (data-parallel size 1)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
-    p.add_argument("--out", default="runs", help="root of run directories (default ./runs)")
-    p.add_argument("--tokenizer", help="local HuggingFace tokenizer dir (required for --variant full) or 'byte'")
-    p.add_argument("--data-prefix", help="indexed dataset prefix (overrides $FXQUANT_WIKIPEDIA_PREFIX / $FXQUANT_DOLMA_PREFIX)")
-    p.add_argument("--iters", type=int, help="override the config's train_iters")
-    p.add_argument("--eval-interval", type=int, help="validation loss every N iterations (0 = off; default: config's)")
-    p.add_argument("--eval-iters", type=int, help="global batches of the validation split per evaluation")
-    p.add_argument("--backend", default="aot_eager", choices=["inductor", "aot_eager", "eager", "none"])
-    p.add_argument("--attention", default="sdpa", choices=["sdpa", "local"])
-    compat.add_arguments(p)  # --save-tensors, --tensor-save-dir, --control-iter (stop after N iterations)
-    p.add_argument("--collect-micro-batches", type=int, metavar="M",
+    p.add_argument("--out", default="runs", help="root of the run directories (OUT/<model>/<dataset>/<scheme>)")
+    p.add_argument("--tokenizer", default=None,
+                   help="local HuggingFace tokenizer dir (required for --variant full) or 'byte' (default for tiny)")
+    p.add_argument("--data-prefix", default=None, help="indexed dataset prefix (default: $FXQUANT_WIKIPEDIA_PREFIX / "
+                   "$FXQUANT_DOLMA_PREFIX, else data/<dataset>/<dataset>_text_document)")
+    p.add_argument("--iters", type=int, default=None, help="training iterations (default: the config's train_iters); "
+                   "the config's warm-up is clipped to iters - 1")
+    p.add_argument("--eval-interval", type=int, default=None,
+                   help="validation loss every N iterations and at the end (0 = off; default: the config's)")
+    p.add_argument("--eval-iters", type=int, default=None,
+                   help="global batches of the validation split per evaluation (default: the config's)")
+    p.add_argument("--backend", default="aot_eager", choices=[b.value for b in CompileBackend],
+                   help="torch.compile backend after fxquant's passes; eager: the rewritten graph interpreted; "
+                   "none: no torch.compile (bf16 without capture only)")
+    p.add_argument("--attention", default="sdpa", choices=[a.value for a in AttentionKind],
+                   help="Megatron's core attention: sdpa (F.scaled_dot_product_attention) or local (the unfused "
+                   "baddbmm/softmax/bmm the predecessor quantized)")
+    compat.add_arguments(p)  # --save-tensors, --tensor-save-dir, --control-iter
+    p.add_argument("--collect-micro-batches", type=int, metavar="M", default=None,
                    help="with --save-tensors: capture micro-batches 0..M-1 of each collected iteration (default all)")
 
 
-def _resolve(args, model, dataset, scheme, per_run_capture_dir: bool = False):
-    capture = capture_from_args(args)
-    if per_run_capture_dir and capture is not None and capture.dir is not None:  # matrix: one root per run
-        capture = replace(capture, dir=str(Path(capture.dir) / model / dataset / scheme))
+def _resolve(args, model, dataset, scheme, capture_per_run: bool = False):
     return resolve(model=model, dataset=dataset, scheme=scheme, config=args.config, variant=args.variant,
-                   capture=capture, nproc=args.nproc, tp=args.tp, pp=args.pp, out=args.out,
+                   capture=capture_from_args(args), nproc=args.nproc, tp=args.tp, pp=args.pp, out=args.out,
                    tokenizer=args.tokenizer, data_prefix=args.data_prefix, iters=args.iters,
                    backend=args.backend, attention=args.attention, control_iter=args.control_iter,
-                   eval_interval=args.eval_interval, eval_iters=args.eval_iters)
+                   eval_interval=args.eval_interval, eval_iters=args.eval_iters, capture_per_run=capture_per_run)
+
+
+def _run_scheme(args) -> str:
+    """--scheme; else the predecessor's CUSTOM_QUANT_TYPE (a quant type bf16/mxfp8/mxfp4/hifp8 means its
+    FA_linear_ scheme, as in `fxquant collect`; or a scheme name); else bf16. The flag wins over the
+    environment, as for the other predecessor controls, and the console says so."""
+    env = os.environ.get(CUSTOM_QUANT_TYPE, "").strip() or None
+    if env is None:
+        return args.scheme or "bf16"
+    if args.scheme is not None:
+        print(f"note: --scheme {args.scheme} given; {CUSTOM_QUANT_TYPE}={env} is not used", file=sys.stderr)
+        return args.scheme
+    scheme = scheme_for(env)
+    print(f"scheme {scheme} (from {CUSTOM_QUANT_TYPE}={env})", file=sys.stderr)
+    return scheme
+
+
+def _replacing_note(launch) -> str | None:
+    """A console note when this run will replace captures an earlier run left where it writes."""
+    if launch.run.capture is None:
+        return None
+    root = launch.run.capture.root(launch.run.output_dir)
+    earlier = sorted(root.glob("rank-*")) if root.is_dir() else []
+    if not earlier:
+        return None
+    return (f"note: {root} holds an earlier run's captures ({len(earlier)} rank(s)); this run replaces them "
+            f"when it starts at iteration 0 (a resumed run appends)")
 
 
 def cmd_list(args) -> int:
@@ -60,33 +104,43 @@ def cmd_list(args) -> int:
     print()
     print("datasets:", ", ".join(f"{d.name} (${d.env})" if d.env else d.name for d in catalog.DATASETS.values()))
     print("predecessor schemes:", ", ".join(catalog.PREDECESSOR_SCHEMES))
-    print(f"all schemes ({len(catalog.scheme_names())}): see `fxquant explain` / fxquant.schemes.names()")
+    print(f"all schemes ({len(catalog.scheme_names())} presets, or a scheme YAML path): `fxquant schemes` lists them")
     return 0
 
 
 def cmd_run(args) -> int:
-    launch = _resolve(args, args.model, args.dataset, args.scheme)
+    launch = _resolve(args, args.model, args.dataset, _run_scheme(args))
     if args.dry_run:
         print(launch.shell())
         print(json.dumps(launch.run.to_dict(), indent=2))
         return 0
+    note = _replacing_note(launch)
+    if note:
+        print(note, flush=True)
     outcome = supervise(launch, args.timeout)
-    print(f"{outcome.status} in {outcome.seconds:.0f}s; log {outcome.log}; metrics "
-          f"{Path(launch.run.output_dir) / 'metrics.jsonl'}")
-    if launch.run.capture is not None:
+    metrics = Path(launch.run.output_dir) / "metrics.jsonl"
+    print(f"{outcome.status} in {outcome.seconds:.0f}s; log {outcome.log}" +
+          (f"; metrics {metrics}" if metrics.is_file() else ""))
+    if outcome.status == "failed":
+        print(f"error: {outcome.error or f'exit status {outcome.returncode}, no error line in the log'} "
+              f"(full output: {outcome.log})", file=sys.stderr)
+    if launch.run.capture is not None and launch.run.capture.root(launch.run.output_dir).is_dir():
         print(f"captures: {launch.run.capture.root(launch.run.output_dir)} (spec {launch.run.capture.spec}; "
               f"`fxquant capture ls` / `fxquant report` read it)")
     return 0 if outcome.status == "ok" else 1
 
 
 def cmd_matrix(args) -> int:
+    if os.environ.get(CUSTOM_QUANT_TYPE, "").strip():
+        print(f"note: a matrix runs --schemes; {CUSTOM_QUANT_TYPE}={os.environ[CUSTOM_QUANT_TYPE].strip()} is not "
+              f"used", file=sys.stderr)
     out = Path(args.out)
     combos = list(itertools.product(args.models, args.datasets, args.schemes))
     rows, records = [], []
     for model, dataset, scheme in combos:
         name = f"{model}/{dataset}/{scheme}"
         try:
-            launch = _resolve(args, model, dataset, scheme, per_run_capture_dir=True)
+            launch = _resolve(args, model, dataset, scheme, capture_per_run=True)
         except (ValueError, TypeError, FileNotFoundError) as exc:
             records.append({"run": name, "status": "refused", "error": str(exc)})
             print(f"[refused] {name}: {exc}", flush=True)
@@ -106,7 +160,15 @@ def cmd_matrix(args) -> int:
                         "captures": (str(launch.run.capture.root(launch.run.output_dir))
                                      if launch.run.capture is not None else None),
                         "log": str(outcome.log)})
-        print(f"[{outcome.status}] {name} in {outcome.seconds:.0f}s", flush=True)
+        if outcome.status == "failed":
+            records[-1]["error"] = outcome.error
+        print(f"[{outcome.status}] {name} in {outcome.seconds:.0f}s" +
+              (f": {outcome.error} (log {outcome.log})" if outcome.status == "failed" and outcome.error else ""),
+              flush=True)
+    if args.dry_run:  # nothing written: the commands above and the refusals are the whole answer
+        refused = [r for r in records if r["status"] == "refused"]
+        print(f"{len(records) - len(refused)} run(s) resolved, {len(refused)} refused")
+        return 1 if refused else 0
     comparison = compare.against_bf16(records, last_n=args.last_n)
     for r in records:
         rows.append((r["run"], r["status"], r.get("iterations", ""), r.get("final_loss", ""), r.get("final_val_loss", ""),
@@ -123,33 +185,46 @@ def cmd_matrix(args) -> int:
     return 1 if failed else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments", description=__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m experiments", description=__doc__, formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("list", help="models, configs, datasets, schemes").set_defaults(func=cmd_list)
-    run = sub.add_parser("run", help="one training run (torchrun)")
-    run.add_argument("--model", required=True)
-    run.add_argument("--dataset", default="mock")
-    run.add_argument("--scheme", default="bf16")
-    run.add_argument("--dry-run", action="store_true", help="print the torchrun command and resolved config only")
-    run.add_argument("--timeout", type=float, default=3600.0)
+    sub.add_parser("list", help="models, configs, datasets, schemes", formatter_class=HelpFormatter).set_defaults(func=cmd_list)
+    run = sub.add_parser("run", help="one training run (torchrun)", formatter_class=HelpFormatter)
+    run.add_argument("--model", required=True, help="model: " + ", ".join(catalog.MODELS))
+    run.add_argument("--dataset", default="mock", help="dataset: " + ", ".join(catalog.DATASETS))
+    run.add_argument("--scheme", default=None, help="a preset name (`fxquant schemes` lists them) or a scheme YAML "
+                     f"path; default: ${CUSTOM_QUANT_TYPE} (the predecessor's: bf16, mxfp8, mxfp4, hifp8 mean "
+                     "bf16 and FA_linear_<type>, or a scheme name), else bf16")
+    run.add_argument("--dry-run", action="store_true",
+                     help="print the torchrun command and the resolved config; start and write nothing")
+    run.add_argument("--timeout", type=float, default=3600.0, help="seconds before the run's processes are killed")
     _common(run)
     run.set_defaults(func=cmd_run)
-    matrix = sub.add_parser("matrix", help="a sweep of models x datasets x schemes, supervised")
-    matrix.add_argument("--models", nargs="+", default=list(catalog.MODELS))
-    matrix.add_argument("--datasets", nargs="+", default=["mock"])
-    matrix.add_argument("--schemes", nargs="+", default=list(catalog.PREDECESSOR_SCHEMES))
-    matrix.add_argument("--timeout", type=float, default=1800.0, help="per run, seconds")
+    matrix = sub.add_parser("matrix", help="a sweep of models x datasets x schemes, supervised", formatter_class=HelpFormatter)
+    matrix.add_argument("--models", nargs="+", default=list(catalog.MODELS), help="models to run")
+    matrix.add_argument("--datasets", nargs="+", default=["mock"], help="datasets to run")
+    matrix.add_argument("--schemes", nargs="+", default=list(catalog.PREDECESSOR_SCHEMES),
+                        help="preset names or scheme YAML paths")
+    matrix.add_argument("--timeout", type=float, default=1800.0, help="seconds per run before it is killed")
     matrix.add_argument("--last-n", type=int, default=10, help="iterations in the 'last N' relative error")
-    matrix.add_argument("--dry-run", action="store_true")
+    matrix.add_argument("--dry-run", action="store_true",
+                        help="print each run's torchrun command; start and write nothing")
     _common(matrix)
     matrix.set_defaults(func=cmd_matrix)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not at the interpreter's exit
+        return status
     except (ValueError, TypeError, FileNotFoundError) as exc:
         print(f"experiments {args.cmd}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `... | head` closed the pipe: stop quietly
+        return quiet_broken_pipe()
 
 
 if __name__ == "__main__":

@@ -1,15 +1,18 @@
 """Resolving a run (names -> RunConfig), refusing impossible combinations, and supervising torchrun.
 
 `resolve(...)` checks everything that can be checked before a process starts (names, with did-you-mean;
-TP dividing heads / groups / FFN; PP dividing layers; nproc divisible by TP*PP; batch divisibility;
-data path; tokenizer) and returns a `Launch`: the RunConfig and the exact torchrun command.
-`supervise(launch, timeout)` runs it in its own process group and kills the whole group on timeout.
+a scheme YAML file parsed; TP dividing heads / groups / FFN; PP dividing layers; the layouts the device
+cannot run; nproc divisible by TP*PP, default TP*PP; batch divisibility; data path; tokenizer; capture spec)
+and returns a `Launch`: the RunConfig and the exact torchrun command. Resolving writes nothing.
+`supervise(launch, timeout)` writes the run's `launch.json`, runs torchrun in its own process group, kills
+the whole group on timeout, and on failure finds the first error line a rank printed (`first_error`).
 """
 from __future__ import annotations
 
 import difflib
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -20,10 +23,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from experiments import catalog
+from fxquant.megatron_glue.config import check_host_layout
 from fxquant.megatron_glue.run_config import (AttentionKind, CaptureConfig, CompileBackend, DataConfig, DataKind,
-                                              ParallelLayout, RunConfig, stop_after)
+                                              ParallelLayout, RunConfig, per_run_capture, stop_after)
 
 REPO = Path(__file__).resolve().parents[1]
+SCHEME_NAME = re.compile(r"[A-Za-z0-9_.+-]+")  # a scheme name is a directory name of the run
 
 
 def _pick(kind: str, name: str, choices) -> str:
@@ -34,6 +39,39 @@ def _pick(kind: str, name: str, choices) -> str:
     listed = sorted(choices)
     more = f", ... ({len(listed)} in all)" if len(listed) > 12 else ""
     raise ValueError(f"unknown {kind} {name!r}{hint} (choices: {', '.join(listed[:12])}{more})")
+
+
+def is_scheme_file(scheme: str) -> bool:
+    """Whether `--scheme` names a scheme YAML file rather than a preset (as `fxquant.schemes.get` decides)."""
+    return scheme.endswith((".yaml", ".yml")) or "/" in scheme or Path(scheme).is_file()
+
+
+def resolve_scheme(scheme: str) -> tuple[str, str | None]:
+    """(name, YAML text) of `--scheme`: a preset name (text None), or a scheme YAML file, parsed now (every
+    problem listed with file:line) and recorded whole in the run config."""
+    if not is_scheme_file(scheme):
+        return _pick("scheme", scheme, catalog.scheme_names()), None
+    from fxquant import schemes
+
+    path = Path(scheme)
+    if not path.is_file():
+        raise ValueError(f"--scheme {scheme!r}: no such scheme file (a preset name or a scheme YAML path; "
+                         f"`fxquant schemes` lists the presets)")
+    name = schemes.get(str(path)).name
+    if not SCHEME_NAME.fullmatch(name):
+        raise ValueError(f"--scheme {scheme!r}: the scheme's name {name!r} names the run directory; allowed "
+                         f"characters: letters, digits, '_', '.', '+', '-' (set `name:` in the file)")
+    if name.lower() in {n.lower() for n in catalog.scheme_names()}:
+        raise ValueError(f"--scheme {scheme!r}: the scheme is named {name!r}, like a preset; runs of both would "
+                         f"share a run directory: rename it (`name:` in the file, else the file's stem)")
+    return name, path.read_text(encoding="utf-8")
+
+
+def run_device() -> str:
+    """The device the training processes will use (they run on this machine): cuda when available."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @dataclass(frozen=True)
@@ -51,25 +89,42 @@ class Launch:
 
 
 def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", variant: str = "tiny",
-            capture: CaptureConfig | str | None = None, nproc: int = 1, tp: int = 1, pp: int = 1, out: str = "runs",
-            tokenizer: str | None = None, data_prefix: str | None = None, iters: int | None = None,
+            capture: CaptureConfig | str | None = None, nproc: int | None = None, tp: int = 1, pp: int = 1,
+            out: str = "runs", tokenizer: str | None = None, data_prefix: str | None = None, iters: int | None = None,
             backend: str = "aot_eager", attention: str = "sdpa", control_iter: int | None = None,
-            eval_interval: int | None = None, eval_iters: int | None = None) -> Launch:
+            eval_interval: int | None = None, eval_iters: int | None = None, capture_per_run: bool = False,
+            device: str | None = None) -> Launch:
+    """The run these choices describe, or ValueError naming the value and what is allowed. `nproc` None: tp*pp.
+    An explicit capture root (`capture.dir`) gets one subdirectory per run (`run_config.per_run_capture`): the
+    scheme's name, or `<model>/<dataset>/<scheme>` with `capture_per_run` (a matrix). `device`: where the ranks will run (default `run_device()`)."""
     model = _pick("model", model, catalog.MODELS)
     dataset = _pick("dataset", dataset, catalog.DATASETS)
-    scheme = _pick("scheme", scheme, catalog.scheme_names())
+    scheme, scheme_yaml = resolve_scheme(scheme)
     config = _pick("config", config, catalog.CONFIGS)
     variant = _pick("variant", variant, ("full", "tiny"))
+    backend = CompileBackend(_pick("backend", backend, [b.value for b in CompileBackend]))
+    attention = AttentionKind.parse(attention)
     mcfg = catalog.TINY[model] if variant == "tiny" else catalog.MODELS[model]
+    for flag, value in (("--tp", tp), ("--pp", pp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{flag} {value!r}: parallel sizes must be integers >= 1")
+    if nproc is None:
+        nproc = tp * pp
     if nproc < 1 or nproc % (tp * pp):
-        raise ValueError(f"nproc={nproc} must be a positive multiple of tp*pp = {tp}*{pp}")
+        raise ValueError(f"--nproc {nproc} must be a positive multiple of tp*pp = {tp}*{pp} (default: {tp * pp})")
     mcfg.check_parallel(tp, pp)
+    check_host_layout(mcfg, tp, 1, device or run_device())
+    if backend is CompileBackend.NONE and (scheme != "bf16" or capture is not None):
+        raise ValueError(f"--backend none runs the model uncompiled: only --scheme bf16 without capture, got "
+                         f"scheme {scheme!r}" + (" with capture" if capture is not None else "") +
+                         "; use --backend aot_eager (the default), inductor or eager")
     if isinstance(capture, str):
         capture = CaptureConfig(spec=capture)
     if capture is not None:  # paths made absolute: the training processes run in the repository
         _check_capture_spec(capture.spec)
         spec = str(Path(capture.spec).resolve()) if Path(capture.spec).is_file() else capture.spec
         capture = replace(capture, spec=spec, dir=None if capture.dir is None else str(Path(capture.dir).resolve()))
+        capture = per_run_capture(capture, f"{model}/{dataset}/{scheme}" if capture_per_run else scheme)
     tcfg = catalog.CONFIGS[config]
     tcfg = replace(tcfg, train_iters=iters or tcfg.train_iters, control_iter=stop_after(capture, control_iter),
                    eval_interval=tcfg.eval_interval if eval_interval is None else eval_interval,
@@ -97,7 +152,7 @@ def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", varia
         data = DataConfig(DataKind.INDEXED, (prefix,), cache_dir=str(Path(out) / ".data-cache"))
     run_dir = Path(out).resolve() / mcfg.name / dataset / scheme  # absolute: torchrun runs in the repository
     run = RunConfig(model=mcfg, train=tcfg, data=data, output_dir=str(run_dir), tokenizer=tokenizer, scheme=scheme,
-                    capture=capture, attention=AttentionKind.parse(attention), backend=CompileBackend(backend),
+                    scheme_yaml=scheme_yaml, capture=capture, attention=attention, backend=backend,
                     layout=ParallelLayout(tp=tp, pp=pp))
     return Launch(run=run, nproc=nproc, config_path=run_dir / "launch.json")
 
@@ -118,10 +173,36 @@ class Outcome:
     returncode: int | None
     seconds: float
     log: Path
+    error: str | None = None  # failed: the first error line a rank printed (`first_error`)
+
+
+ECHOED = ("iter ", "FXQUANT_RESULT", "capture rank ", "training stopped")  # rank output shown on the console
+_RANK_PREFIX = re.compile(r"^\[(?:default)?(?:rank)?(\d+)\]:\s?")
+_ERROR_LINE = re.compile(r"^((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Failure|Failed)\b.*)$")
+
+
+def first_error(lines) -> str | None:
+    """The first exception line (`ValueError: ...`) any rank printed, as `rank R: ValueError: ...`; torchrun's
+    own summary (ChildFailedError) only when no rank printed one. None when there is none."""
+    fallback = None
+    for line in lines:
+        line = line.rstrip("\n")
+        prefix = _RANK_PREFIX.match(line)
+        body = line[prefix.end():] if prefix else line
+        match = _ERROR_LINE.match(body)
+        if match is None:
+            continue
+        where = f"rank {prefix.group(1)}: " if prefix else ""
+        if "ChildFailedError" in body or "elastic" in body:
+            fallback = fallback or where + match.group(1)
+            continue
+        return where + match.group(1)
+    return fallback
 
 
 def supervise(launch: Launch, timeout: float, echo: bool = True) -> Outcome:
-    """Run the launch in a new process group; on timeout kill the group (SIGTERM, then SIGKILL)."""
+    """Write launch.json, run the launch in a new process group; on timeout kill the group (SIGTERM, then
+    SIGKILL). Rank lines starting with `ECHOED` are printed when `echo`; all output goes to train.log."""
     launch.config_path.parent.mkdir(parents=True, exist_ok=True)
     launch.config_path.write_text(json.dumps(launch.run.to_dict(), indent=2))
     log = launch.config_path.parent / "train.log"
@@ -135,7 +216,7 @@ def supervise(launch: Launch, timeout: float, echo: bool = True) -> Outcome:
         try:
             for line in proc.stdout:
                 handle.write(line)
-                if echo and line.startswith(("iter ", "FXQUANT_RESULT", "capture rank ")):
+                if echo and line.startswith(ECHOED):
                     print(line.rstrip(), flush=True)
             proc.wait()
         finally:
@@ -143,7 +224,10 @@ def supervise(launch: Launch, timeout: float, echo: bool = True) -> Outcome:
     seconds = time.monotonic() - start
     if seconds >= timeout and proc.returncode != 0:
         return Outcome("timeout", proc.returncode, seconds, log)
-    return Outcome("ok" if proc.returncode == 0 else "failed", proc.returncode, seconds, log)
+    if proc.returncode != 0:
+        with open(log, errors="replace") as handle:
+            return Outcome("failed", proc.returncode, seconds, log, first_error(handle))
+    return Outcome("ok", proc.returncode, seconds, log)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

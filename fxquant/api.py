@@ -248,6 +248,7 @@ def explain(model: nn.Module, *example_args: object, scheme: str | Path | Scheme
     fx_backend.raise_pending()
     sites, unmatched = fx_backend.current_sites(), fx_backend.unmatched_ops()
     checks.check_model_has_sites(sites, unmatched, type(model).__name__)
+    checks.check_rules_match(resolved, sites)  # as compile: a rule with a selector must match a site
     graphs = len(fx_backend.reports)
     requested = parse_kernels(kernels)
     device = lowering.graph_device([*example_args, *example_kwargs.values(), *model.parameters()])

@@ -25,7 +25,7 @@ from torch import fx, nn
 from fxquant import lowering
 from fxquant.lowering import Kernels
 from fxquant.passes import GraphReport, LayerNumbering, ModuleNames, run_passes
-from fxquant.passes.strict import QuantizationError, failed_sites, report
+from fxquant.passes.strict import QuantizationError, failed_sites, possible_sites, report, unmatched_rule_error
 from fxquant.schemes.scheme import Scheme
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ class FxquantBackend:
         self.inner = Inner(inner)
         self.strict = strict
         self.dry_run = dry_run
+        self.root = root
         self.names = ModuleNames(root)
         self.layers = layers if layers is not None else LayerNumbering.of_model(root)  # global layer indices
         self.reports: list[GraphReport] = []
@@ -67,8 +68,9 @@ class FxquantBackend:
         self._scheme_text = scheme_text(scheme)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> object:
-        # Dynamo wraps any exception raised here into BackendCompilerFailed; user errors (ValueError) and strict
-        # failures are kept in ``pending`` instead and raised by fxquant.compile's hook after the call.
+        # Dynamo wraps any exception raised here into BackendCompilerFailed. A user error (ValueError) is returned
+        # as a graph that raises it when called, so nothing of the graph runs; strict failures are kept in
+        # ``pending`` and raised by fxquant.compile's hook after the call.
         try:
             graph_report = run_passes(
                 gm, self.scheme, self.names, layers=self.layers, index=len(self.reports),
@@ -76,9 +78,12 @@ class FxquantBackend:
                 attention=self.attention,
             )
         except ValueError as exc:
-            self.pending.append(exc)
-            return self.compile_inner(gm, example_inputs)
+            return self.refusal(exc)
         self.reports.append(graph_report)
+        unmatched = self.unmatched_rules()
+        if unmatched is not None:
+            self.reports.pop()  # the graph never runs: nothing of it is checked again after the call
+            return self.refusal(unmatched)
         if self.capture is not None and not self.dry_run:
             from fxquant.passes.capture_taps import insert_capture_taps
 
@@ -93,17 +98,35 @@ class FxquantBackend:
         return self.compile_inner(gm, example_inputs)
 
     def _resolve_kernels(self, example_inputs: list) -> Kernels:
-        """What this graph's quantize ops run (a ValueError, e.g. TRITON without kernels, is kept pending)."""
+        """What this graph's quantize ops run; ValueError where the choice cannot run (TRITON without kernels)."""
         device = lowering.graph_device(example_inputs)
-        try:
-            used = lowering.resolve(self.kernels, inductor=self.inner is Inner.INDUCTOR, device=device)
-        except ValueError as exc:
-            self.pending.append(exc)
-            used = lowering.resolve(Kernels.AUTO, inductor=self.inner is Inner.INDUCTOR, device=device)
+        used = lowering.resolve(self.kernels, inductor=self.inner is Inner.INDUCTOR, device=device)
         self.kernels_used.append(used)
         log.info("fxquant: graph %d: quantize kernels %s (kernels=%s, %s)", len(self.kernels_used) - 1,
                  used.value, self.kernels.value, device)
         return used
+
+    def unmatched_rules(self) -> ValueError | None:
+        """Scheme rules with a selector that match neither a site compiled so far nor any site a later graph
+        could show (``strict.possible_sites``): known before the graph that is compiling runs. Rules this
+        cannot rule out (e.g. ``kinds: [attention]`` on a model without attention) are caught after the call,
+        against the sites compiled (``CompileState._check_new_graphs``)."""
+        known = [s.site for s in self.current_sites()]
+        if self.root is not None:
+            known += possible_sites(self.root, self.layers)
+        return unmatched_rule_error(self.scheme, known)
+
+    def refusal(self, exc: ValueError):
+        """A compiled graph that raises ``exc`` instead of running (kept in ``pending`` too, for ``explain``,
+        whose example call may not reach the graph; raising it forgets it there)."""
+        self.pending.append(exc)
+
+        def refuse(*args: object) -> object:
+            if exc in self.pending:
+                self.pending.remove(exc)
+            raise exc
+
+        return refuse
 
     def raise_pending(self) -> None:
         """Raise the first error kept by ``__call__`` (and forget them all)."""
@@ -114,7 +137,10 @@ class FxquantBackend:
     def compile_inner(self, gm: fx.GraphModule, example_inputs: list) -> object:
         if self.inner is Inner.EAGER or self.dry_run:
             return gm.forward
-        kernels = self._resolve_kernels(example_inputs)
+        try:
+            kernels = self._resolve_kernels(example_inputs)
+        except ValueError as exc:
+            return self.refusal(exc)
         decompositions = lowering.decompositions(kernels)
         if self.inner is Inner.AOT_EAGER:
             from torch._dynamo.backends.debugging import aot_eager, boxed_nop

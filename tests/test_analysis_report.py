@@ -147,6 +147,20 @@ def test_cli_verbs(sets, tmp_path, capsys):
     assert "did you mean" in capsys.readouterr().err
 
 
+def test_cli_verbs_refuse_missing_and_empty_directories(tmp_path, capsys):
+    missing, empty = tmp_path / "nowhere", tmp_path / "empty"
+    empty.mkdir()
+    assert main(["report", str(missing), "--out", str(tmp_path / "r1"), "-q"]) == 2
+    assert f"capture directory not found: {missing}" in capsys.readouterr().err
+    assert not (tmp_path / "r1").exists()
+    assert main(["report", str(empty), "--out", str(tmp_path / "r2"), "-q"]) == 1
+    err = capsys.readouterr().err
+    assert "holds no rank-NNNNN directories" in err and f"no capture records in {empty}" in err
+    for verb in ("quant-error", "mx-sweep"):
+        assert main([verb, str(empty), "-q"]) == 2
+        assert f"fxquant {verb}: error: no capture records in {empty}" in capsys.readouterr().err
+
+
 def test_robust_to_degenerate_tensors_and_an_empty_set(tmp_path):
     tensors = [torch.zeros(4, 64), torch.full((4, 64), math.nan), torch.tensor([[math.inf, -math.inf] * 32]),
                torch.randn(1, 3), torch.tensor(2.5)]

@@ -137,4 +137,42 @@ def test_check_spec_cli(tmp_path, capsys):
     assert "ok: spec 't'" in capsys.readouterr().out
     assert main(["check-spec", str(bad)]) == 1
     err = capsys.readouterr().err
-    assert f"{bad}:15: on_eror" in err and err.count("\n") == 13
+    assert err.startswith(f"{bad}: 13 problems:\n") and f"{bad}:15: on_eror" in err and err.count("\n") == 14
+
+
+HIDDEN = """\
+sections:
+  - name: a
+    points:
+      - component: atention
+        roles: [inptu]
+  - name: b
+    layers: {module: '(unclosed', kinds: [fc9], indices: ['3-1']}
+    points: [{component: linear}]
+  - name: c
+    layers: {kinds: [router, embedding, linear]}
+    points: [{component: linear}]
+"""
+
+
+def test_one_problem_does_not_hide_another_in_the_same_block(tmp_path, capsys):
+    """A bad regex no longer hides `kinds: [fc9]` and a bad indices range; a bad component no longer hides a
+    misspelt role; problems come sorted by line with a count; every scheme kind is a capture kind."""
+    with pytest.raises(S.SpecError) as err:
+        S.load_spec("h.yaml", text=HIDDEN)
+    got = err.value.problems
+    assert [p.split(": ")[0:2] for p in got] == [
+        ["h.yaml:4", "sections[0].points[0].component"], ["h.yaml:5", "sections[0].points[0].roles[0]"],
+        ["h.yaml:7", "sections[1].layers.module"], ["h.yaml:7", "sections[1].layers.kinds[0]"],
+        ["h.yaml:7", "sections[1].layers.indices[0]"]]
+    assert "'inptu' is not a role of any component" in got[1] and "did you mean 'input'" in got[1]
+    path = tmp_path / "h.yaml"
+    path.write_text(HIDDEN)
+    assert main(["check-spec", str(path)]) == 1
+    assert capsys.readouterr().err.startswith(f"{path}: 5 problems:\n  {path}:4: ")
+
+
+def test_capture_kinds_are_the_scheme_kinds():
+    from fxquant.schemes import SiteKind
+
+    assert {k.value for k in S.ModuleKind} == {k.value for k in SiteKind}

@@ -147,3 +147,47 @@ def test_counters_flag_a_step_that_skips_the_compiled_graph(caplog):
     with pytest.raises(fxquant.passes.strict.QuantizationError, match="executed 0"):
         with count_quantize_calls(model, strict=True):
             run_step(model._orig_mod, tokens)
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = (torch.nn.Linear(32, 32) for _ in range(3))
+
+    def forward(self, x):
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+class _Attention(torch.nn.Module):
+    def forward(self, q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("input_grad,frozen_fc1", [(False, False), (True, False), (False, True)])
+def test_expected_quantize_calls_follow_autograd(input_grad, frozen_fc1):
+    """A first linear whose input needs no grad has no dgrad; a frozen weight no wgrad: expected follows."""
+    torch.manual_seed(0)
+    mlp = _Mlp()
+    mlp.fc1.weight.requires_grad_(not frozen_fc1)
+    model = fxquant.compile(mlp, "linear_hifp8", backend="eager", strict=True)
+    x = torch.randn(4, 32, requires_grad=input_grad)
+    model(x).sum().backward()
+    with count_quantize_calls(model, strict=True) as count:
+        model(x).sum().backward()
+    dgrad_fc1 = 2 * input_grad
+    wgrad_fc1 = 2 * (not frozen_fc1)
+    assert (count.expected_forward, count.expected_backward) == (3 * 2, 2 * 4 + dgrad_fc1 + wgrad_fc1)
+    assert count.ok and count.executed == count.expected
+
+
+def test_expected_quantize_calls_follow_autograd_in_attention(monkeypatch):
+    """Attention on inputs of which only V requires grad: no dQ/dK GEMMs, and P needs no grad (no dP)."""
+    monkeypatch.setenv("FXQUANT_ATTENTION", "math")
+    q, k = torch.randn(1, 2, 8, 32), torch.randn(1, 2, 8, 32)
+    v = torch.randn(1, 2, 8, 32, requires_grad=True)
+    model = fxquant.compile(_Attention(), "FA_QKPV_mxfp8", backend="eager", strict=True)
+    model(q, k, v).sum().backward()
+    with count_quantize_calls(model, strict=True) as count:
+        model(q, k, v).sum().backward()
+    assert (count.expected_forward, count.expected_backward) == (4, 2)  # QK and PV forward; dV = P^T dO
+    assert count.ok

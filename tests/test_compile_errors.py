@@ -42,6 +42,62 @@ def test_selector_matching_nothing_lists_nearest_module_paths(tmp_path):
         model(make_tokens(make_llama().cfg))
 
 
+class _Counted(torch.nn.Module):
+    """A linear that counts the forwards that reached it: a refused graph must not run at all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(32, 32)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("match", ["{kinds: [router]}", "{modules: 'fc2'}", "{layers: [3]}"])
+def test_a_rule_matching_nothing_is_one_error_everywhere(tmp_path, strict, match):
+    """One rule: a rule with a selector (kinds, modules or layers) that matches no site is a ValueError from
+    explain and from compile (strict or not), before anything of the graph runs."""
+    path = tmp_path / "s.yaml"
+    path.write_text(f"rules:\n  - linear: hifp8\n  - match: {match}\n    linear: mxfp8\n")
+    x = torch.randn(4, 32)
+    with pytest.raises(ValueError, match=r"rule 1 .*matched no site"):
+        fxquant.explain(_Counted(), x, scheme=str(path))
+    model = _Counted()
+    compiled = fxquant.compile(model, str(path), backend="aot_eager", strict=strict)
+    with pytest.raises(ValueError, match=r"rule 1 .*matched no site"):
+        compiled(x)
+    assert model.calls.item() == 0  # the forward did not run
+
+
+def test_a_rule_without_selector_may_match_nothing():
+    """A preset's generic rule (every attention site) on a model without attention is no error: a note."""
+    explanation = fxquant.explain(_Counted(), torch.randn(4, 32), scheme="FA_linear_mxfp8")
+    assert "note: rule 1" in str(explanation) and "the model has no attention sites" in str(explanation)
+    compiled = fxquant.compile(_Counted(), "FA_linear_mxfp8", backend="aot_eager", strict=True)
+    compiled(torch.randn(4, 32))
+
+
+class _Double(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(32, 32).double()
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+def test_float64_site_is_refused_with_its_name_before_running():
+    compiled = fxquant.compile(_Double(), "linear_hifp8", backend="aot_eager")
+    with pytest.raises(ValueError, match=r"site 'proj' \(linear, linear\) \[.*test_compile_errors.py.*\] has "
+                                         r"operands of dtype torch.float64; fxquant quantizes torch.float32"):
+        compiled(torch.randn(4, 32, dtype=torch.float64))
+    assert fxquant.compile(_Double(), "bf16", backend="aot_eager")(torch.randn(2, 32, dtype=torch.float64)).dtype \
+        == torch.float64  # nothing quantized: float64 runs as it is
+
+
 class NoGemm(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -132,3 +188,20 @@ def test_explain_cli_bad_model_factory_is_a_clear_error(capsys):
     assert "cannot import 'no_such_pkg.mod'" in capsys.readouterr().err
     assert main(["explain", "--scheme", "bf16", "--model", "tests.models"]) == 2
     assert "expected 'package.module:factory'" in capsys.readouterr().err
+
+
+def make_small_vocab_llama():
+    """A model whose vocabulary (64) is smaller than the 128 the explain CLI used to assume."""
+    return make_llama(vocab_size=64)
+
+
+def test_explain_cli_takes_the_vocabulary_from_the_model(capsys):
+    from fxquant.cli import main
+
+    model = f"{__name__}:make_small_vocab_llama"
+    assert main(["explain", "--scheme", "linear_hifp8", "--model", model, "--seq-len", "8"]) == 0
+    assert "layers.0.mlp.down_proj" in capsys.readouterr().out
+    assert main(["explain", "--scheme", "linear_hifp8", "--model", model, "--vocab", "128"]) == 2
+    assert "--vocab 128 exceeds the model's embedding (64 rows)" in capsys.readouterr().err
+    assert main(["explain", "--scheme", "linear_hifp8", "--model", model, "--batch", "0"]) == 2
+    assert "--batch 0: must be >= 1" in capsys.readouterr().err

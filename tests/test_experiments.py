@@ -65,18 +65,22 @@ def test_dry_run_every_scheme(model, dataset, wiki_prefix, tmp_path, capsys):
     from experiments.__main__ import main
     from experiments.catalog import PREDECESSOR_SCHEMES
 
+    import torch
+
     tok = tmp_path / "tokenizer"
     tok.mkdir()
+    # MLA/MoE tensor parallelism needs CUDA (test_tensor_and_expert_parallel_mla_moe_refused_before_launch)
+    tp = 1 if model == "deepseek2_lite" and not torch.cuda.is_available() else 2
     for scheme in PREDECESSOR_SCHEMES:
         assert main(["run", "--model", model, "--dataset", dataset, "--scheme", scheme, "--variant", "full",
                      "--config", "standard", "--tokenizer", str(tok), "--data-prefix", wiki_prefix,
-                     "--nproc", "8", "--tp", "2", "--pp", "1", "--out", str(tmp_path), "--dry-run"]) == 0
+                     "--nproc", "8", "--tp", str(tp), "--pp", "1", "--out", str(tmp_path), "--dry-run"]) == 0
         out = capsys.readouterr().out
         command, _, config = out.partition("\n")
         assert "torch.distributed.run" in command and "--nproc-per-node=8" in command
         resolved = json.loads(config)
         assert resolved["scheme"] == scheme and resolved["model"]["name"] == model
-        assert resolved["layout"] == {"tp": 2, "pp": 1, "ep": 1}
+        assert resolved["layout"] == {"tp": tp, "pp": 1, "ep": 1}
         assert resolved["data"]["prefixes"] == [wiki_prefix] and resolved["train"]["seq_length"] == 8192
 
 
@@ -88,6 +92,11 @@ def test_dry_run_every_scheme(model, dataset, wiki_prefix, tmp_path, capsys):
     (["--model", "lama31-8b"], "did you mean 'llama31-8b'"),
     (["--model", "llama31-8b", "--scheme", "FA_hifp"], "did you mean 'FA_hifp8'"),
     (["--model", "llama31-8b", "--nproc", "3"], "global batch 8 is not divisible"),
+    (["--model", "llama31-8b", "--tp", "0"], "--tp 0: parallel sizes must be integers >= 1"),
+    (["--model", "llama31-8b", "--tp", "2", "--nproc", "3"], "--nproc 3 must be a positive multiple of tp*pp"),
+    (["--model", "llama31-8b", "--backend", "none", "--scheme", "FA_mxfp8"], "--backend none runs the model uncompiled"),
+    (["--model", "llama31-8b", "--scheme", "nowhere/mine.yaml"], "'nowhere/mine.yaml': no such scheme file"),
+    (["--model", "llama31-8b", "--capture", "predecesor"], "did you mean 'predecessor'"),
 ])
 def test_impossible_combinations_are_refused(argv, message, capsys):
     from experiments.__main__ import main
@@ -107,3 +116,136 @@ def test_matrix_runs_supervised_and_compares_with_bf16(tmp_path, capsys):
     assert [r["status"] for r in summary["runs"]] == ["ok", "ok"]
     mre = summary["loss_vs_bf16"]["llama31-8b/mock/linear_hifp8"]
     assert 0 < mre["mre_all"] < 0.2 and mre["mre_last"] is not None
+
+
+def _dry(argv, capsys):
+    from experiments.__main__ import main
+
+    code = main(["run", *argv, "--dry-run"])
+    out, err = capsys.readouterr()
+    command, _, config = out.partition("\n")
+    return code, command, (json.loads(config) if code == 0 else None), err
+
+
+def test_nproc_defaults_to_the_parallel_sizes_and_dry_run_writes_nothing(tmp_path, capsys, monkeypatch):
+    from experiments.__main__ import main
+
+    monkeypatch.delenv("CUSTOM_QUANT_TYPE", raising=False)
+    out = tmp_path / "runs"
+    code, command, config, _ = _dry(["--model", "llama32-1b", "--tp", "2", "--pp", "2", "--out", str(out),
+                                     "--save-tensors", "--tensor-save-dir", str(tmp_path / "D")], capsys)
+    assert code == 0 and "--nproc-per-node=4" in command
+    assert config["layout"] == {"tp": 2, "pp": 2, "ep": 1}
+    assert main(["matrix", "--models", "llama32-1b", "--schemes", "bf16", "FA_mxfp8", "--out", str(out),
+                 "--dry-run"]) == 0
+    assert "2 run(s) resolved, 0 refused" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []  # neither the run directory, launch.json, captures nor a summary
+
+
+def test_tensor_and_expert_parallel_mla_moe_refused_before_launch():
+    from experiments.launcher import resolve
+
+    with pytest.raises(ValueError, match=r"\(MLA \+ MoE\) with tp=2, ep=1 cannot run on cpu"):
+        resolve(model="deepseek2_lite", dataset="mock", scheme="bf16", tp=2, device="cpu")
+    assert resolve(model="deepseek2_lite", dataset="mock", scheme="bf16", tp=2, device="cuda").nproc == 2
+    assert resolve(model="deepseek2_lite", dataset="mock", scheme="bf16", pp=2, device="cpu").nproc == 2
+
+
+def test_scheme_yaml_is_accepted_and_recorded_whole(tmp_path, capsys, monkeypatch):
+    from fxquant.megatron_glue.run_config import RunConfig
+
+    monkeypatch.delenv("CUSTOM_QUANT_TYPE", raising=False)
+    path = tmp_path / "my_scheme.yaml"
+    path.write_text("rules:\n  - match: {kinds: [fc1, fc2]}\n    linear: hifp8\n")
+    code, _, config, err = _dry(["--model", "llama32-1b", "--scheme", str(path), "--out", str(tmp_path / "r")], capsys)
+    assert code == 0, err
+    assert config["scheme"] == "my_scheme" and config["scheme_yaml"] == path.read_text()
+    assert config["output_dir"].endswith("llama32-1b-tiny/mock/my_scheme")
+    scheme = RunConfig.from_dict(config).compile_scheme()  # what the ranks compile with, file or no file
+    path.unlink()
+    assert scheme.name == "my_scheme" and [k.value for k in scheme.rules[0].selector.kinds] == ["fc1", "fc2"]
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rules:\n  - match: {kinds: [fc9]}\n    linear: hifp8\n")
+    code, _, _, err = _dry(["--model", "llama32-1b", "--scheme", str(bad)], capsys)
+    assert code == 2 and "bad.yaml:2" in err and "fc9" in err and "Traceback" not in err
+    clash = tmp_path / "bf16.yaml"
+    clash.write_text("rules:\n  - linear: hifp8\n")
+    code, _, _, err = _dry(["--model", "llama32-1b", "--scheme", str(clash)], capsys)
+    assert code == 2 and "named 'bf16', like a preset" in err
+
+
+def test_custom_quant_type_is_honoured_and_an_overriding_flag_said(tmp_path, capsys, monkeypatch):
+    from experiments.__main__ import main
+
+    monkeypatch.setenv("CUSTOM_QUANT_TYPE", "hifp8")  # the predecessor's quant type: linear and attention
+    code, _, config, err = _dry(["--model", "llama32-1b", "--out", str(tmp_path)], capsys)
+    assert code == 0 and config["scheme"] == "FA_linear_hifp8" and "from CUSTOM_QUANT_TYPE=hifp8" in err
+    monkeypatch.setenv("CUSTOM_QUANT_TYPE", "FA_PV_mxfp8")
+    code, _, config, _ = _dry(["--model", "llama32-1b", "--out", str(tmp_path)], capsys)
+    assert code == 0 and config["scheme"] == "FA_PV_mxfp8"
+    code, _, config, err = _dry(["--model", "llama32-1b", "--scheme", "bf16", "--out", str(tmp_path)], capsys)
+    assert code == 0 and config["scheme"] == "bf16"
+    assert "note: --scheme bf16 given; CUSTOM_QUANT_TYPE=FA_PV_mxfp8 is not used" in err
+    monkeypatch.setenv("CUSTOM_QUANT_TYPE", "hifp9")
+    code, _, _, err = _dry(["--model", "llama32-1b"], capsys)
+    assert code == 2 and "did you mean 'hifp8'" in err
+    assert main(["matrix", "--models", "llama32-1b", "--schemes", "bf16", "--dry-run", "--out", str(tmp_path)]) == 0
+    assert "note: a matrix runs --schemes; CUSTOM_QUANT_TYPE=hifp9 is not used" in capsys.readouterr().err
+
+
+def test_runs_pointed_at_one_capture_dir_keep_each_others_captures(tmp_path, capsys, monkeypatch):
+    """--tensor-save-dir D: each run writes D/<scheme> (the predecessor's {save_dir}/{quant_type}); a matrix
+    D/<model>/<dataset>/<scheme>; a run that would replace earlier captures says so on the console."""
+    from experiments.__main__ import _replacing_note
+    from experiments.launcher import resolve
+    from fxquant.megatron_glue.run_config import CaptureConfig
+
+    monkeypatch.delenv("CUSTOM_QUANT_TYPE", raising=False)
+    root = tmp_path / "D"
+    roots = []
+    for scheme in ("FA_linear_hifp8", "bf16"):
+        launch = resolve(model="llama32-1b", dataset="mock", scheme=scheme, out=str(tmp_path / "runs"),
+                         capture=CaptureConfig(dir=str(root), iterations=1))
+        roots.append(launch.run.capture.root(launch.run.output_dir))
+    assert roots == [root.resolve() / "FA_linear_hifp8", root.resolve() / "bf16"]
+    matrix = resolve(model="llama32-1b", dataset="mock", scheme="bf16", capture=CaptureConfig(dir=str(root)),
+                     capture_per_run=True)
+    assert matrix.run.capture.root(matrix.run.output_dir) == root.resolve() / "llama32-1b" / "mock" / "bf16"
+    assert _replacing_note(launch) is None
+    (roots[1] / "rank-00000").mkdir(parents=True)
+    assert f"note: {roots[1]} holds an earlier run's captures (1 rank(s)); this run replaces them" in \
+        _replacing_note(launch)
+
+
+def test_first_error_of_a_failing_rank():
+    from experiments.launcher import first_error
+
+    log = """*****************************************
+[rank1]: Traceback (most recent call last):
+[rank1]:   File "/x/launch.py", line 82, in main
+[rank1]:     raise ValueError(f"model {cfg.name!r} cannot run")
+[rank1]: ValueError: model 'deepseek2_lite-tiny' (MLA + MoE) with tp=2 cannot run on cpu
+[rank0]: ValueError: model 'deepseek2_lite-tiny' (MLA + MoE) with tp=2 cannot run on cpu
+Traceback (most recent call last):
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+""".splitlines(keepends=True)
+    assert first_error(log) == "rank 1: ValueError: model 'deepseek2_lite-tiny' (MLA + MoE) with tp=2 cannot run on cpu"
+    assert first_error(log[-1:]) == "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:"
+    assert first_error(["iter 1/3 | loss 5.0\n"]) is None
+
+
+def test_a_failing_run_prints_the_ranks_error_line(tmp_path, capsys, monkeypatch):
+    """A real torchrun failure inside the rank (a tokenizer directory holding no tokenizer): the console gets
+    the rank's first error line and the log path, and no metrics path (there is no metrics file)."""
+    from experiments.__main__ import main
+
+    monkeypatch.delenv("CUSTOM_QUANT_TYPE", raising=False)
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    code = main(["run", "--model", "llama32-1b", "--tokenizer", str(tok), "--out", str(tmp_path / "runs"),
+                 "--iters", "1", "--timeout", "300"])
+    out, err = capsys.readouterr()
+    assert code == 1 and out.startswith("failed in ") and "metrics" not in out
+    (line,) = [x for x in err.splitlines() if x.startswith("error: ")]
+    assert line.startswith("error: rank 0: ") and "Error" in line and "train.log" in line

@@ -206,6 +206,17 @@ def test_auto_on_cpu_keeps_quantized_sdpa(monkeypatch):
     assert [n.split(" (")[0] for n in sdpa_notes(model)] == [expected]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the auto fallback exists off CUDA only")
+def test_auto_fallback_off_cuda_is_not_a_warning(monkeypatch, caplog):
+    """attention=auto choosing quantized_sdpa on CPU is the documented behaviour: DEBUG, not WARNING."""
+    monkeypatch.delenv(rewrite_sdpa.ENV, raising=False)
+    q, k, v, _ = qkv(hq=2, hk=2, lq=8, lk=8, d=16, dv=16)
+    with caplog.at_level(logging.DEBUG, logger="fxquant"):
+        fxquant.compile(PlainAttention(), "FA_QKPV_mxfp8", backend="aot_eager")(q, k, v)
+    fallback = [r for r in caplog.records if "not the flash kernel" in r.getMessage()]
+    assert fallback and all(r.levelno == logging.DEBUG for r in fallback)
+
+
 class MaskedAttention(torch.nn.Module):
     def forward(self, q, k, v, mask):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

@@ -69,6 +69,7 @@ def test_predecessor_env_capture_during_training(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     metrics = [json.loads(line) for line in (tmp_path / "env" / "metrics.jsonl").read_text().splitlines()]
     assert [m["iteration"] for m in metrics] == [1, 2] and all("val_loss" in m for m in metrics)
+    assert "training stopped after 2 of 4 iterations by --control-iter 2 (--save-tensors captures" in out
 
     cs = capture.open(root)
     assert cs.committed and cs.verify() == []

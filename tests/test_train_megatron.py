@@ -196,3 +196,22 @@ def test_tied_embeddings_pp2_match_one_process(tmp_path):
     embedding = single["embedding.word_embeddings.weight"]
     torch.testing.assert_close(first["embedding.word_embeddings.weight"], embedding, rtol=0, atol=0)
     torch.testing.assert_close(last["output_layer.weight"], embedding, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("iters,warmup,expected", [(1, 4, 0), (3, 4, 2), (40, 4, 4), (5, 0, 0)])
+def test_warmup_is_clipped_so_the_run_reaches_the_peak_lr(iters, warmup, expected):
+    import torch
+
+    from fxquant.megatron_glue.optim import lr_scheduler
+    from fxquant.megatron_glue.run_config import OptimConfig, warmup_for
+
+    cfg = OptimConfig(lr=3e-3, min_lr=3e-4, warmup_iters=warmup)
+    assert warmup_for(cfg, iters) == expected
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    scheduler = lr_scheduler(optimizer, cfg, iters)
+    lrs = []
+    for _ in range(iters):  # the loop reads the lr an iteration trains at, then steps the scheduler
+        lrs.append(optimizer.param_groups[0]["lr"])
+        scheduler.step(1)
+    assert max(lrs) == pytest.approx(cfg.lr)
+    assert lrs[0] > 0 or expected > 0  # --iters 1 trains at the peak lr, not at 0

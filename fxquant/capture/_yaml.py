@@ -78,8 +78,14 @@ class Problems:
         self.items.append(f"{where}: {path or '<top>'}: {message}")
 
     def raise_if_any(self) -> None:
+        """SpecError with every problem, sorted by line (problems without a line first)."""
         if self.items:
-            raise SpecError(self.items)
+            raise SpecError(sorted(self.items, key=_line_of))
+
+
+def _line_of(problem: str) -> int:
+    m = re.match(r"^.*?:(\d+): ", problem)
+    return int(m.group(1)) if m else 0
 
 
 def load_with_lines(text: str, filename: str = "<string>") -> tuple[object, Problems]:

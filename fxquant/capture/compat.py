@@ -2,7 +2,7 @@
 
     --save-tensors            capture on                     env TENSOR_SAVE_ENABLED=true|1|yes
     --tensor-save-dir DIR     where (default ./enhanced_tensor_logs)   env TENSOR_SAVE_DIR
-    --control-iter N          collect for N iterations, then stop (default 1; 0 = no limit)
+    --control-iter N          collect for N iterations, then stop training (default 1; 0 = no limit)
     CUSTOM_QUANT_TYPE         the quant type name recorded as the run's scheme when none is given
 
 ``add_arguments(parser)`` adds the flags to an argparse parser (the Megatron launcher uses it);
@@ -28,11 +28,13 @@ _FALSE = ("0", "false", "no", "off", "")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("tensor capture (predecessor-compatible)")
     g.add_argument("--save-tensors", action="store_true", default=None,
-                   help="capture tensors around every quantized GEMM (env TENSOR_SAVE_ENABLED)")
+                   help="capture tensors around every quantized GEMM for --control-iter iterations, then stop "
+                   "training (env TENSOR_SAVE_ENABLED; default off)")
     g.add_argument("--tensor-save-dir", default=None,
                    help=f"capture directory (env TENSOR_SAVE_DIR; default {DEFAULT_DIR})")
-    g.add_argument("--control-iter", type=int, default=None,
-                   help="collect for N iterations, then stop capturing (default 1; 0: no limit)")
+    g.add_argument("--control-iter", type=int, default=None, metavar="N",
+                   help="train N iterations of this run, then stop training; with --save-tensors capture covers "
+                   "those N (default: 1 with --save-tensors, else no limit; 0: no limit)")
 
 
 def _env_flag(env: dict, name: str) -> bool | None:

@@ -80,11 +80,16 @@ class Gemm(str, enum.Enum):
 
 
 class ModuleKind(str, enum.Enum):
+    """A site's kind, as scheme rules name it (``fxquant.schemes.SiteKind``: the same values)."""
+
     QKV = "qkv"
     PROJ = "proj"
     FC1 = "fc1"
     FC2 = "fc2"
     LM_HEAD = "lm_head"
+    EMBEDDING = "embedding"
+    ROUTER = "router"
+    LINEAR = "linear"
     ATTENTION = "attention"
 
 
@@ -382,21 +387,23 @@ def _layers(value: object, path: str, probs: Problems) -> LayerSelector | None:
     if m is None:
         return None
     _check_keys(m, _LAYER_KEYS, path, probs)
-    module = m.get("module")
+    module, ok = m.get("module"), True
     if module is not None:
         try:
             re.compile(str(module))
-        except re.error as exc:
+        except re.error as exc:  # reported; kinds and indices are still checked
             probs.add(join(path, "module"), f"invalid regular expression {module!r}: {exc}")
-            return None
+            ok = False
     kinds = None
     if m.get("kinds") is not None:
         k = _enum_list(ModuleKind, m["kinds"], join(path, "kinds"), probs)
         kinds = None if k is None else frozenset(k)
+        ok = ok and k is not None
     indices = None
     if m.get("indices") is not None:
         indices = _int_set(m["indices"], join(path, "indices"), probs, "layer index")
-    return LayerSelector(None if module is None else str(module), kinds, indices)
+        ok = ok and indices is not None
+    return LayerSelector(None if module is None else str(module), kinds, indices) if ok else None
 
 
 def _points(value: object, path: str, probs: Problems) -> list[CapturePoint] | None:
@@ -412,12 +419,14 @@ def _points(value: object, path: str, probs: Problems) -> list[CapturePoint] | N
         _check_keys(m, _POINT_KEYS, p, probs)
         if "component" not in m:
             probs.add(p, f"missing 'component'; choose one of {[c.value for c in Component]}")
+            _check_any_role(m.get("roles"), join(p, "roles"), probs)
             continue
         comp = _enum(Component, m["component"], join(p, "component"), probs)
         phases = _enum_list(Phase, m.get("phase", [x.value for x in Phase]), join(p, "phase"), probs)
         dirs = _enum_list(Direction, m.get("direction", [x.value for x in Direction]), join(p, "direction"), probs)
         copies = _enum_list(Copy, m.get("copies", ["hp"]), join(p, "copies"), probs)
-        if comp is None:
+        if comp is None:  # the roles are still checked, against every component's
+            _check_any_role(m.get("roles"), join(p, "roles"), probs)
             continue
         bad = phases is None or dirs is None or copies is None
         phases, dirs, copies = phases or list(Phase), dirs or list(Direction), copies or [Copy.HP]
@@ -454,6 +463,18 @@ def _points(value: object, path: str, probs: Problems) -> list[CapturePoint] | N
                 if pt not in out:
                     out.append(pt)
     return out
+
+
+def _check_any_role(value: object, path: str, probs: Problems) -> None:
+    """Report role names that no component has (the point's component is itself wrong)."""
+    if value is None:
+        return
+    names = value if isinstance(value, list) else [value]
+    allowed = sorted({r.value for table in ROLE_TABLE.values() for r in table})
+    for j, r in enumerate(names):
+        if not isinstance(r, str) or r not in allowed:
+            rp = join(path, j) if isinstance(value, list) else path
+            probs.add(rp, f"{r!r} is not a role of any component; allowed: {allowed}{did_you_mean(r, allowed)}")
 
 
 def _when(value: object, path: str, probs: Problems) -> Window | None:

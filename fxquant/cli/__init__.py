@@ -9,24 +9,60 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 # Modules of fxquant.cli that provide verbs; add a new verb by adding its module here.
-_VERB_MODULES: tuple[str, ...] = ("formats_cmd", "prepare_data_cmd", "check_spec_cmd", "capture_cmd", "explain_cmd", "report_cmd",
-                                  "collect_cmd", "draw_cmd")
+_VERB_MODULES: tuple[str, ...] = ("formats_cmd", "schemes_cmd", "prepare_data_cmd", "check_spec_cmd", "capture_cmd",
+                                  "explain_cmd", "report_cmd", "collect_cmd", "draw_cmd")
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help line shows its default: ``(default: X)`` is appended unless the help already says
+    what the default is, or there is none to show (a required option, a flag, an unset optional value)."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, width=100, max_help_position=34)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or action.required or action.default in (None, False, [], argparse.SUPPRESS)
+                or not action.option_strings):
+            return text
+        return text + " (default: %(default)s)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fxquant",
         description="Quantized-GEMM emulation, tensor capture and analysis for low-precision training research.",
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     sub.required = True
     for name in _VERB_MODULES:
         importlib.import_module(f"{__name__}.{name}").register(sub)
+    _show_defaults(parser)
     return parser
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """HelpFormatter for every verb's (and sub-verb's) parser, so each help line shows its default."""
+    parser.formatter_class = HelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _show_defaults(sub)
+
+
+def quiet_broken_pipe() -> int:
+    """Exit status after the reader of stdout went away (`fxquant capture ls DIR --records | head`): stdout is
+    pointed at /dev/null so the interpreter's final flush does not fail again; 141 = 128 + SIGPIPE, what a
+    command killed by the signal reports."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 141
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,10 +71,14 @@ def main(argv: list[str] | None = None) -> int:
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return int(args.func(args) or 0)
+        status = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, not at the interpreter's exit
+        return status
     except (ValueError, TypeError, FileNotFoundError) as exc:
         print(f"fxquant {args.verb}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        return quiet_broken_pipe()
 
 
 if __name__ == "__main__":

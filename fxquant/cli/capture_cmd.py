@@ -14,20 +14,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     verbs = p.add_subparsers(dest="capture_verb", metavar="ACTION")
     verbs.required = True
     ls = verbs.add_parser("ls", help="summarise a capture set: runs, ranks, counts per role and module")
-    ls.add_argument("dir")
-    ls.add_argument("--records", action="store_true", help="one line per record")
+    ls.add_argument("dir", help="a capture directory (the root holding rank-NNNNN/ directories)")
+    ls.add_argument("--records", action="store_true", help="one line per record (default: counts only)")
     ls.add_argument("--where", action="append", default=[], metavar="FIELD=VALUE",
-                    help="filter records (repeatable; integers are compared as integers)")
-    ls.add_argument("--json", action="store_true", help="print the selected records as JSON lines")
+                    help="filter records (repeatable; integers are compared as integers; default: all records)")
+    ls.add_argument("--json", action="store_true", help="print the selected records as JSON lines instead of tables")
     ls.set_defaults(func=run_ls)
     v = verbs.add_parser("verify", help="check every checksum; report partial, missing or unreferenced shards")
-    v.add_argument("dir")
+    v.add_argument("dir", help="a capture directory")
     v.set_defaults(func=run_verify)
     e = verbs.add_parser("export-pt", help="write the predecessor's .pt files (torch.load(weights_only=True))")
-    e.add_argument("dir")
+    e.add_argument("dir", help="a capture directory")
     e.add_argument("out", help="output directory (files go to OUT/{quant_type}/)")
     e.add_argument("--quant-type", default=None, help="quant type in names and directory (default: the run's scheme)")
-    e.add_argument("--where", action="append", default=[], metavar="FIELD=VALUE", help="export only matching records")
+    e.add_argument("--where", action="append", default=[], metavar="FIELD=VALUE", help="export only matching records (default: all records)")
     e.set_defaults(func=run_export)
 
 

@@ -8,7 +8,8 @@ import sys
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("check-spec", help="validate capture spec YAML file(s) (all problems, with file:line)")
     p.add_argument("files", nargs="+", help="spec YAML files, or shipped spec names (predecessor, linear_io, ...)")
-    p.add_argument("-q", "--quiet", action="store_true", help="print nothing when a spec is valid")
+    p.add_argument("-q", "--quiet", action="store_true", help="print nothing when a spec is valid (default: a "
+                   "summary of each valid spec)")
     p.set_defaults(func=run)
 
 
@@ -20,7 +21,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             spec = load_spec(f)
         except SpecError as exc:
-            print("\n".join(exc.problems), file=sys.stderr)
+            n = len(exc.problems)
+            print(f"{f}: {n} problem{'s' * (n != 1)}:\n  " + "\n  ".join(exc.problems), file=sys.stderr)
             status = 1
             continue
         if not args.quiet:

@@ -1,9 +1,9 @@
 """`fxquant collect`: the predecessor's `run_tensor_collection.sh` (modes single / batch / quick).
 
 A thin command over `python -m experiments run`: each collection is one supervised training run of a
-Megatron model with the predecessor's capture switch (`--save-tensors --tensor-save-dir DIR/SCHEME
---control-iter N [--collect-micro-batches M]`), so captures land in the predecessor's layout,
-one capture set per quant type under DIR. Afterwards it counts the records of each set per pattern (the
+Megatron model with the predecessor's capture switch (`--save-tensors --tensor-save-dir DIR --control-iter N
+[--collect-micro-batches M]`; experiments run writes DIR/SCHEME), so captures land in the predecessor's
+layout, one capture set per quant type under DIR. Afterwards it counts the records of each set per pattern (the
 predecessor counted files matching *_forward_*, *_pre_*, *_FA_*, ...) and writes a summary
 (DIR/collection_summary.{json,txt}).
 
@@ -105,7 +105,7 @@ def run_argv(args: argparse.Namespace, mode: str, scheme: str) -> list[str]:
     argv = ["run", "--model", args.model, "--variant", args.variant, "--dataset", args.dataset, "--scheme", scheme,
             "--config", args.config, "--out", args.out, "--nproc", str(args.nproc), "--tp", str(args.tp),
             "--pp", str(args.pp), "--backend", args.backend, "--attention", args.attention,
-            "--timeout", str(args.timeout), "--save-tensors", "--tensor-save-dir", str(Path(args.tensor_dir) / scheme)]
+            "--timeout", str(args.timeout), "--save-tensors", "--tensor-save-dir", str(args.tensor_dir)]
     control_iter, micro_batches = args.control_iter, args.collect_micro_batches
     if mode == "quick":
         control_iter, micro_batches = 1, micro_batches or 1

@@ -25,14 +25,16 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("dirs", nargs="*", metavar="DIR", help="capture directories (fxquant.capture sets)")
     p.add_argument("-j", "--workers", type=int, default=1, help="worker processes that summarise the tensors and then draw the figures (default 1: all in this process)")
     p.add_argument("--where", action="append", default=[], metavar="FIELD=VALUE",
-                   help="keep records whose manifest FIELD equals VALUE (repeatable; V1,V2 for any of several)")
+                   help="keep records whose manifest FIELD equals VALUE (repeatable; V1,V2 for any of several; "
+                   "default: every record)")
     p.add_argument("--formats", default=None, help="comma-separated formats for the over/underflow summary and the "
                    "distribution pages (default: common formats plus those captured)")
-    p.add_argument("--mx-formats", default=None, help="comma-separated MX formats of the scaling study")
+    p.add_argument("--mx-formats", default=None, help="comma-separated MX formats of the scaling study (default: "
+                   "mxfp8_e4m3, mxfp8_e5m2, mxfp4_e2m1 plus the MX formats captured)")
     p.add_argument("--offsets", default="-2,-1,0,1,2", help="shared-exponent offsets of the MX study")
     p.add_argument("--sample-blocks", type=int, default=128, help="32-element blocks sampled per tensor for the "
                    "MX study and NVFP4 (0: no study)")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (default: a tqdm bar on stderr)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -40,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     _common(p)
     p.add_argument("-o", "--out", default="fxquant-report", help="report directory (default ./fxquant-report)")
     p.add_argument("--metrics", action="append", default=[], metavar="RUN",
-                   help="a training run's metrics.jsonl or run directory (repeatable)")
+                   help="a training run's metrics.jsonl or run directory (repeatable; default: no loss curves)")
     p.add_argument("--reference", default="bf16", help="label of the reference run for relative errors")
     p.add_argument("--last-n", type=int, default=10, help="iterations in the 'last N' mean relative error")
     p.add_argument("--no-plots", action="store_true", help="tables only")
@@ -53,6 +55,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     _common(m)
     m.add_argument("--json", action="store_true", help="print the study as JSON")
     m.set_defaults(func=run_mx_sweep)
+
+
+def _check_dirs(dirs: list[str]) -> None:
+    """Every DIR must exist: a mistyped path is an error, not an empty report."""
+    from pathlib import Path
+
+    missing = [d for d in dirs if not Path(d).is_dir()]
+    if missing:
+        raise FileNotFoundError(f"capture director{'y' if len(missing) == 1 else 'ies'} not found: {', '.join(missing)}")
+
+
+def _nothing_read(res, dirs: list[str]) -> str | None:
+    """The error when the DIRs gave no record (each was empty or not a capture set; warnings say which)."""
+    if dirs and res.records == 0:
+        return f"no capture records in {', '.join(dirs)} (see the warnings above): nothing to analyse"
+    return None
 
 
 def _kwargs(args: argparse.Namespace) -> dict:
@@ -73,12 +91,17 @@ def run_report(args: argparse.Namespace) -> int:
 
     if not args.dirs and not args.metrics:
         raise ValueError("nothing to report: give capture DIRs and/or --metrics RUN")
+    _check_dirs(args.dirs)
     res = report(args.dirs, args.out, metrics=args.metrics, reference=args.reference, last_n=args.last_n,
                  plots=not args.no_plots, **_kwargs(args))
     for p in res.problems:
         print(f"warning: {p}", file=sys.stderr)
     print(f"{res.records} records ({res.tensors} tensors, {res.bytes / 1e6:.1f} MB) with {res.workers} worker(s) "
           f"in {res.seconds:.1f} s -> {res.index}")
+    error = _nothing_read(res, args.dirs)
+    if error:
+        print(f"fxquant report: error: {error}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -89,10 +112,14 @@ def _analyse(args: argparse.Namespace, plots: bool = False):
 
     if not args.dirs:
         raise ValueError("give at least one capture DIR")
+    _check_dirs(args.dirs)
     with tempfile.TemporaryDirectory() as tmp:
         res = report(args.dirs, tmp, plots=plots, **_kwargs(args))
         for p in res.problems:
             print(f"warning: {p}", file=sys.stderr)
+        error = _nothing_read(res, args.dirs)
+        if error:
+            raise ValueError(error)
         return res.aggregator
 
 

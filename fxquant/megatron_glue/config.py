@@ -218,3 +218,20 @@ def tiny_llama_config(**changes) -> ModelConfig:
         num_query_groups=2, vocab_size=256, max_position_embeddings=256, rotary_base=500000.0,
     )
     return replace(base, **changes) if changes else base
+
+
+def check_host_layout(cfg: ModelConfig, tp: int, ep: int, device: object) -> None:
+    """Refuse the layouts whose MLA / MoE communication Megatron 0.16.1 allocates on CUDA.
+
+    Off CUDA, tensor parallelism of MLA (the kv / q down-projections are gathered by
+    `tensor_parallel.mappings._gather_along_last_dim`) and of MoE (the all-gather dispatcher), and expert
+    parallelism, all reach `torch.empty(..., device=torch.cuda.current_device())`. Pipeline and data
+    parallelism work. `device`: a torch.device or its name ("cpu", "cuda:0").
+    """
+    if str(device).split(":")[0] == "cuda" or (cfg.mla is None and cfg.moe is None):
+        return
+    parts = " + ".join(name for name, on in (("MLA", cfg.mla is not None), ("MoE", cfg.moe is not None)) if on)
+    if tp > 1 or ep > 1:
+        raise ValueError(f"model {cfg.name!r} ({parts}) with tp={tp}, ep={ep} cannot run on {device}: Megatron-core "
+                         f"0.16.1 gathers MLA/MoE activations across tensor/expert-parallel ranks into CUDA-only "
+                         f"buffers; use tp=1 and ep=1 off CUDA (pipeline and data parallelism work)")

@@ -18,7 +18,8 @@ called by `model.layer_spec`); nothing of Megatron or torch stays patched:
 - The aux-loss tracker: `track_moe_metrics(force_initialize=True)` creates missing entries with
   `device="cuda"` (moe_utils.py, ~line 998). `MoEAuxLosses` creates them on the run's device, then calls
   Megatron's reduction and logging (`track_moe_metrics` without force_initialize).
-- `check_host_layout` refuses tensor/expert parallelism of MLA/MoE off CUDA (CUDA-only gather buffers).
+- `check_host_layout` (defined in `config`, no Megatron import, so the launcher checks it before starting)
+  refuses tensor/expert parallelism of MLA/MoE off CUDA (CUDA-only gather buffers).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from megatron.core.transformer import multi_latent_attention
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler, TopKRouter
 
+from fxquant.megatron_glue.config import check_host_layout  # noqa: F401 (re-exported: it lived here)
 from fxquant.megatron_glue.host import HostRotaryEmbedding
 
 
@@ -140,23 +142,6 @@ class LocalTopKRouter(TopKRouter):
         dtypes = {"fp32": torch.float32, "fp64": torch.float64}
         router_dtype = dtypes.get(self.config.moe_router_dtype, input.dtype)
         return _RouterGatingLinear.apply(input, self.weight, self.bias, router_dtype)
-
-
-def check_host_layout(cfg, tp: int, ep: int, device: torch.device | str) -> None:
-    """Refuse the layouts whose MLA / MoE communication Megatron 0.16.1 allocates on CUDA.
-
-    Off CUDA, tensor parallelism of MLA (the kv / q down-projections are gathered by
-    `tensor_parallel.mappings._gather_along_last_dim`) and of MoE (the all-gather dispatcher), and expert
-    parallelism, all reach `torch.empty(..., device=torch.cuda.current_device())`. Pipeline and data
-    parallelism work.
-    """
-    if torch.device(device).type == "cuda" or (cfg.mla is None and cfg.moe is None):
-        return
-    parts = " + ".join(name for name, on in (("MLA", cfg.mla is not None), ("MoE", cfg.moe is not None)) if on)
-    if tp > 1 or ep > 1:
-        raise ValueError(f"model {cfg.name!r} ({parts}) with tp={tp}, ep={ep} cannot run on {device}: Megatron-core "
-                         f"0.16.1 gathers MLA/MoE activations across tensor/expert-parallel ranks into CUDA-only "
-                         f"buffers; use tp=1 and ep=1 off CUDA (pipeline and data parallelism work)")
 
 
 def swap_mla_moe_modules(spec, host: bool) -> None:

@@ -6,8 +6,8 @@ a final JSON line (`FXQUANT_RESULT {...}`) the launcher parses. A process entry 
 Capture can be switched on here too, over the JSON: `--capture SPEC` (shipped name or YAML path) and the
 predecessor's `--save-tensors`, `--tensor-save-dir DIR`, `--control-iter N` and `TENSOR_SAVE_ENABLED`,
 `TENSOR_SAVE_DIR` (`run_config.capture_from_args`; with the predecessor's switch, training also stops after
-N iterations, as it did). Every rank prints one `capture rank R: ...` line (records, bytes, where, why it
-stopped). SIGTERM (torchrun forwards it; the experiment supervisor sends it on timeout) raises SystemExit in
+N iterations, as it did, and a `training stopped ...` line says so). Every rank prints one `capture rank R:
+...` line (records, bytes, where, why it stopped). SIGTERM (torchrun forwards it; the experiment supervisor sends it on timeout) raises SystemExit in
 the training thread, so the capture session is drained and committed before the process ends.
 """
 from __future__ import annotations
@@ -50,6 +50,16 @@ def with_capture_args(run, args: argparse.Namespace):
     return dataclasses.replace(run, capture=capture or run.capture, train=train)
 
 
+def stopped_line(run, done: int) -> str:
+    """The console line of a run that `--control-iter` (or `--save-tensors`' window) stopped early."""
+    t = run.train
+    why = f"--control-iter {t.control_iter}"
+    if run.capture is not None and run.capture.iterations == t.control_iter:
+        why += " (--save-tensors captures that many iterations, 1 unless --control-iter is given, and stops training)"
+    return (f"training stopped after {done} of {t.train_iters} iterations by {why}; --control-iter 0 trains "
+            f"all {t.train_iters}")
+
+
 def _terminate(signum, frame):
     raise SystemExit(128 + signum)
 
@@ -90,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
                        "checkpoints": str(result.checkpoint_dir) if result.checkpoint_dir else None,
                        "stopped_by_control_iter": result.stopped_by_control_iter,
                        "captures": str(run.capture.root(run.output_dir)) if run.capture else None}
+            if result.stopped_by_control_iter:
+                print(stopped_line(run, len(result.records)), flush=True)
             print("FXQUANT_RESULT " + json.dumps(summary), flush=True)
     finally:
         destroy_parallel()

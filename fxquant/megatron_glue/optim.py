@@ -26,7 +26,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
-from fxquant.megatron_glue.run_config import OptimConfig
+from fxquant.megatron_glue.run_config import OptimConfig, warmup_for
 
 
 @dataclass(frozen=True)
@@ -152,11 +152,14 @@ class MegatronOptimizerSetup:
 
 
 def lr_scheduler(optimizer, cfg: OptimConfig, train_iters: int) -> OptimizerParamScheduler:
-    """Megatron's scheduler, stepped once per iteration (warm-up from 0, decay to min_lr)."""
+    """Megatron's scheduler, stepped once per iteration (warm-up from 0, decay to min_lr). The warm-up is
+    clipped to `train_iters - 1` iterations (`run_config.warmup_for`), so a run shorter than its config's
+    warm-up still reaches the peak lr (`--iters 1` trains at `lr`, not at 0)."""
+    warmup = warmup_for(cfg, train_iters)
     decay = cfg.decay_iters or train_iters
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_steps=cfg.warmup_iters,
-        lr_decay_steps=max(decay, cfg.warmup_iters + 1), lr_decay_style=cfg.decay_style,
+        optimizer, init_lr=0.0, max_lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_steps=warmup,
+        lr_decay_steps=max(decay, warmup + 1), lr_decay_style=cfg.decay_style,
         start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=max(decay, 1),
         wd_incr_style="constant", use_checkpoint_opt_param_scheduler=True,
     )

@@ -94,6 +94,13 @@ class OptimConfig:
             raise ValueError(f"warmup_iters and clip_grad must be >= 0, got {self.warmup_iters}, {self.clip_grad}")
 
 
+def warmup_for(optim: OptimConfig, train_iters: int) -> int:
+    """The warm-up a run of `train_iters` iterations uses: `optim.warmup_iters`, clipped to `train_iters - 1`
+    (Megatron's scheduler trains iteration 1 at lr 0 during warm-up; a warm-up as long as the run never
+    reaches the peak lr)."""
+    return max(0, min(optim.warmup_iters, train_iters - 1))
+
+
 class CompileBackend(enum.Enum):
     INDUCTOR = "inductor"
     AOT_EAGER = "aot_eager"
@@ -212,6 +219,15 @@ def capture_from_args(args, env: dict | None = None) -> CaptureConfig | None:
     return CaptureConfig(spec=spec, dir=getattr(args, "tensor_save_dir", None))
 
 
+def per_run_capture(capture: CaptureConfig | None, subdir: str) -> CaptureConfig | None:
+    """An explicit capture root (`--tensor-save-dir` / `TENSOR_SAVE_DIR`) holds one subdirectory per run,
+    `ROOT/<subdir>` (the predecessor's `{save_dir}/{quant_type}/`), so runs of several schemes pointed at one
+    root keep each other's captures. A capture under the run directory (`dir` None) is already per run."""
+    if capture is None or capture.dir is None:
+        return capture
+    return dataclasses.replace(capture, dir=str(Path(capture.dir) / subdir))
+
+
 def stop_after(capture: CaptureConfig | None, control_iter: int | None) -> int | None:
     """TrainConfig.control_iter for a command line's `--control-iter` (0: no limit): given, it is used;
     absent, the predecessor's capture (`--save-tensors`, window of N iterations) stops training after N."""
@@ -230,13 +246,22 @@ class RunConfig:
     data: DataConfig
     output_dir: str
     tokenizer: str = "byte"
-    scheme: str = "bf16"
+    scheme: str = "bf16"          # a preset name, or the name of the scheme in `scheme_yaml`
+    scheme_yaml: str | None = None  # the text of a scheme YAML file (`--scheme FILE.yaml`); None: a preset
     capture: CaptureConfig | None = None
     attention: AttentionKind = AttentionKind.SDPA
     backend: CompileBackend = CompileBackend.AOT_EAGER
     layout: ParallelLayout = field(default_factory=ParallelLayout)
     resume: bool = True
     tensorboard: bool = False
+
+    def compile_scheme(self):
+        """What `fxquant.compile` gets: the preset name, or the Scheme parsed from `scheme_yaml`."""
+        if self.scheme_yaml is None:
+            return self.scheme
+        from fxquant.schemes.yaml_io import load_text
+
+        return load_text(self.scheme_yaml, f"<scheme_yaml of run {self.scheme}>", default_name=self.scheme)
 
     def to_dict(self) -> dict:
         return _to_plain(self)

@@ -5,6 +5,11 @@ specs name; the quantize nodes inside Megatron bodies are counted as they are. W
 training graphs (``dedupe=True``; its inference graphs, compiled under no_grad, are not CSE'd) common-subexpression elimination merges identical calls, e.g. the input X shared by
 q_proj, k_proj and v_proj quantized with the same spec along the same axis in fprop (and in wgrad), so
 calls are counted once per (operand, spec, axis). ``fxquant.counters`` compares this with what ran.
+
+Backward GEMMs follow autograd: a gradient that autograd does not ask for is not computed, so its GEMM
+quantizes nothing (a first linear whose input does not require grad has no dgrad; a frozen weight, no
+wgrad). Whether an operand requires grad is read from its node's ``example_value`` (Dynamo's fake tensor);
+an operand without one is assumed to require grad.
 """
 from __future__ import annotations
 
@@ -16,6 +21,18 @@ from fxquant.passes.sites import META_KEY, OpKind, Status
 _FWD, _BWD = 0, 1
 
 
+def requires_grad(operand: object) -> bool:
+    """Whether autograd will ask for the gradient of ``operand`` (a graph node; True when unknown)."""
+    value = operand.meta.get("example_value") if isinstance(operand, fx.Node) else None
+    return bool(getattr(value, "requires_grad", True)) if value is not None else isinstance(operand, fx.Node)
+
+
+def _gemm_runs(a: object, b: object) -> list[bool]:
+    """Per operand slot of a (fwd a, fwd b, grad_a dC, grad_a b, grad_b a, grad_b dC) table: whether it runs."""
+    ga, gb = requires_grad(a), requires_grad(b)
+    return [True, True, ga, ga, gb, gb]
+
+
 def _operand_keys(node: fx.Node) -> list[tuple[int, tuple]]:
     """(phase, key) of every quantization a rewritten wrapper call makes; keys equal iff CSE merges them."""
     t, args = node.target, node.args
@@ -23,18 +40,26 @@ def _operand_keys(node: fx.Node) -> list[tuple[int, tuple]]:
         x, w, s = args[0], args[1], args[3]
         table = [(_FWD, x, "K"), (_FWD, w, "K"), (_BWD, node, "dY,N"), (_BWD, w, "N"), (_BWD, node, "dY,M"),
                  (_BWD, x, "M")]
+        runs = _gemm_runs(x, w)
     elif t in (wrappers.fxquant_matmul, wrappers.fxquant_bmm, wrappers.fxquant_baddbmm):
         a, b = (args[1], args[2]) if t is wrappers.fxquant_baddbmm else (args[0], args[1])
         s = args[-1]
         table = [(_FWD, a, "-1"), (_FWD, b, "-2"), (_BWD, node, "dC,-1"), (_BWD, b, "-1"), (_BWD, a, "-2"),
                  (_BWD, node, "dC,-2")]
+        runs = _gemm_runs(a, b)
     elif t is wrappers.fxquant_sdpa:  # every operand inside SDPA is private to the site
         s = args[-1]
         phases = [_FWD, _FWD, _BWD, _BWD, _BWD, _BWD] * 2
-        return [(ph, (node.name, i, spec)) for i, (ph, spec) in enumerate(zip(phases, s)) if spec is not None]
+        q, k, v = args[0], args[1], args[2]
+        p_grad = requires_grad(q) or requires_grad(k)  # P = softmax(Q K^T) needs a gradient iff Q or K does
+        runs = [True, True, requires_grad(q), requires_grad(q), requires_grad(k), requires_grad(k),
+                True, True, p_grad, p_grad, requires_grad(v), requires_grad(v)]
+        return [(ph, (node.name, i, spec)) for i, (ph, spec, run) in enumerate(zip(phases, s, runs))
+                if spec is not None and run]
     else:
         return []
-    return [(ph, (getattr(op, "name", op), axis, spec)) for (ph, op, axis), spec in zip(table, s) if spec is not None]
+    return [(ph, (getattr(op, "name", op), axis, spec)) for (ph, op, axis), spec, run in zip(table, s, runs)
+            if spec is not None and run]
 
 
 def expected_calls(gm: fx.GraphModule, *, dedupe: bool) -> tuple[int, int]:

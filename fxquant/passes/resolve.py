@@ -4,11 +4,15 @@ Pre: ``sites.find_sites`` matched the nodes. Post: every matched node carries a 
 is the scheme's LinearQuant / AttentionQuant for that site (None = high precision). The graph is not
 edited. A block format (MX, NVFP4) asked to block along a dimension of static length 0 is a user error
 (ValueError naming the site, the GEMM operand and the dimension); symbolic lengths are not checked here.
+So is a quantized site whose floating operands have a dtype quantize does not take (float64): ValueError
+naming the site, its source line and the dtypes allowed, raised before the graph runs.
 """
 from __future__ import annotations
 
+import torch
 from torch import fx
 
+from fxquant.formats.base import SUPPORTED_DTYPES
 from fxquant.passes.sites import META_KEY, FoundSites, Match, OpKind, SiteMeta, Status, example_value, stack_line
 from fxquant.schemes.model import LinearQuant
 from fxquant.schemes.scheme import Scheme
@@ -18,12 +22,28 @@ def resolve_sites(found: FoundSites, scheme: Scheme) -> list[SiteMeta]:
     metas = []
     for m in found.matches:
         config = scheme.attention_for(m.site) if m.op.is_attention else scheme.linear_for(m.site)
+        if config is not None and config.quantized:
+            check_operand_dtypes(m)
         if isinstance(config, LinearQuant):
             check_blockable_linear(m, config)
         meta = SiteMeta(m.site, m.op, m.node.name, config, Status.HIGH_PRECISION, stack_line=stack_line(m.node))
         m.node.meta[META_KEY] = meta
         metas.append(meta)
     return metas
+
+
+def check_operand_dtypes(m: Match) -> None:
+    """Raise ValueError when a floating operand of a quantized site has a dtype quantize does not take."""
+    values = [example_value(a) for a in (*m.node.args, *m.node.kwargs.values()) if isinstance(a, fx.Node)]
+    bad = sorted({str(v.dtype) for v in values
+                  if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype not in SUPPORTED_DTYPES})
+    if bad:
+        where = f" [{stack_line(m.node)}]" if stack_line(m.node) else ""
+        raise ValueError(
+            f"site {m.site.module_path!r} ({m.site.kind.value}, {m.op.value}){where} has operands of dtype "
+            f"{', '.join(bad)}; fxquant quantizes {', '.join(str(d) for d in SUPPORTED_DTYPES)} tensors: cast the "
+            f"model (e.g. model.float()) or keep this site in high precision"
+        )
 
 
 def _static_len(value: object, dim: int) -> int | None:

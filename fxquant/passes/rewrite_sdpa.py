@@ -65,6 +65,9 @@ def matmul_quantize_calls(*mqs) -> tuple[int, int]:
     return sum(count(m.forward) for m in mqs), sum(count(m.grad_a, m.grad_b) for m in mqs)
 
 
+AUTO_OFF_CUDA = "attention=auto runs the flash kernel on CUDA only"
+
+
 def _native_flash(device: object) -> bool:
     from fxquant import kernels
 
@@ -77,7 +80,7 @@ def flash_blocker(a: dict[str, object], meta: SiteMeta, impl: AttentionImpl) -> 
         return "attention=math"
     q = example_value(a["query"])
     if impl is AttentionImpl.AUTO and not _native_flash(getattr(q, "device", None)):
-        return f"attention=auto runs the flash kernel on CUDA only (inputs on {getattr(q, 'device', '?')})"
+        return f"{AUTO_OFF_CUDA} (inputs on {getattr(q, 'device', '?')})"
     if not isinstance(a["is_causal"], bool):
         return f"is_causal is not a constant bool ({a['is_causal']!r})"
     if a["scale"] is not None and (not isinstance(a["scale"], (int, float)) or isinstance(a["scale"], bool)):
@@ -104,7 +107,10 @@ def rewrite_sdpa(graph: fx.Graph, node: fx.Node, attention: AttentionImpl | str 
         new = replace_with_call(graph, node, fxquant_flash_sdpa, args)
         done = dataclasses.replace(meta, status=Status.REWRITTEN, quantize_calls=(0, 0), note=FLASH_NOTE)
     else:
-        level = logging.DEBUG if impl is AttentionImpl.MATH or blocker.startswith(f"{ENV}=auto") else logging.WARNING
+        # The choice itself (math, or auto off CUDA) is expected: DEBUG. A site flash cannot run although
+        # flash was possible (an attn_mask, dropout, ...): WARNING.
+        expected = impl is AttentionImpl.MATH or blocker.startswith(AUTO_OFF_CUDA)
+        level = logging.DEBUG if expected else logging.WARNING
         log.log(level, "fxquant: %s runs quantized_sdpa, not the flash kernel: %s", meta.site.module_path, blocker)
         args = tuple(a[n] for n in _NAMES) + (specs,)
         new = replace_with_call(graph, node, fxquant_sdpa, args)

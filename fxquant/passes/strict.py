@@ -10,7 +10,8 @@
 - a frame that hit Dynamo's recompile limit and therefore runs eagerly from then on.
 
 Bad input (``ValueError`` in both modes): a model in which no linear or attention op was found, and a
-scheme rule with a module or layer selector that matches no site (the error lists the nearest paths).
+scheme rule with a selector (modules, layers or kinds) that matches no site (the error lists the nearest
+paths; docs/schemes.md "Rules that match nothing").
 """
 from __future__ import annotations
 
@@ -64,6 +65,16 @@ def model_sites(model: nn.Module, layers: LayerNumbering) -> list[Site]:
     return out
 
 
+def possible_sites(model: nn.Module, layers: LayerNumbering) -> list[Site]:
+    """Every site the model could still show in a graph not compiled yet: each module path (root included), as
+    a linear site of the kind its name gives and as an attention site. A rule that matches none of these and
+    none of the sites compiled so far cannot match anything (``FxquantBackend.unmatched_rules``)."""
+    out = []
+    for name, _ in model.named_modules():
+        out += [layers.site(name), layers.site(name, SiteKind.ATTENTION)]
+    return out
+
+
 def selected(scheme: Scheme, site: Site) -> bool:
     if site.kind.component is Component.ATTENTION:
         return scheme.attention_for(site) is not None
@@ -98,15 +109,21 @@ def check_model_has_sites(sites: list[SiteMeta], unmatched: list[UnmatchedOp], m
     )
 
 
+def unmatched_rule_error(scheme: Scheme, sites: Iterable[Site]) -> ValueError | None:
+    """The error for rules with a selector (modules, layers or kinds) that match none of ``sites``; None if
+    there are none. A rule without a selector (a preset's "every attention site") may match nothing."""
+    unmatched = [u for u in scheme.unmatched_rules(list(sites)) if any(u.rule.selector.specificity)]
+    if not unmatched:
+        return None
+    where = f" (scheme {scheme.name}" + (f", {scheme.source}" if scheme.source else "") + ")"
+    return ValueError(f"scheme rules match no site of the model{where}:\n  " + "\n  ".join(map(str, unmatched)))
+
+
 def check_rules_match(scheme: Scheme, sites: list[SiteMeta]) -> None:
-    """ValueError for rules whose module/layer selector matches none of the model's sites."""
-    unmatched = [
-        u for u in scheme.unmatched_rules([s.site for s in sites])
-        if u.rule.selector.modules is not None or u.rule.selector.has_layers
-    ]
-    if unmatched:
-        where = f" (scheme {scheme.name}" + (f", {scheme.source}" if scheme.source else "") + ")"
-        raise ValueError(f"scheme rules match no site of the model{where}:\n  " + "\n  ".join(map(str, unmatched)))
+    """Raise ``unmatched_rule_error`` for the sites seen."""
+    error = unmatched_rule_error(scheme, [s.site for s in sites])
+    if error is not None:
+        raise error
 
 
 def recompile_limit_hits(before: dict[str, int], after: dict[str, int]) -> list[str]:

@@ -1,0 +1,88 @@
+"""Every option of `python -m experiments run|matrix` and of the fxquant verbs owned here has a help line
+that shows its default, and `fxquant schemes` lists the presets."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from fxquant.cli import HelpFormatter, build_parser, main
+
+VERBS = ("formats", "schemes", "capture", "report", "quant-error", "mx-sweep", "explain", "check-spec")
+
+
+def _parsers(parser: argparse.ArgumentParser, path: str):
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parsers(sub, f"{path} {name}")
+
+
+def _undocumented(parser: argparse.ArgumentParser) -> list[str]:
+    """Options without help, or whose help shows no default although they have one to show."""
+    formatter = HelpFormatter(parser.prog)
+    bad = []
+    for action in parser._actions:
+        if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+            continue
+        name = "/".join(action.option_strings) or action.dest
+        text = formatter._get_help_string(action) if action.help else ""
+        if not text:
+            bad.append(f"{name}: no help")
+        elif action.option_strings and not action.required and action.nargs != 0 and "default" not in text:
+            bad.append(f"{name}: no default in {text!r}")
+    return bad
+
+
+def test_fxquant_verbs_document_every_option():
+    top = build_parser()
+    verbs = {a.dest: a for a in top._actions if isinstance(a, argparse._SubParsersAction)}["verb"].choices
+    problems = []
+    for verb in VERBS:
+        for path, parser in _parsers(verbs[verb], verb):
+            assert parser.formatter_class is HelpFormatter, path
+            problems += [f"fxquant {path}: {p}" for p in _undocumented(parser)]
+    assert problems == []
+
+
+def test_experiments_run_and_matrix_document_every_option():
+    pytest.importorskip("megatron.core", reason="experiments imports megatron-core's glue")
+    from experiments.__main__ import build_parser as experiments_parser
+
+    parser = experiments_parser()
+    problems = []
+    for path, sub in _parsers(parser, "experiments"):
+        if path.split()[-1] in ("run", "matrix"):
+            problems += [f"{path}: {p}" for p in _undocumented(sub)]
+    assert problems == []
+    run_help = parser._subparsers._group_actions[0].choices["run"].format_help()
+    assert "(default: aot_eager)" in run_help and "default tp*pp" in run_help
+
+
+def test_schemes_lists_patterns_and_presets(capsys):
+    assert main(["schemes"]) == 0
+    out = capsys.readouterr().out
+    assert "FA_linear_X" in out and "FA_PV_X" in out and "legacy_<predecessor name>" in out
+    assert "FA_linear_hifp8" in out and "mxfp8" in out  # the predecessor's names and the formats X stands for
+    assert main(["schemes", "--all"]) == 0
+    assert "FA_QKPV_nvfp4" in capsys.readouterr().out
+    assert main(["schemes", "FA_hifp8"]) == 0
+    assert "scheme FA_hifp8" in capsys.readouterr().out
+    assert main(["schemes", "FA_hifp"]) == 2
+    assert "did you mean" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["-m fxquant schemes --all", "-m fxquant formats"])
+def test_output_cut_short_by_head_is_not_a_traceback(command):
+    """`fxquant ... | head -1`: the closed pipe ends the command quietly (status 141, as SIGPIPE would)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(f"{sys.executable} {command} | head -1; echo \"status ${{PIPESTATUS[0]}}\"",
+                          shell=True, executable="/bin/bash", cwd=repo, capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(repo), "PATH": "/usr/bin:/bin"})
+    assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr
+    assert proc.stdout.splitlines()[-1] in ("status 141", "status 0")  # 0: all output fit the pipe's buffer
