@@ -26,12 +26,17 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     p.add_argument("--out", default="runs", help="root of run directories (default ./runs)")
     p.add_argument("--tokenizer", help="local HuggingFace tokenizer dir (required for --variant full) or 'byte'")
-    p.add_argument("--data-prefix", help="indexed dataset prefix (overrides $FXQUANT_WIKIPEDIA_PREFIX / $FXQUANT_DOLMA_PREFIX)")
+    p.add_argument("--data-prefix", nargs="+", metavar="[DATASET=]PREFIX",
+                   help="indexed dataset prefix per dataset, e.g. wikipedia=data/wiki/wiki_text_document "
+                        "dolma=data/dolma/dolma_text_document (a bare PREFIX when one indexed dataset is named); default "
+                        "$FXQUANT_WIKIPEDIA_PREFIX / $FXQUANT_DOLMA_PREFIX, else data/<dataset>/<dataset>_text_document")
     p.add_argument("--iters", type=int, help="override the config's train_iters")
     p.add_argument("--eval-interval", type=int, help="validation loss every N iterations (0 = off; default: config's)")
     p.add_argument("--eval-iters", type=int, help="global batches of the validation split per evaluation")
     p.add_argument("--backend", default="aot_eager", choices=["inductor", "aot_eager", "eager", "none"])
     p.add_argument("--attention", default="sdpa", choices=["sdpa", "local"])
+    p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="parameters and activations: auto = bf16 on CUDA, fp32 on CPU (default auto)")
     compat.add_arguments(p)  # --save-tensors, --tensor-save-dir, --control-iter (stop after N iterations)
     p.add_argument("--collect-micro-batches", type=int, metavar="M",
                    help="with --save-tensors: capture micro-batches 0..M-1 of each collected iteration (default all)")
@@ -43,9 +48,10 @@ def _resolve(args, model, dataset, scheme, per_run_capture_dir: bool = False):
         capture = replace(capture, dir=str(Path(capture.dir) / model / dataset / scheme))
     return resolve(model=model, dataset=dataset, scheme=scheme, config=args.config, variant=args.variant,
                    capture=capture, nproc=args.nproc, tp=args.tp, pp=args.pp, out=args.out,
-                   tokenizer=args.tokenizer, data_prefix=args.data_prefix, iters=args.iters,
+                   tokenizer=args.tokenizer, iters=args.iters,
+                   data_prefix=catalog.data_prefixes(args.data_prefix, getattr(args, "datasets", [dataset])).get(dataset),
                    backend=args.backend, attention=args.attention, control_iter=args.control_iter,
-                   eval_interval=args.eval_interval, eval_iters=args.eval_iters)
+                   eval_interval=args.eval_interval, eval_iters=args.eval_iters, precision=args.precision)
 
 
 def cmd_list(args) -> int:
@@ -81,6 +87,7 @@ def cmd_run(args) -> int:
 
 def cmd_matrix(args) -> int:
     out = Path(args.out)
+    catalog.data_prefixes(args.data_prefix, args.datasets)  # refused once here, not once per run
     combos = list(itertools.product(args.models, args.datasets, args.schemes))
     rows, records = [], []
     for model, dataset, scheme in combos:

@@ -2,7 +2,7 @@
 
 `resolve(...)` checks everything that can be checked before a process starts (names, with did-you-mean;
 TP dividing heads / groups / FFN; PP dividing layers; nproc divisible by TP*PP; batch divisibility;
-data path; tokenizer) and returns a `Launch`: the RunConfig and the exact torchrun command.
+data path and its dataset label; tokenizer) and returns a `Launch`: the RunConfig and the exact torchrun command.
 `supervise(launch, timeout)` runs it in its own process group and kills the whole group on timeout.
 """
 from __future__ import annotations
@@ -20,8 +20,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from experiments import catalog
+from fxquant.megatron_glue import dataset_label
 from fxquant.megatron_glue.run_config import (AttentionKind, CaptureConfig, CompileBackend, DataConfig, DataKind,
-                                              ParallelLayout, RunConfig, stop_after)
+                                              ParallelLayout, Precision, RunConfig, stop_after)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -54,7 +55,7 @@ def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", varia
             capture: CaptureConfig | str | None = None, nproc: int = 1, tp: int = 1, pp: int = 1, out: str = "runs",
             tokenizer: str | None = None, data_prefix: str | None = None, iters: int | None = None,
             backend: str = "aot_eager", attention: str = "sdpa", control_iter: int | None = None,
-            eval_interval: int | None = None, eval_iters: int | None = None) -> Launch:
+            eval_interval: int | None = None, eval_iters: int | None = None, precision: str = "auto") -> Launch:
     model = _pick("model", model, catalog.MODELS)
     dataset = _pick("dataset", dataset, catalog.DATASETS)
     scheme = _pick("scheme", scheme, catalog.scheme_names())
@@ -73,7 +74,8 @@ def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", varia
     tcfg = catalog.CONFIGS[config]
     tcfg = replace(tcfg, train_iters=iters or tcfg.train_iters, control_iter=stop_after(capture, control_iter),
                    eval_interval=tcfg.eval_interval if eval_interval is None else eval_interval,
-                   eval_iters=eval_iters or tcfg.eval_iters)
+                   eval_iters=eval_iters or tcfg.eval_iters, precision=Precision(_pick("precision", precision,
+                                                                                       [p.value for p in Precision])))
     dp = nproc // (tp * pp)
     if tcfg.global_batch_size % (tcfg.micro_batch_size * dp):
         raise ValueError(f"config {config!r}: global batch {tcfg.global_batch_size} is not divisible by "
@@ -93,7 +95,9 @@ def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", varia
         if missing:
             ds = catalog.DATASETS[dataset]
             raise ValueError(f"dataset {dataset!r}: {prefix}{missing[0]} not found; build it with `fxquant "
-                             f"prepare-data ... -o {prefix}`, or point --data-prefix / ${ds.env} at it")
+                             f"prepare-data ... --dataset {dataset} -o {prefix}`, or point --data-prefix "
+                             f"{dataset}=PREFIX / ${ds.env} at it")
+        dataset_label.check(dataset, prefix, tokenizer)
         data = DataConfig(DataKind.INDEXED, (prefix,), cache_dir=str(Path(out) / ".data-cache"))
     run_dir = Path(out).resolve() / mcfg.name / dataset / scheme  # absolute: torchrun runs in the repository
     run = RunConfig(model=mcfg, train=tcfg, data=data, output_dir=str(run_dir), tokenizer=tokenizer, scheme=scheme,
