@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import datetime
+import io
 import os
+import sys
 from pathlib import Path
 
 from fxquant.cli import collect_plan, collect_summary
@@ -149,6 +152,13 @@ def run_collect(args: argparse.Namespace) -> int:
     mode, planned, notes = collect_plan.plan(args, dict(os.environ))
     for note in notes:
         print(f"[collect {mode}] {note}", flush=True)
+    for c in planned:  # every run resolved first: a refused one (names, layout, data, tokenizer) stops all
+        with contextlib.redirect_stdout(io.StringIO()):
+            code = experiments_main([*run_argv(args, mode, c), *([] if args.dry_run else ["--dry-run"])])
+        if code != 0:
+            print(f"fxquant collect: {c.scheme}: refused before any run started (experiments run's error above)",
+                  file=sys.stderr)
+            return 2
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     rows = []
     for c in planned:
