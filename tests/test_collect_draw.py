@@ -109,6 +109,23 @@ def test_collect_batch_every_quant_type(tmp_path, capsys):
     assert "did you mean 'mxfp8'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("verb", ["collect", "draw"])
+def test_every_option_has_help_with_its_default(verb):
+    """`fxquant collect|draw --help`: each option has a help line naming its default; the spec flag is
+    --capture, as in `experiments run`; the predecessor's flag names are accepted."""
+    import argparse
+
+    from fxquant.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices[verb]
+    for action in sub._actions:
+        if action.option_strings and not isinstance(action, argparse._HelpAction):
+            assert action.help and "default" in action.help, action.option_strings
+    flags = {s for a in sub._actions for s in a.option_strings}
+    assert {"--capture", "--tensor-path", "--tokenizer-path", "--data-path", "--dtype", "--control-micro-batches",
+            "--legacy"} <= flags
+
+
 def _dry_config(out):
     """The resolved configuration that `collect --dry-run` printed for its one run."""
     return json.loads(out[out.index("\n{") + 1:out.rindex("}") + 1])
@@ -184,6 +201,7 @@ def test_collect_scheme_yaml(tmp_path, capsys):
     (row,) = _summary(logs)["runs"]
     assert (row["scheme"], row["scheme_file"], row["captures"]) == ("lin_mxfp4", str(yaml.resolve()),
                                                                     str(logs / "lin_mxfp4"))
+    assert row["scheme_text"] == yaml.read_text()
     cs = _check_counts(row, scheme_field=False)  # records name the scheme as `experiments run` records it
     quantized = cs.query(copy="quantized")
     assert len(quantized) > 0 and set(quantized.values("component")) == {"linear"}

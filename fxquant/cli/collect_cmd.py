@@ -90,7 +90,7 @@ def add_collection_arguments(p: argparse.ArgumentParser, modes: tuple[str, ...] 
                    help="default local (unlike `experiments run`): Megatron's unfused attention materialises the "
                         "attention probabilities the predecessor captured")
     p.add_argument("--timeout", type=float, default=3600.0, metavar="S", help="per run, seconds (default 3600)")
-    p.add_argument("--dry-run", action="store_true", help="print the runs' commands and configurations only")
+    p.add_argument("--dry-run", action="store_true", help="print the runs' commands and configurations only (default off)")
 
 
 def run_argv(args: argparse.Namespace, mode: str, collection: collect_plan.Collection) -> list[str]:
@@ -166,8 +166,8 @@ def run_collect(args: argparse.Namespace) -> int:
         code = experiments_main(run_argv(args, mode, c))
         row = {"scheme": c.scheme, "status": "ok" if code == 0 else f"failed (exit {code})",
                "captures": str(Path(args.tensor_dir) / c.scheme), "run_dir": _run_dir(args, c.scheme)}
-        if c.scheme_arg != c.scheme:
-            row["scheme_file"] = c.scheme_arg
+        if c.scheme_arg != c.scheme:  # a scheme YAML: its text as collected, whatever the file becomes
+            row["scheme_file"], row["scheme_text"] = c.scheme_arg, Path(c.scheme_arg).read_text()
         if code == 0 and not args.dry_run:
             try:
                 row.update(count_patterns(Path(row["captures"])))
