@@ -37,6 +37,7 @@ def _check_counts(row, scheme_field=True):
     return cs
 
 
+@pytest.mark.dist
 def test_collect_quick_then_draw_visualize(tmp_path, capsys):
     from fxquant.cli import main
 
@@ -59,14 +60,15 @@ def test_collect_quick_then_draw_visualize(tmp_path, capsys):
 
     # a second collection into the same directory keeps the first one's summary; visualize compares both
     first = _collections(logs)
-    assert main(["collect", "--mode", "batch", "--quant-types", "bf16", "--collect-micro-batches", "1",
-                 "--tensor-save-dir", str(logs), "--out", str(tmp_path / "runs"), *FAST]) == 0
+    assert main(["collect", "--mode", "batch", "--quant-types", "bf16", "--collect-micro-batches", "1", "--nproc",
+                 "2", "--tensor-save-dir", str(logs), "--out", str(tmp_path / "runs"), *FAST]) == 0
     collections = _collections(logs)
     assert collections[:1] == first and [c["mode"] for c in collections] == ["quick", "batch"]
     (bf16,) = collections[1]["runs"]
     assert (bf16["scheme"], bf16["status"]) == ("bf16", "ok")
     _check_counts(bf16)
     assert (bf16["iterations"], bf16["micro_batches"], bf16["quantized"]) == ([0], [0], 0)  # bf16: no quantized copies
+    assert bf16["ranks"] == [0, 1] and row["ranks"] == [0]  # torchrun, DP=2: both ranks' shards are counted
     text = (logs / "collection_summary.txt").read_text()
     assert "collection 1: quick" in text and "collection 2: batch" in text and "FA_linear_hifp8" in text
 
@@ -124,6 +126,30 @@ def test_every_option_has_help_with_its_default(verb):
     flags = {s for a in sub._actions for s in a.option_strings}
     assert {"--capture", "--tensor-path", "--tokenizer-path", "--data-path", "--dtype", "--control-micro-batches",
             "--legacy"} <= flags
+
+
+def test_summary_keeps_every_collection(tmp_path):
+    """A summary in the one-collection layout becomes the first entry; later ones are appended; each run
+    directory with metrics is listed once, in order."""
+    from fxquant.cli import collect_summary
+
+    runs = [tmp_path / n for n in ("a", "b")]
+    for r in runs:
+        r.mkdir()
+        (r / "metrics.jsonl").write_text('{"iteration": 1, "loss": 1.0}\n')
+    old = {"mode": "single", "model": "m", "variant": "tiny", "dataset": "mock",
+           "runs": [{"scheme": "x", "run_dir": str(runs[0])}]}
+    (tmp_path / "collection_summary.json").write_text(json.dumps(old))
+    new = {**old, "mode": "batch", "started": "t", "runs": [{"scheme": "y", "run_dir": str(runs[1])},
+                                                            {"scheme": "x", "run_dir": str(runs[0])},
+                                                            {"scheme": "z", "run_dir": str(tmp_path / "gone")}]}
+    assert collect_summary.append(tmp_path, new, "table") == 2
+    assert collect_summary.read(tmp_path) == [old, new]
+    assert collect_summary.run_dirs(tmp_path) == [str(runs[0]), str(runs[1])]
+    assert "collection 2: batch at t" in (tmp_path / "collection_summary.txt").read_text()
+    (tmp_path / "collection_summary.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="expected {'collections'"):
+        collect_summary.read(tmp_path)
 
 
 def _dry_config(out):
