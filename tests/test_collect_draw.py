@@ -93,7 +93,12 @@ def test_collect_batch_every_quant_type(tmp_path, capsys):
 
     logs = tmp_path / "logs"
     common = ["--tensor-save-dir", str(logs), "--out", str(tmp_path / "runs"), "--collect-micro-batches", "1", *FAST]
-    assert main(["collect", "batch", *common, "--dry-run"]) == 0  # the predecessor's ten schemes by default
+    assert main(["collect", "batch", *common, "--dry-run"]) == 0  # the predecessor's four quant types by default
+    out = capsys.readouterr().out
+    assert out.count("torch.distributed.run") == 4
+    for scheme in ("bf16", "FA_linear_mxfp8", "FA_linear_mxfp4", "FA_linear_hifp8"):
+        assert f'"dir": "{logs / scheme}"' in out
+    assert main(["collect", "batch", "--quant-types", *PREDECESSOR_SCHEMES, *common, "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert out.count("torch.distributed.run") == len(PREDECESSOR_SCHEMES) == 10
     for scheme in PREDECESSOR_SCHEMES:

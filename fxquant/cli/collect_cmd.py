@@ -8,8 +8,9 @@ predecessor counted files matching *_forward_*, *_pre_*, *_FA_*, ...) and append
 summary (DIR/collection_summary.{json,txt}; earlier collections are kept). What runs: collect_plan.py.
 
     fxquant collect single mxfp8 --control-iter 3 --collect-micro-batches 2
-    fxquant collect batch                      # bf16 and the FA_/linear_/FA_linear_ x mxfp8/mxfp4/hifp8 schemes
-    fxquant collect batch --legacy             # what the predecessor computed: legacy_* of bf16 mxfp8 mxfp4 hifp8
+    fxquant collect batch                      # bf16, FA_linear_mxfp8, FA_linear_mxfp4, FA_linear_hifp8
+    fxquant collect batch --legacy             # what the predecessor computed for them: legacy_bf16, legacy_FA_linear_*
+    fxquant collect batch --quant-types FA_mxfp8 linear_mxfp8 FA_PV_mxfp8   # any schemes
     fxquant collect quick hifp8                # one iteration, one micro-batch
     fxquant collect single my_scheme.yaml      # a scheme YAML, collected under its name
     fxquant collect single hifp8 --export-pt ./pt_logs   # also the predecessor's .pt files
@@ -51,7 +52,7 @@ def add_collection_arguments(p: argparse.ArgumentParser, modes: tuple[str, ...] 
                         "scheme YAML path (default: $CUSTOM_QUANT_TYPE, else mxfp8 for single, hifp8 for quick)")
     p.add_argument("--quant-types", nargs="+", default=None, metavar="Q",
                    help="batch: the quant types, scheme names or scheme YAML paths to collect (default: the "
-                        "predecessor's ten schemes; with --legacy its four quant types bf16 mxfp8 mxfp4 hifp8)")
+                        "predecessor's four quant types bf16 mxfp8 mxfp4 hifp8)")
     p.add_argument("--legacy", action="store_true",
                    help="reproduce what the predecessor computed: quant type X -> legacy_FA_linear_X, scheme "
                         "name N -> legacy_N (docs/schemes.md 'legacy presets'); default off")

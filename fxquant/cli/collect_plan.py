@@ -5,7 +5,8 @@
   YAML path is read now (errors before any run) and collected under the scheme's own name.
 - `--legacy` reproduces what the predecessor's runs computed (`legacy_*` presets, docs/schemes.md): a quant
   type `X` becomes `legacy_FA_linear_X` (its FA_X, linear_X and FA_linear_X were one and the same scheme),
-  a predecessor name `N` becomes `legacy_N`, and `batch` collects its four quant types, as it did.
+  a predecessor name `N` becomes `legacy_N`.
+- `batch` collects the predecessor's four quant types, as its batch mode did (`--quant-types` chooses others).
 - `CUSTOM_QUANT_TYPE` (the predecessor's environment variable) is the quant type of `single` / `quick` when
   none is given on the command line; wherever it does not choose the collection a note says so.
 - The predecessor's `--dtype` is mapped to `experiments run --precision` (bf16, fp32) or refused.
@@ -77,11 +78,9 @@ def plan(args: argparse.Namespace, env: dict) -> tuple[str, list[Collection], li
     env_qt = env.get(ENV_QUANT_TYPE) or None
     notes = []
     if mode == "batch":
-        from experiments.catalog import PREDECESSOR_SCHEMES
-
         if qt is not None:
             raise ValueError(f"batch collects every quant type; use --quant-types to choose, not {qt!r}")
-        chosen = args.quant_types or (BASE_TYPES if args.legacy else PREDECESSOR_SCHEMES)
+        chosen = args.quant_types or BASE_TYPES
         if env_qt is not None:
             notes.append(f"{ENV_QUANT_TYPE}={env_qt} not used: batch collects {' '.join(chosen)}"
                          + ("" if args.quant_types else " (choose with --quant-types)"))
