@@ -217,6 +217,19 @@ def _replace(value, **changes):
     return dataclasses.replace(value, **changes)
 
 
+def _torchrun_with_capture(tmp_path, run, nproc: int, root: Path) -> subprocess.CompletedProcess:
+    """The training entry point under torchrun with the predecessor's --save-tensors into `root`; must succeed."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    for name in ("TENSOR_SAVE_ENABLED", "TENSOR_SAVE_DIR"):
+        env.pop(name, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "fxquant.megatron_glue.launch", "--config", str(_config_file(tmp_path, run)), "--save-tensors",
+           "--tensor-save-dir", str(root)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
 @pytest.mark.dist
 def test_data_and_pipeline_parallel_ranks_write_their_coordinates(tmp_path):
     """torchrun, 4 processes, DP=2 x PP=2 (gloo), predecessor flags: every rank's records carry its coordinates,
@@ -228,14 +241,7 @@ def test_data_and_pipeline_parallel_ranks_write_their_coordinates(tmp_path):
     run = _replace(_run(tmp_path, "dp2pp2", iters=2, global_batch_size=8), layout=ParallelLayout(pp=2),
                    backend=CompileBackend.EAGER)  # fxquant's rewritten graph interpreted: less compile time
     root = tmp_path / "tensor_logs"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    for name in ("TENSOR_SAVE_ENABLED", "TENSOR_SAVE_DIR"):
-        env.pop(name, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-           "-m", "fxquant.megatron_glue.launch", "--config", str(_config_file(tmp_path, run)), "--save-tensors",
-           "--tensor-save-dir", str(root)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = _torchrun_with_capture(tmp_path, run, 4, root)
     assert proc.stdout.count("capture rank ") == 4 and proc.stdout.count("iter ") == 1  # --control-iter 1
     cs = capture.open(root)
     assert cs.committed and cs.verify() == [] and len(cs.values("run_id")) == 1
@@ -267,14 +273,7 @@ def test_tensor_parallel_ranks_capture_row_parallel_linears(tmp_path):
 
     run = _replace(_run(tmp_path, "tp2", iters=1), layout=ParallelLayout(tp=2), backend=CompileBackend.EAGER)
     root = tmp_path / "tensor_logs"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    for name in ("TENSOR_SAVE_ENABLED", "TENSOR_SAVE_DIR"):
-        env.pop(name, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "fxquant.megatron_glue.launch", "--config", str(_config_file(tmp_path, run)), "--save-tensors",
-           "--tensor-save-dir", str(root)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _torchrun_with_capture(tmp_path, run, 2, root)
     cs = capture.open(root)
     assert cs.committed and cs.verify() == []
     assert {(r.rank, r.tp_rank, r.tp_size) for r in cs} == {(0, 0, 2), (1, 1, 2)}
