@@ -38,8 +38,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs", help="root of the run directories (OUT/<model>/<dataset>/<scheme>)")
     p.add_argument("--tokenizer", default=None,
                    help="local HuggingFace tokenizer dir (required for --variant full) or 'byte' (default for tiny)")
-    p.add_argument("--data-prefix", default=None, help="indexed dataset prefix (default: $FXQUANT_WIKIPEDIA_PREFIX / "
-                   "$FXQUANT_DOLMA_PREFIX, else data/<dataset>/<dataset>_text_document)")
+    p.add_argument("--data-prefix", nargs="+", metavar="[DATASET=]PREFIX",
+                   help="indexed dataset prefix per dataset, e.g. wikipedia=data/wiki/wiki_text_document "
+                        "dolma=data/dolma/dolma_text_document (a bare PREFIX when one indexed dataset is named); default "
+                        "$FXQUANT_WIKIPEDIA_PREFIX / $FXQUANT_DOLMA_PREFIX, else data/<dataset>/<dataset>_text_document")
     p.add_argument("--iters", type=int, default=None, help="training iterations (default: the config's train_iters); "
                    "the config's warm-up is clipped to iters - 1")
     p.add_argument("--eval-interval", type=int, default=None,
@@ -52,6 +54,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", default="sdpa", choices=[a.value for a in AttentionKind],
                    help="Megatron's core attention: sdpa (F.scaled_dot_product_attention) or local (the unfused "
                    "baddbmm/softmax/bmm the predecessor quantized)")
+    p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="parameters and activations: auto = bf16 on CUDA, fp32 on CPU")
     compat.add_arguments(p)  # --save-tensors, --tensor-save-dir, --control-iter
     p.add_argument("--collect-micro-batches", type=int, metavar="M", default=None,
                    help="with --save-tensors: capture micro-batches 0..M-1 of each collected iteration (default all)")
@@ -60,9 +64,11 @@ def _common(p: argparse.ArgumentParser) -> None:
 def _resolve(args, model, dataset, scheme, capture_per_run: bool = False):
     return resolve(model=model, dataset=dataset, scheme=scheme, config=args.config, variant=args.variant,
                    capture=capture_from_args(args), nproc=args.nproc, tp=args.tp, pp=args.pp, out=args.out,
-                   tokenizer=args.tokenizer, data_prefix=args.data_prefix, iters=args.iters,
+                   tokenizer=args.tokenizer, iters=args.iters,
+                   data_prefix=catalog.data_prefixes(args.data_prefix, getattr(args, "datasets", [dataset])).get(dataset),
                    backend=args.backend, attention=args.attention, control_iter=args.control_iter,
-                   eval_interval=args.eval_interval, eval_iters=args.eval_iters, capture_per_run=capture_per_run)
+                   eval_interval=args.eval_interval, eval_iters=args.eval_iters, capture_per_run=capture_per_run,
+                   precision=args.precision)
 
 
 def _run_scheme(args) -> str:
@@ -135,6 +141,7 @@ def cmd_matrix(args) -> int:
         print(f"note: a matrix runs --schemes; {CUSTOM_QUANT_TYPE}={os.environ[CUSTOM_QUANT_TYPE].strip()} is not "
               f"used", file=sys.stderr)
     out = Path(args.out)
+    catalog.data_prefixes(args.data_prefix, args.datasets)  # refused once here, not once per run
     combos = list(itertools.product(args.models, args.datasets, args.schemes))
     rows, records = [], []
     for model, dataset, scheme in combos:

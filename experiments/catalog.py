@@ -9,6 +9,8 @@ Architectures follow the published configurations (HuggingFace config.json of ea
   128 + rope 64, v 128, YaRN factor 40 over 4096), MoE with 64 routed experts top-6 + 2 shared, expert
   FFN 1408, first layer dense with FFN 10944, RMSNorm eps 1e-6, vocab 102400, untied.
 Training configs `standard` and `fast` are the predecessor's (PREDECESSOR.md); `cpu` fits 2 CPU cores.
+Datasets `wikipedia` and `dolma` each read their own indexed-dataset prefix (`--data-prefix NAME=PREFIX`,
+`$FXQUANT_<NAME>_PREFIX`, or the default below), labelled with their name (`dataset_label.py`).
 """
 from __future__ import annotations
 
@@ -104,3 +106,37 @@ def dataset_prefix(name: str, override: str | None = None) -> str | None:
     if ds.env is None:
         return None
     return override or os.environ.get(ds.env) or ds.default_prefix
+
+
+def data_prefixes(values: list[str] | None, datasets: list[str]) -> dict[str, str]:
+    """`--data-prefix` values (`DATASET=PREFIX`, or one bare `PREFIX` when a single indexed dataset is named)
+    -> {dataset: prefix}. Each prefix belongs to one dataset: naming a dataset twice, a dataset not among
+    `datasets`, `mock`, or one prefix for two datasets is refused."""
+    indexed = [d for d in dict.fromkeys(datasets) if d in DATASETS and DATASETS[d].env is not None]
+    out: dict[str, str] = {}
+    for value in values or []:
+        name, sep, prefix = value.partition("=")
+        if not sep or "/" in name:  # a bare prefix (a path may contain '=' after a '/')
+            if len(indexed) != 1:
+                where = f"datasets {', '.join(indexed)}" if indexed else f"dataset(s) {', '.join(datasets)}"
+                raise ValueError(f"--data-prefix {value!r}: a bare prefix needs exactly one indexed dataset, the run "
+                                 f"has {where}; name each: --data-prefix wikipedia=PREFIX dolma=PREFIX")
+            name, prefix = indexed[0], value
+        elif name not in DATASETS or DATASETS[name].env is None:
+            from fxquant.formats.options import did_you_mean
+
+            choices = [n for n, d in DATASETS.items() if d.env is not None]
+            raise ValueError(f"--data-prefix {value!r}: {name!r} is not an indexed dataset"
+                             f"{did_you_mean(name, choices)}; allowed: {', '.join(choices)} (mock reads no files)")
+        if name not in indexed:
+            raise ValueError(f"--data-prefix {value!r}: dataset {name!r} is not among the run's datasets "
+                             f"({', '.join(datasets)})")
+        if name in out:
+            raise ValueError(f"--data-prefix: dataset {name!r} given twice ({out[name]!r} and {prefix!r})")
+        if not prefix:
+            raise ValueError(f"--data-prefix {value!r}: empty prefix")
+        out[name] = prefix
+    shared = {os.path.abspath(p) for p in out.values()}
+    if len(shared) < len(out):
+        raise ValueError(f"--data-prefix: one prefix for several datasets ({out}); each dataset reads its own files")
+    return out

@@ -2,7 +2,8 @@
 
 `resolve(...)` checks everything that can be checked before a process starts (names, with did-you-mean;
 a scheme YAML file parsed; TP dividing heads / groups / FFN; PP dividing layers; the layouts the device
-cannot run; nproc divisible by TP*PP, default TP*PP; batch divisibility; data path; tokenizer; capture spec)
+cannot run; nproc divisible by TP*PP, default TP*PP; batch divisibility; data path and its dataset label;
+tokenizer; capture spec)
 and returns a `Launch`: the RunConfig and the exact torchrun command. Resolving writes nothing.
 `supervise(launch, timeout)` writes the run's `launch.json`, runs torchrun in its own process group, kills
 the whole group on timeout, and on failure finds the first error line a rank printed (`first_error`).
@@ -23,9 +24,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from experiments import catalog
+from fxquant.megatron_glue import dataset_label
 from fxquant.megatron_glue.config import check_host_layout
 from fxquant.megatron_glue.run_config import (AttentionKind, CaptureConfig, CompileBackend, DataConfig, DataKind,
-                                              ParallelLayout, RunConfig, per_run_capture, stop_after)
+                                              ParallelLayout, Precision, RunConfig, per_run_capture,
+                                              stop_after)
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEME_NAME = re.compile(r"[A-Za-z0-9_.+-]+")  # a scheme name is a directory name of the run
@@ -93,7 +96,7 @@ def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", varia
             out: str = "runs", tokenizer: str | None = None, data_prefix: str | None = None, iters: int | None = None,
             backend: str = "aot_eager", attention: str = "sdpa", control_iter: int | None = None,
             eval_interval: int | None = None, eval_iters: int | None = None, capture_per_run: bool = False,
-            device: str | None = None) -> Launch:
+            device: str | None = None, precision: str = "auto") -> Launch:
     """The run these choices describe, or ValueError naming the value and what is allowed. `nproc` None: tp*pp.
     An explicit capture root (`capture.dir`) gets one subdirectory per run (`run_config.per_run_capture`): the
     scheme's name, or `<model>/<dataset>/<scheme>` with `capture_per_run` (a matrix). `device`: where the ranks will run (default `run_device()`)."""
@@ -128,7 +131,8 @@ def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", varia
     tcfg = catalog.CONFIGS[config]
     tcfg = replace(tcfg, train_iters=iters or tcfg.train_iters, control_iter=stop_after(capture, control_iter),
                    eval_interval=tcfg.eval_interval if eval_interval is None else eval_interval,
-                   eval_iters=eval_iters or tcfg.eval_iters)
+                   eval_iters=eval_iters or tcfg.eval_iters, precision=Precision(_pick("precision", precision,
+                                                                                       [p.value for p in Precision])))
     dp = nproc // (tp * pp)
     if tcfg.global_batch_size % (tcfg.micro_batch_size * dp):
         raise ValueError(f"config {config!r}: global batch {tcfg.global_batch_size} is not divisible by "
@@ -148,7 +152,9 @@ def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", varia
         if missing:
             ds = catalog.DATASETS[dataset]
             raise ValueError(f"dataset {dataset!r}: {prefix}{missing[0]} not found; build it with `fxquant "
-                             f"prepare-data ... -o {prefix}`, or point --data-prefix / ${ds.env} at it")
+                             f"prepare-data ... --dataset {dataset} -o {prefix}`, or point --data-prefix "
+                             f"{dataset}=PREFIX / ${ds.env} at it")
+        dataset_label.check(dataset, prefix, tokenizer)
         data = DataConfig(DataKind.INDEXED, (prefix,), cache_dir=str(Path(out) / ".data-cache"))
     run_dir = Path(out).resolve() / mcfg.name / dataset / scheme  # absolute: torchrun runs in the repository
     run = RunConfig(model=mcfg, train=tcfg, data=data, output_dir=str(run_dir), tokenizer=tokenizer, scheme=scheme,

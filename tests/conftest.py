@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
+SHARED_DATA = Path(os.environ.get("FXQUANT_SHARED_DATA", REPO.parent / "shared" / "data"))  # env: another checkout
 
 
 def _gate(item: pytest.Item, marker: str, ok: bool, reason: str) -> None:
@@ -38,7 +38,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def wikitext_dir() -> Path:
     path = SHARED_DATA / "wikitext-2"
     if not (path / "valid.txt").is_file():
-        pytest.skip(f"shared WikiText-2 data not found at {path} (expected ../shared/data beside the repo)")
+        pytest.skip(f"shared WikiText-2 data not found at {path} (expected ../shared/data beside the repo, or $FXQUANT_SHARED_DATA)")
     return path
 
 

@@ -52,16 +52,23 @@ def test_predecessor_schemes_are_presets():
 
 
 @pytest.fixture(scope="module")
-def wiki_prefix(tmp_path_factory):
-    prefix = tmp_path_factory.mktemp("data") / "wiki"
-    for suffix in (".bin", ".idx"):
-        prefix.with_suffix(suffix).write_bytes(b"")  # dry runs only check the files exist
-    return str(prefix)
+def data_prefixes(tmp_path_factory):
+    """Per dataset, an indexed-dataset prefix labelled with its name (dry runs check the files and the label)."""
+    from fxquant.megatron_glue import dataset_label
+
+    out = {}
+    for name in ("wikipedia", "dolma"):
+        prefix = tmp_path_factory.mktemp("data") / name
+        for suffix in (".bin", ".idx"):
+            prefix.with_suffix(suffix).write_bytes(b"")
+        dataset_label.write(prefix, dataset_label.DatasetLabel(name))
+        out[name] = str(prefix)
+    return out
 
 
 @pytest.mark.parametrize("model", ["llama31-8b", "llama32-1b", "deepseek2_lite"])
 @pytest.mark.parametrize("dataset", ["wikipedia", "dolma"])
-def test_dry_run_every_scheme(model, dataset, wiki_prefix, tmp_path, capsys):
+def test_dry_run_every_scheme(model, dataset, data_prefixes, tmp_path, capsys):
     from experiments.__main__ import main
     from experiments.catalog import PREDECESSOR_SCHEMES
 
@@ -73,7 +80,7 @@ def test_dry_run_every_scheme(model, dataset, wiki_prefix, tmp_path, capsys):
     tp = 1 if model == "deepseek2_lite" and not torch.cuda.is_available() else 2
     for scheme in PREDECESSOR_SCHEMES:
         assert main(["run", "--model", model, "--dataset", dataset, "--scheme", scheme, "--variant", "full",
-                     "--config", "standard", "--tokenizer", str(tok), "--data-prefix", wiki_prefix,
+                     "--config", "standard", "--tokenizer", str(tok), "--data-prefix", data_prefixes[dataset],
                      "--nproc", "8", "--tp", str(tp), "--pp", "1", "--out", str(tmp_path), "--dry-run"]) == 0
         out = capsys.readouterr().out
         command, _, config = out.partition("\n")
@@ -81,7 +88,7 @@ def test_dry_run_every_scheme(model, dataset, wiki_prefix, tmp_path, capsys):
         resolved = json.loads(config)
         assert resolved["scheme"] == scheme and resolved["model"]["name"] == model
         assert resolved["layout"] == {"tp": tp, "pp": 1, "ep": 1}
-        assert resolved["data"]["prefixes"] == [wiki_prefix] and resolved["train"]["seq_length"] == 8192
+        assert resolved["data"]["prefixes"] == [data_prefixes[dataset]] and resolved["train"]["seq_length"] == 8192
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -218,6 +218,19 @@ def _replace(value, **changes):
     return dataclasses.replace(value, **changes)
 
 
+def _torchrun_with_capture(tmp_path, run, nproc: int, root: Path) -> subprocess.CompletedProcess:
+    """The training entry point under torchrun with the predecessor's --save-tensors into `root`; must succeed."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    for name in ("TENSOR_SAVE_ENABLED", "TENSOR_SAVE_DIR"):
+        env.pop(name, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "fxquant.megatron_glue.launch", "--config", str(_config_file(tmp_path, run)), "--save-tensors",
+           "--tensor-save-dir", str(root)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
 @pytest.mark.dist
 def test_data_and_pipeline_parallel_ranks_write_their_coordinates(tmp_path):
     """torchrun, 4 processes, DP=2 x PP=2 (gloo), predecessor flags: every rank's records carry its coordinates,
@@ -229,14 +242,7 @@ def test_data_and_pipeline_parallel_ranks_write_their_coordinates(tmp_path):
     run = _replace(_run(tmp_path, "dp2pp2", iters=2, global_batch_size=8), layout=ParallelLayout(pp=2),
                    backend=CompileBackend.EAGER)  # fxquant's rewritten graph interpreted: less compile time
     root = tmp_path / "tensor_logs"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    for name in ("TENSOR_SAVE_ENABLED", "TENSOR_SAVE_DIR"):
-        env.pop(name, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-           "-m", "fxquant.megatron_glue.launch", "--config", str(_config_file(tmp_path, run)), "--save-tensors",
-           "--tensor-save-dir", str(root)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = _torchrun_with_capture(tmp_path, run, 4, root)
     assert proc.stdout.count("capture rank ") == 4 and proc.stdout.count("iter ") == 1  # --control-iter 1
     cs = capture.open(root)
     assert cs.committed and cs.verify() == [] and len(cs.values("run_id")) == 1
@@ -256,3 +262,28 @@ def test_data_and_pipeline_parallel_ranks_write_their_coordinates(tmp_path):
     by_coords = {v: k for k, v in coords.items()}
     (q0,), (q1,) = (cs.query(rank=by_coords[(0, dp)], role="query", micro_batch=0, copy="hp") for dp in (0, 1))
     assert not torch.equal(cs.load(q0), cs.load(q1))  # each data-parallel rank saw its own samples
+
+
+@pytest.mark.dist
+def test_tensor_parallel_ranks_capture_row_parallel_linears(tmp_path):
+    """torchrun, TP=2: a RowParallelLinear's output is all-reduced in place after the capture's gradient tap
+    (the tap then hands on a copy, not a view). Both ranks capture every linear point; the gradient arriving
+    at a row-parallel linear's partial output is the full output's on both ranks, bit for bit."""
+    from fxquant import capture
+    from fxquant.megatron_glue.run_config import CompileBackend, ParallelLayout
+
+    run = _replace(_run(tmp_path, "tp2", iters=1), layout=ParallelLayout(tp=2), backend=CompileBackend.EAGER)
+    root = tmp_path / "tensor_logs"
+    _torchrun_with_capture(tmp_path, run, 2, root)
+    cs = capture.open(root)
+    assert cs.committed and cs.verify() == []
+    assert {(r.rank, r.tp_rank, r.tp_size) for r in cs} == {(0, 0, 2), (1, 1, 2)}
+    for rank in (0, 1):
+        for kind in ("proj", "fc2", "fc1"):
+            assert {(r.role, r.copy, r.gemm, r.direction) for r in cs.query(rank=rank, kind=kind)} == LINEAR_POINTS
+    for kind in ("proj", "fc2"):  # row-parallel
+        for layer in (0, 1):
+            for mb in (0, 1):
+                (g0,), (g1,) = (cs.query(rank=rank, module=LINEARS[kind].format(layer), role="grad_output", copy="hp",
+                                         micro_batch=mb) for rank in (0, 1))
+                assert torch.equal(cs.load(g0), cs.load(g1))

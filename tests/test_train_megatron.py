@@ -33,12 +33,13 @@ def _run(tmp_path, name, *, data=None, scheme="bf16", backend="none", iters=6, l
 @pytest.fixture(scope="module")
 def wiki_data(wikitext_dir, tmp_path_factory):
     from fxquant.megatron_glue.data import read_documents, write_indexed_dataset
+    from fxquant.megatron_glue.dataset_label import DatasetLabel
     from fxquant.megatron_glue.run_config import DataConfig, DataKind
     from fxquant.megatron_glue.tokenizer import ByteTokenizer
 
     root = tmp_path_factory.mktemp("wiki")
     stats = write_indexed_dataset(read_documents(wikitext_dir / "valid.txt", "wikitext"), root / "valid",
-                                  ByteTokenizer())
+                                  ByteTokenizer(), label=DatasetLabel("wikipedia", tokenizer="byte"))
     return DataConfig(DataKind.INDEXED, (stats.prefix,), split="99,1,0", cache_dir=str(root / "cache"))
 
 

@@ -392,23 +392,25 @@ _register_effect()
 
 class _GradTap(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, taps: str) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, taps: str, copy: bool) -> torch.Tensor:
         ctx.taps = taps
-        return x.view_as(x)
+        return x.clone() if copy else x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         torch.ops.fxquant.capture(grad, ctx.taps)
-        return grad, None
+        return grad, None, None
 
 
-def capture_grad(x: torch.Tensor, taps: str | tuple) -> torch.Tensor:
+def capture_grad(x: torch.Tensor, taps: str | tuple, copy: bool = False) -> torch.Tensor:
     """Identity whose backward captures the gradient arriving at ``x``, in one op call for all its taps:
     ``taps`` is a tap string (tap.encode_taps) or a tuple of single-tap strings (a module-level wrapper the
-    tap pass inserts, ARCHITECTURE.md trap 1)."""
+    tap pass inserts, ARCHITECTURE.md trap 1). The result is a view of ``x``; ``copy=True`` returns a copy
+    instead, for a result that a later op changes in place (autograd forbids that on a custom Function's view:
+    Megatron's RowParallelLinear all-reduces its output in place at TP > 1)."""
     if not isinstance(taps, str):
         taps = encode_taps([decode_tap(t) for t in taps])
-    return _GradTap.apply(x, taps)
+    return _GradTap.apply(x, taps, copy)
 
 
 def capture_operand(q: torch.Tensor, hp: torch.Tensor, tap: str) -> None:

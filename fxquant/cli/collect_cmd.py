@@ -4,23 +4,31 @@ A thin command over `python -m experiments run`: each collection is one supervis
 Megatron model with the predecessor's capture switch (`--save-tensors --tensor-save-dir DIR --control-iter N
 [--collect-micro-batches M]`; experiments run writes DIR/SCHEME), so captures land in the predecessor's
 layout, one capture set per quant type under DIR. Afterwards it counts the records of each set per pattern (the
-predecessor counted files matching *_forward_*, *_pre_*, *_FA_*, ...) and writes a summary
-(DIR/collection_summary.{json,txt}).
+predecessor counted files matching *_forward_*, *_pre_*, *_FA_*, ...) and appends the collection to the
+summary (DIR/collection_summary.{json,txt}; earlier collections are kept). What runs: collect_plan.py.
 
     fxquant collect single mxfp8 --control-iter 3 --collect-micro-batches 2
-    fxquant collect batch                      # bf16 and the FA_/linear_/FA_linear_ x mxfp8/mxfp4/hifp8 schemes
+    fxquant collect batch                      # bf16, FA_linear_mxfp8, FA_linear_mxfp4, FA_linear_hifp8
+    fxquant collect batch --legacy             # what the predecessor computed for them: legacy_bf16, legacy_FA_linear_*
+    fxquant collect batch --quant-types FA_mxfp8 linear_mxfp8 FA_PV_mxfp8   # any schemes
     fxquant collect quick hifp8                # one iteration, one micro-batch
+    fxquant collect single my_scheme.yaml      # a scheme YAML, collected under its name
     fxquant collect single hifp8 --export-pt ./pt_logs   # also the predecessor's .pt files
 """
 from __future__ import annotations
 
 import argparse
 import collections
-import json
+import contextlib
+import datetime
+import io
+import os
+import sys
 from pathlib import Path
 
-MODES = ("single", "batch", "quick")
-BASE_TYPES = ("bf16", "mxfp8", "mxfp4", "hifp8")  # the predecessor's quant types
+from fxquant.cli import collect_plan, collect_summary
+from fxquant.cli.collect_plan import MODES
+
 DEFAULT_DIR = "./enhanced_tensor_logs"
 # (pattern, record field, value): the predecessor's file-name patterns, counted on manifest records
 PATTERNS = (("forward", "direction", "forward"), ("backward", "direction", "backward"), ("pre", "phase", "pre"),
@@ -38,73 +46,59 @@ def register(sub: argparse._SubParsersAction) -> None:
 def add_collection_arguments(p: argparse.ArgumentParser, modes: tuple[str, ...] = MODES) -> None:
     p.add_argument("mode_arg", nargs="?", metavar="MODE", choices=modes, help=f"{' | '.join(modes)} (or --mode)")
     p.add_argument("quant_type_arg", nargs="?", metavar="QUANT_TYPE", help="quant type (or --quant-type)")
-    p.add_argument("--mode", choices=modes, default=None, help=f"default {modes[0]}")
-    p.add_argument("--quant-type", default=None,
-                   help="bf16 | mxfp8 | mxfp4 | hifp8 (the FA_linear_ scheme of that format) or any scheme name; "
-                        "default mxfp8 (single), hifp8 (quick)")
+    p.add_argument("--mode", choices=modes, default=None, help=f"{' | '.join(modes)} (default {modes[0]})")
+    p.add_argument("--quant-type", default=None, metavar="Q",
+                   help="bf16 | mxfp8 | mxfp4 | hifp8 (the FA_linear_ scheme of that format), a scheme name or a "
+                        "scheme YAML path (default: $CUSTOM_QUANT_TYPE, else mxfp8 for single, hifp8 for quick)")
     p.add_argument("--quant-types", nargs="+", default=None, metavar="Q",
-                   help="batch: the quant types to collect (default: the predecessor's ten schemes)")
-    p.add_argument("--control-iter", type=int, default=1, help="iterations to collect, then stop (default 1)")
-    p.add_argument("--collect-micro-batches", type=int, default=None, metavar="M",
-                   help="micro-batches 0..M-1 of each iteration (default all; quick: 1)")
-    p.add_argument("--tensor-save-dir", "--tensor-dir", dest="tensor_dir", default=DEFAULT_DIR,
+                   help="batch: the quant types, scheme names or scheme YAML paths to collect (default: the "
+                        "predecessor's four quant types bf16 mxfp8 mxfp4 hifp8)")
+    p.add_argument("--legacy", action="store_true",
+                   help="reproduce what the predecessor computed: quant type X -> legacy_FA_linear_X, scheme "
+                        "name N -> legacy_N (docs/schemes.md 'legacy presets'); default off")
+    p.add_argument("--control-iter", type=int, default=1, metavar="N", help="iterations to collect, then stop (default 1)")
+    p.add_argument("--collect-micro-batches", "--control-micro-batches", dest="collect_micro_batches", type=int,
+                   default=None, metavar="M", help="micro-batches 0..M-1 of each iteration (default all; quick: 1)")
+    p.add_argument("--tensor-save-dir", "--tensor-dir", "--tensor-path", dest="tensor_dir", default=DEFAULT_DIR, metavar="DIR",
                    help=f"captures go to DIR/<scheme>/ (default {DEFAULT_DIR})")
     p.add_argument("--export-pt", default=None, metavar="OUT",
                    help="also write the predecessor's .pt files of each collection to OUT/<scheme>/ "
-                        "(fxquant capture export-pt; torch.load(weights_only=True))")
-    p.add_argument("--spec", default=None, help="capture spec (default: the shipped 'predecessor' spec)")
-    p.add_argument("--model", default="llama32-1b", help="experiments model (default llama32-1b, the predecessor's)")
-    p.add_argument("--variant", default="tiny", choices=["tiny", "full"])
-    p.add_argument("--dataset", default="mock")
-    p.add_argument("--config", default="cpu", help="training config (experiments list)")
-    p.add_argument("--out", default="runs/collect", help="run directories (default ./runs/collect)")
-    p.add_argument("--tokenizer", default=None)
-    p.add_argument("--data-prefix", default=None)
-    p.add_argument("--nproc", type=int, default=1)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--backend", default="aot_eager", choices=["inductor", "aot_eager", "eager"])
+                        "(fxquant capture export-pt; torch.load(weights_only=True)); default off")
+    p.add_argument("--capture", "--spec", dest="spec", default=None, metavar="SPEC",
+                   help="capture spec: a shipped spec name or a spec YAML path (default: the shipped 'predecessor')")
+    p.add_argument("--model", default="llama32-1b",
+                   help="experiments model, see `python -m experiments list` (default llama32-1b, the predecessor's)")
+    p.add_argument("--variant", default="tiny", choices=["tiny", "full"], help="model size (default tiny)")
+    p.add_argument("--dataset", default="mock",
+                   help="mock | wikipedia | dolma (default mock; wikipedia / dolma read an indexed dataset built by "
+                        "`fxquant prepare-data --dataset NAME`)")
+    p.add_argument("--config", default="cpu", help="training config: cpu | fast | standard (default cpu)")
+    p.add_argument("--out", default="runs/collect", metavar="DIR", help="root of the run directories (default ./runs/collect)")
+    p.add_argument("--tokenizer", "--tokenizer-path", dest="tokenizer", default=None, metavar="DIR",
+                   help="local HuggingFace tokenizer dir or 'byte' (default byte; --variant full needs a dir)")
+    p.add_argument("--data-prefix", "--data-path", dest="data_prefix", default=None, metavar="PREFIX",
+                   help="indexed dataset prefix of --dataset (default $FXQUANT_<DATASET>_PREFIX, else "
+                        "data/<dataset>/<dataset>_text_document)")
+    p.add_argument("--dtype", default=None, metavar="DTYPE",
+                   help="the predecessor's training dtype: bf16 | fp32, passed as `experiments run --precision` "
+                        "(default: bf16 on CUDA, fp32 on CPU); formats are chosen by quant type, not here")
+    p.add_argument("--nproc", type=int, default=1, metavar="N", help="processes (torchrun --nproc-per-node; default 1)")
+    p.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel size (default 1)")
+    p.add_argument("--pp", type=int, default=1, metavar="P", help="pipeline-parallel size (default 1)")
+    p.add_argument("--backend", default="aot_eager", choices=["inductor", "aot_eager", "eager"],
+                   help="torch.compile backend (default aot_eager; no 'none': capture needs the compiled graph)")
     p.add_argument("--attention", default="local", choices=["sdpa", "local"],
-                   help="default local: Megatron's unfused attention materialises the probabilities")
-    p.add_argument("--timeout", type=float, default=3600.0, help="per run, seconds")
-    p.add_argument("--dry-run", action="store_true", help="print the runs' commands and configurations only")
+                   help="default local (unlike `experiments run`): Megatron's unfused attention materialises the "
+                        "attention probabilities the predecessor captured")
+    p.add_argument("--timeout", type=float, default=3600.0, metavar="S", help="per run, seconds (default 3600)")
+    p.add_argument("--dry-run", action="store_true", help="print the runs' commands and configurations only (default off)")
 
 
-def scheme_for(quant_type: str) -> str:
-    """The predecessor's quant type (its linear and attention both in that format) or a scheme name."""
-    from fxquant import schemes
-
-    if quant_type in BASE_TYPES:
-        return "bf16" if quant_type == "bf16" else f"FA_linear_{quant_type}"
-    if quant_type in schemes.names():
-        return quant_type
-    from fxquant.formats.options import did_you_mean
-
-    raise ValueError(f"quant type {quant_type!r}{did_you_mean(quant_type, [*BASE_TYPES, *schemes.names()])}; "
-                     f"allowed: {', '.join(BASE_TYPES)} or a scheme name (fxquant explain / experiments list)")
-
-
-def _plan(args: argparse.Namespace) -> tuple[str, list[str]]:
-    mode = args.mode or args.mode_arg or MODES[0]
-    if args.mode and args.mode_arg and args.mode != args.mode_arg:
-        raise ValueError(f"mode given twice: {args.mode_arg!r} and --mode {args.mode!r}")
-    qt = args.quant_type or args.quant_type_arg
-    if mode == "batch":
-        from experiments.catalog import PREDECESSOR_SCHEMES
-
-        if qt is not None:
-            raise ValueError(f"batch collects every quant type; use --quant-types to choose, not {qt!r}")
-        return mode, [scheme_for(q) for q in (args.quant_types or PREDECESSOR_SCHEMES)]
-    if args.quant_types:
-        raise ValueError(f"--quant-types is for batch mode; {mode} collects one --quant-type")
-    return mode, [scheme_for(qt or ("hifp8" if mode == "quick" else "mxfp8"))]
-
-
-def run_argv(args: argparse.Namespace, mode: str, scheme: str) -> list[str]:
+def run_argv(args: argparse.Namespace, mode: str, collection: collect_plan.Collection) -> list[str]:
     """`python -m experiments run` arguments of one collection."""
-    argv = ["run", "--model", args.model, "--variant", args.variant, "--dataset", args.dataset, "--scheme", scheme,
-            "--config", args.config, "--out", args.out, "--nproc", str(args.nproc), "--tp", str(args.tp),
-            "--pp", str(args.pp), "--backend", args.backend, "--attention", args.attention,
+    argv = ["run", "--model", args.model, "--variant", args.variant, "--dataset", args.dataset,
+            "--scheme", collection.scheme_arg, "--config", args.config, "--out", args.out, "--nproc", str(args.nproc),
+            "--tp", str(args.tp), "--pp", str(args.pp), "--backend", args.backend, "--attention", args.attention,
             "--timeout", str(args.timeout), "--save-tensors", "--tensor-save-dir", str(args.tensor_dir)]
     control_iter, micro_batches = args.control_iter, args.collect_micro_batches
     if mode == "quick":
@@ -113,9 +107,11 @@ def run_argv(args: argparse.Namespace, mode: str, scheme: str) -> list[str]:
     argv += ["--control-iter", str(control_iter)]
     if micro_batches is not None:
         argv += ["--collect-micro-batches", str(micro_batches)]
-    for flag, value in (("--spec", args.spec), ("--tokenizer", args.tokenizer), ("--data-prefix", args.data_prefix)):
+    precision = collect_plan.precision_for(args.dtype)
+    for flag, value in (("--capture", args.spec), ("--tokenizer", args.tokenizer),
+                        ("--data-prefix", args.data_prefix), ("--precision", precision)):
         if value is not None:
-            argv += ["--capture" if flag == "--spec" else flag, value]
+            argv += [flag, value]
     if args.dry_run:
         argv.append("--dry-run")
     return argv
@@ -153,13 +149,25 @@ def run_collect(args: argparse.Namespace) -> int:
 
     from experiments.__main__ import main as experiments_main
 
-    mode, schemes = _plan(args)
+    mode, planned, notes = collect_plan.plan(args, dict(os.environ))
+    for note in notes:
+        print(f"[collect {mode}] {note}", flush=True)
+    for c in planned:  # every run resolved first: a refused one (names, layout, data, tokenizer) stops all
+        with contextlib.redirect_stdout(io.StringIO()):
+            code = experiments_main([*run_argv(args, mode, c), *([] if args.dry_run else ["--dry-run"])])
+        if code != 0:
+            print(f"fxquant collect: {c.scheme}: refused before any run started (experiments run's error above)",
+                  file=sys.stderr)
+            return 2
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     rows = []
-    for scheme in schemes:
-        print(f"[collect {mode}] {scheme} -> {Path(args.tensor_dir) / scheme}", flush=True)
-        code = experiments_main(run_argv(args, mode, scheme))
-        row = {"scheme": scheme, "status": "ok" if code == 0 else f"failed (exit {code})",
-               "captures": str(Path(args.tensor_dir) / scheme), "run_dir": _run_dir(args, scheme)}
+    for c in planned:
+        print(f"[collect {mode}] {c.scheme} -> {Path(args.tensor_dir) / c.scheme}", flush=True)
+        code = experiments_main(run_argv(args, mode, c))
+        row = {"scheme": c.scheme, "status": "ok" if code == 0 else f"failed (exit {code})",
+               "captures": str(Path(args.tensor_dir) / c.scheme), "run_dir": _run_dir(args, c.scheme)}
+        if c.scheme_arg != c.scheme:  # a scheme YAML: its text as collected, whatever the file becomes
+            row["scheme_file"], row["scheme_text"] = c.scheme_arg, Path(c.scheme_arg).read_text()
         if code == 0 and not args.dry_run:
             try:
                 row.update(count_patterns(Path(row["captures"])))
@@ -178,13 +186,13 @@ def run_collect(args: argparse.Namespace) -> int:
                        f"{r['bytes'] / 1e6:.2f}" if "bytes" in r else ""] for r in rows],
                      headers=["scheme", "status", *cols, "MB"])
     root = Path(args.tensor_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    summary = {"mode": mode, "control_iter": 1 if mode == "quick" else args.control_iter, "model": args.model,
-               "variant": args.variant, "dataset": args.dataset, "runs": rows}
-    (root / "collection_summary.json").write_text(json.dumps(summary, indent=2))
-    (root / "collection_summary.txt").write_text(table + "\n")
+    collection = {"mode": mode, "started": started, "legacy": args.legacy,
+                  "control_iter": 1 if mode == "quick" else args.control_iter, "model": args.model,
+                  "variant": args.variant, "dataset": args.dataset, "notes": notes, "runs": rows}
+    number = collect_summary.append(root, collection, table)
     print(table)
     ok = sum(r["status"] == "ok" for r in rows)
     print(f"{ok}/{len(rows)} collections ok; {sum(r.get('records', 0) for r in rows)} records under {root} "
-          f"(summary {root / 'collection_summary.json'}; `fxquant draw visualize --tensor-dir {root}` reports on them)")
+          f"(collection {number} in {root / collect_summary.JSON_NAME}; `fxquant draw visualize --tensor-dir {root}` "
+          f"reports on every collection there)")
     return 0 if ok == len(rows) else 1

@@ -3,7 +3,8 @@
 A thin command: `collect` is `fxquant collect` (same options), `visualize` is `fxquant report` over the
 capture sets under `--tensor-dir` (the directory itself when it is one capture set, else each
 subdirectory that is, e.g. DIR/<scheme>/ as `fxquant collect` writes them) into `--output-dir`, with the
-training runs listed in DIR/collection_summary.json as loss curves; `both` runs one, then the other.
+training runs of every collection listed in DIR/collection_summary.json as loss curves; `both` runs one,
+then the other.
 
     fxquant draw                                   # visualize ./enhanced_tensor_logs into ./draw
     fxquant draw both mxfp8 --control-iter 3 --collect-micro-batches 2
@@ -12,10 +13,9 @@ training runs listed in DIR/collection_summary.json as loss curves; `both` runs 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from fxquant.cli import collect_cmd
+from fxquant.cli import collect_cmd, collect_summary
 
 MODES = ("visualize", "collect", "both")
 
@@ -24,9 +24,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("draw", help="collect tensors and/or report on them (predecessor's run_tensor_draw)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     collect_cmd.add_collection_arguments(p, MODES)
-    p.add_argument("--output-dir", default="./draw", help="report directory (default ./draw)")
-    p.add_argument("-j", "--workers", type=int, default=1, help="report worker processes")
-    p.add_argument("--no-plots", action="store_true", help="report tables only")
+    p.add_argument("--output-dir", default="./draw", metavar="DIR", help="report directory (default ./draw)")
+    p.add_argument("-j", "--workers", type=int, default=1, metavar="N", help="report worker processes (default 1)")
+    p.add_argument("--no-plots", action="store_true", help="report tables only (default: tables and plots)")
     p.set_defaults(func=run_draw)
 
 
@@ -47,20 +47,16 @@ def capture_sets(root: Path) -> list[Path]:
     return found
 
 
-def _run_dirs(root: Path) -> list[str]:
-    summary = root / "collection_summary.json"
-    if not summary.is_file():
-        return []
-    runs = json.loads(summary.read_text()).get("runs", [])
-    return [r["run_dir"] for r in runs if r.get("run_dir") and (Path(r["run_dir"]) / "metrics.jsonl").is_file()]
-
-
 def visualize(args: argparse.Namespace) -> int:
     from fxquant.cli import main as fxquant_main
 
     root = Path(args.tensor_dir)
-    argv = ["report", *map(str, capture_sets(root)), "-o", args.output_dir, "-j", str(args.workers)]
-    for run_dir in _run_dirs(root):
+    sets = capture_sets(root)
+    run_dirs = collect_summary.run_dirs(root)
+    print(f"[draw visualize] {len(sets)} capture set(s) and {len(run_dirs)} training run(s) of "
+          f"{len(collect_summary.read(root))} collection(s) under {root}", flush=True)
+    argv = ["report", *map(str, sets), "-o", args.output_dir, "-j", str(args.workers)]
+    for run_dir in run_dirs:
         argv += ["--metrics", run_dir]
     if args.no_plots:
         argv.append("--no-plots")

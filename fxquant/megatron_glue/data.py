@@ -2,9 +2,10 @@
 
 - `read_documents(path, InputFormat)` yields document texts from JSONL / JSONL.gz (a `text` field) or
   raw WikiText (articles start at ` = Title = ` lines).
-- `write_indexed_dataset(docs, prefix, tokenizer)` tokenizes and writes Megatron's `.bin/.idx` pair with
-  `megatron.core.datasets.indexed_dataset.IndexedDatasetBuilder` (an end-of-document token after each
-  document), atomically: both files appear under their final names only when complete.
+- `write_indexed_dataset(docs, prefix, tokenizer)` tokenizes (optionally in worker processes, with a progress
+  bar) and writes Megatron's `.bin/.idx` pair with `megatron.core.datasets.indexed_dataset.IndexedDatasetBuilder`
+  (an end-of-document token after each document), atomically: both files appear under their final names only
+  when complete; then the dataset label (`dataset_label.py`) when one is given.
 - `DataConfig` + `build_datasets(...)` build the train/valid splits through Megatron's
   `BlendedMegatronDatasetBuilder` (GPTDataset over indexed prefixes, or MockGPTDataset).
 - `PretrainingSampler` hands each data-parallel rank its micro-batches from a consumed-samples count,
@@ -18,17 +19,21 @@ import json
 import logging
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy
 import torch
+from tqdm import tqdm
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
 
+from fxquant.megatron_glue import dataset_label
+from fxquant.megatron_glue.dataset_label import DatasetLabel
 from fxquant.megatron_glue.run_config import DataConfig, DataKind
+from fxquant.megatron_glue.tokenizer import tokenize_all
 
 log = logging.getLogger(__name__)
 
@@ -111,17 +116,23 @@ class PrepareStats:
 
 
 def write_indexed_dataset(documents: Iterable[str], output_prefix: str | Path, tokenizer,
-                          append_eod: bool = True) -> PrepareStats:
-    """Tokenize `documents` into `{output_prefix}.bin/.idx` (atomically); returns counts."""
+                          append_eod: bool = True, *, workers: int = 1, progress: bool = False,
+                          label: DatasetLabel | None = None) -> PrepareStats:
+    """Tokenize `documents` into `{output_prefix}.bin/.idx` (atomically); returns counts.
+
+    workers: tokenizer processes (`tokenizer.tokenize_all`); the order of the documents is kept.
+    progress: a tqdm bar of documents and tokens on stderr.
+    label: written as `{output_prefix}.dataset.json` with the final counts (`dataset_label`)."""
     prefix = Path(output_prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     tmp = prefix.with_name(f".{prefix.name}.tmp{os.getpid()}")
     builder = IndexedDatasetBuilder(f"{tmp}.bin", dtype=dtype)
     n_docs = n_tokens = 0
+    bar = tqdm(unit=" doc", desc=f"prepare-data {prefix.name}", disable=not progress, mininterval=0.5)
     try:
-        for doc in documents:
-            ids = tokenizer.tokenize(doc)
+        for ids in tokenize_all(documents, tokenizer, workers):
+            bar.update(1)
             if append_eod:
                 ids.append(tokenizer.eod)
             if not ids:
@@ -130,6 +141,9 @@ def write_indexed_dataset(documents: Iterable[str], output_prefix: str | Path, t
             builder.end_document()
             n_docs += 1
             n_tokens += len(ids)
+            if n_docs % 256 == 0:
+                bar.set_postfix(tokens=n_tokens, refresh=False)
+        bar.set_postfix(tokens=n_tokens)
         builder.finalize(f"{tmp}.idx")
         if n_docs == 0:
             raise ValueError(f"no documents to write for {str(prefix)!r}: the input is empty")
@@ -138,8 +152,13 @@ def write_indexed_dataset(documents: Iterable[str], output_prefix: str | Path, t
                 os.fsync(handle.fileno())
             os.replace(f"{tmp}{suffix}", f"{prefix}{suffix}")
     finally:
+        bar.close()
         for suffix in (".bin", ".idx"):
             Path(f"{tmp}{suffix}").unlink(missing_ok=True)
+    if label is not None:
+        dataset_label.write(prefix, replace(label, documents=n_docs, tokens=n_tokens))
+    elif dataset_label.path(prefix).is_file():  # the files were replaced: an earlier label no longer describes them
+        dataset_label.path(prefix).unlink()
     log.info("wrote %s.{bin,idx}: %d documents, %d tokens", prefix, n_docs, n_tokens)
     return PrepareStats(prefix=str(prefix), documents=n_docs, tokens=n_tokens, dtype=numpy.dtype(dtype).name)
 

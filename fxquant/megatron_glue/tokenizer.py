@@ -4,12 +4,15 @@ Both expose what Megatron's GPTDataset reads from a tokenizer (`vocab_size`, `eo
 plus `tokenize(text) -> list[int]` / `detokenize(ids) -> str`. `load_tokenizer("byte")` or
 `load_tokenizer("/path/to/hf-tokenizer-dir")`. The HuggingFace path needs the `tokenizers` package (or
 `transformers`); neither is a dependency of fxquant, and a clear error says what to install.
+`tokenize_all(texts, tokenizer, workers=N)` tokenizes in N worker processes, in order.
 """
 from __future__ import annotations
 
 import importlib.util
 import json
+import multiprocessing
 from collections import OrderedDict
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 BYTE = "byte"
@@ -91,3 +94,30 @@ def load_tokenizer(spec: str | Path) -> ByteTokenizer | HFTokenizer:
     if str(spec) == BYTE:
         return ByteTokenizer()
     return HFTokenizer(spec)
+
+
+# -- worker processes of `fxquant prepare-data --workers N` ------------------------------------------------------
+_WORKER_TOKENIZER: ByteTokenizer | HFTokenizer | None = None
+
+
+def _init_worker(spec: str) -> None:
+    global _WORKER_TOKENIZER
+    _WORKER_TOKENIZER = load_tokenizer(spec)
+
+
+def _tokenize_in_worker(text: str) -> list[int]:
+    return _WORKER_TOKENIZER.tokenize(text)
+
+
+def tokenize_all(documents: Iterable[str], tokenizer: ByteTokenizer | HFTokenizer, workers: int = 1,
+                 chunksize: int = 8) -> Iterator[list[int]]:
+    """`tokenizer.tokenize` of each document, in order; with `workers > 1` in that many processes, each
+    loading the tokenizer by its name (`load_tokenizer(tokenizer.name)`)."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers={workers!r}: must be an integer >= 1")
+    if workers == 1:
+        for text in documents:
+            yield tokenizer.tokenize(text)
+        return
+    with multiprocessing.get_context().Pool(workers, initializer=_init_worker, initargs=(tokenizer.name,)) as pool:
+        yield from pool.imap(_tokenize_in_worker, documents, chunksize)

@@ -24,7 +24,9 @@ weight before the node, output after its ``getitem(.., 0)``, grad_output / grad_
 ``capture_grad`` around them, quantized copies re-quantized as for ``F.linear`` (the bodies quantize the
 same [M, K] / [N, K] / [M, N] views along the same axes). At TP > 1 the captured values are this rank's:
 a ColumnParallelLinear's output shard, a RowParallelLinear's partial output before its all-reduce (its
-bias, if any, is added after), and grad_input after the linear's dgrad all-reduce.
+bias, if any, is added after), and grad_input after the linear's dgrad all-reduce. The output's
+``capture_grad`` is a view of it, or a copy where a user of the output may change it in place (the
+RowParallelLinear's all-reduce at TP > 1): autograd refuses in-place changes of a custom Function's view.
 """
 from __future__ import annotations
 
@@ -213,8 +215,9 @@ def insert_capture_taps(gm: fx.GraphModule, spec: CaptureSpec) -> TapReport:
         if grad_out:
             out = nodes.output
             users = list(out.users)
+            copy = any(_may_mutate(u) for u in users)  # e.g. the in-place all-reduce after a TP>1 row-parallel linear
             with graph.inserting_after(out):
-                wrapped = _new(graph, node, capture_grad, (out, encode_taps(grad_out)))
+                wrapped = _new(graph, node, capture_grad, (out, encode_taps(grad_out), copy))
             for user in users:
                 user.replace_input_with(out, wrapped)
     _insert_forward(graph, forward)
