@@ -6,7 +6,6 @@ import itertools
 import json
 import os
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 from tabulate import tabulate
