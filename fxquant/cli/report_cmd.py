@@ -22,7 +22,7 @@ def _where(items: list[str]) -> dict:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("dirs", nargs="*", metavar="DIR", help="capture directories (fxquant.capture sets)")
+    p.add_argument("dirs", nargs="*", metavar="DIR", help="capture directories (fxquant.capture sets, or directories of the predecessor's .pt files)")
     p.add_argument("-j", "--workers", type=int, default=1, help="worker processes that summarise the tensors and then draw the figures (default 1: all in this process)")
     p.add_argument("--where", action="append", default=[], metavar="FIELD=VALUE",
                    help="keep records whose manifest FIELD equals VALUE (repeatable; V1,V2 for any of several)")
