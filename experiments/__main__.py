@@ -33,6 +33,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="aot_eager", choices=["inductor", "aot_eager", "eager", "none"])
     p.add_argument("--attention", default="sdpa", choices=["sdpa", "local"])
     compat.add_arguments(p)  # --save-tensors, --tensor-save-dir, --control-iter (stop after N iterations)
+    p.add_argument("--tensorboard", action="store_true",
+                   help="also write TensorBoard event files to <run>/tensorboard (needs the tensorboard package)")
+    p.add_argument("--on-nonfinite", default="record", choices=["record", "fatal", "off"],
+                   help="NaN/Inf sentinel: record the first non-finite iteration and its parameters in "
+                        "<run>/nonfinite.json and the metrics (default), also stop the run (fatal), or off")
     p.add_argument("--collect-micro-batches", type=int, metavar="M",
                    help="with --save-tensors: capture micro-batches 0..M-1 of each collected iteration (default all)")
 
@@ -45,7 +50,8 @@ def _resolve(args, model, dataset, scheme, per_run_capture_dir: bool = False):
                    capture=capture, nproc=args.nproc, tp=args.tp, pp=args.pp, out=args.out,
                    tokenizer=args.tokenizer, data_prefix=args.data_prefix, iters=args.iters,
                    backend=args.backend, attention=args.attention, control_iter=args.control_iter,
-                   eval_interval=args.eval_interval, eval_iters=args.eval_iters)
+                   eval_interval=args.eval_interval, eval_iters=args.eval_iters, tensorboard=args.tensorboard,
+                   nonfinite=args.on_nonfinite)
 
 
 def cmd_list(args) -> int:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from experiments import catalog
+from fxquant.megatron_glue.sentinel import NonFinitePolicy
 from fxquant.megatron_glue.run_config import (AttentionKind, CaptureConfig, CompileBackend, DataConfig, DataKind,
                                               ParallelLayout, RunConfig, stop_after)
 
@@ -54,7 +55,8 @@ def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", varia
             capture: CaptureConfig | str | None = None, nproc: int = 1, tp: int = 1, pp: int = 1, out: str = "runs",
             tokenizer: str | None = None, data_prefix: str | None = None, iters: int | None = None,
             backend: str = "aot_eager", attention: str = "sdpa", control_iter: int | None = None,
-            eval_interval: int | None = None, eval_iters: int | None = None) -> Launch:
+            eval_interval: int | None = None, eval_iters: int | None = None, tensorboard: bool = False,
+            nonfinite: str = "record") -> Launch:
     model = _pick("model", model, catalog.MODELS)
     dataset = _pick("dataset", dataset, catalog.DATASETS)
     scheme = _pick("scheme", scheme, catalog.scheme_names())
@@ -73,7 +75,8 @@ def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", varia
     tcfg = catalog.CONFIGS[config]
     tcfg = replace(tcfg, train_iters=iters or tcfg.train_iters, control_iter=stop_after(capture, control_iter),
                    eval_interval=tcfg.eval_interval if eval_interval is None else eval_interval,
-                   eval_iters=eval_iters or tcfg.eval_iters)
+                   eval_iters=eval_iters or tcfg.eval_iters,
+                   nonfinite=NonFinitePolicy(_pick("--on-nonfinite policy", nonfinite, [p.value for p in NonFinitePolicy])))
     dp = nproc // (tp * pp)
     if tcfg.global_batch_size % (tcfg.micro_batch_size * dp):
         raise ValueError(f"config {config!r}: global batch {tcfg.global_batch_size} is not divisible by "
@@ -98,7 +101,7 @@ def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", varia
     run_dir = Path(out).resolve() / mcfg.name / dataset / scheme  # absolute: torchrun runs in the repository
     run = RunConfig(model=mcfg, train=tcfg, data=data, output_dir=str(run_dir), tokenizer=tokenizer, scheme=scheme,
                     capture=capture, attention=AttentionKind.parse(attention), backend=CompileBackend(backend),
-                    layout=ParallelLayout(tp=tp, pp=pp))
+                    layout=ParallelLayout(tp=tp, pp=pp), tensorboard=tensorboard)
     return Launch(run=run, nproc=nproc, config_path=run_dir / "launch.json")
 
 
