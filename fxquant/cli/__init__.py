@@ -13,7 +13,7 @@ import sys
 
 # Modules of fxquant.cli that provide verbs; add a new verb by adding its module here.
 _VERB_MODULES: tuple[str, ...] = ("formats_cmd", "prepare_data_cmd", "check_spec_cmd", "capture_cmd", "explain_cmd", "report_cmd",
-                                  "collect_cmd", "draw_cmd")
+                                  "collect_cmd", "draw_cmd", "what_if_cmd")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,59 @@
+"""`fxquant what-if`: the quantization error captured high-precision tensors would have in any format."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+COLUMNS = ("format", "tensors", "sqnr_db", "rel_err", "mean_rel_err", "mse", "mae", "max_err", "cosine", "flushed_pct")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("what-if", help="quantization error of captured high-precision tensors in any format "
+                                       "(capture sets or the predecessor's .pt directories)")
+    p.add_argument("dirs", nargs="+", metavar="DIR", help="capture directories or directories of .pt files")
+    p.add_argument("--formats", default="all", help="comma-separated formats, or 'all' (default: every format of "
+                                                    "`fxquant formats`)")
+    p.add_argument("--where", action="append", default=[], metavar="FIELD=VALUE",
+                   help="keep records whose manifest FIELD equals VALUE (repeatable; V1,V2 for any of several)")
+    p.add_argument("--dim", type=int, default=-1, help="blocked dimension of block formats (default -1: the last)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="elements per scale for block formats (MX default 32, NVFP4 16); element formats have none")
+    p.add_argument("--rounding", default=None, help="rounding mode for every format (default: each format's)")
+    p.add_argument("--scale-mode", default=None, help="MX scale rule: floor, rceil, ceil, even (default floor)")
+    p.add_argument("--by", default="role", help="comma-separated manifest fields to group by (default role; '' for "
+                                                "one group)")
+    p.add_argument("--per-tensor", action="store_true", help="one row per tensor and format")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tabulate import tabulate
+
+    from fxquant.analysis.outputs import clean, fmt_num
+    from fxquant.analysis.what_if import what_if
+    from fxquant.cli.report_cmd import _where
+
+    by = tuple(b.strip() for b in args.by.split(",") if b.strip())
+    res = what_if(args.dirs, args.formats, where=_where(args.where) or None, dim=args.dim, block_size=args.block_size,
+                  rounding=args.rounding, scale_mode=args.scale_mode, by=by, per_tensor=args.per_tensor,
+                  progress=not args.quiet)
+    for p in res.problems:
+        print(f"warning: {p}", file=sys.stderr)
+    if not res.records:
+        raise ValueError("no high-precision tensors selected (check the DIRs and --where)")
+    if args.json:
+        print(json.dumps(clean({"rows": res.rows, "tensors": res.tensors, "records": res.records}), indent=1,
+                         sort_keys=True))
+        return 0
+    cols = [*by, *COLUMNS]
+    print(tabulate([[fmt_num(r.get(c)) for c in cols] for r in res.rows], headers=cols, disable_numparse=True))
+    if args.per_tensor:
+        tcols = ["module", "role", "rank", "iteration", *COLUMNS[:1], *COLUMNS[2:]]
+        print()
+        print(tabulate([[fmt_num(r.get(c)) for c in tcols] for r in res.tensors], headers=tcols,
+                       disable_numparse=True))
+    print(f"\n{res.records} high-precision tensor(s)")
+    return 0
