@@ -1,4 +1,5 @@
-"""`fxquant what-if`: the quantization error captured high-precision tensors would have in any format."""
+"""`fxquant what-if` (the quantization error captured high-precision tensors would have in any format) and
+`fxquant plot-tensors` (value heatmaps and attention maps of captured tensors)."""
 from __future__ import annotations
 
 import argparse
@@ -27,6 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
+    register_plot(sub)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,4 +58,29 @@ def run(args: argparse.Namespace) -> int:
         print(tabulate([[fmt_num(r.get(c)) for c in tcols] for r in res.tensors], headers=tcols,
                        disable_numparse=True))
     print(f"\n{res.records} high-precision tensor(s)")
+    return 0
+
+
+def register_plot(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plot-tensors", help="value heatmaps of captured tensors and attention maps of attention "
+                                            "scores/probs, with an index.html")
+    p.add_argument("dirs", nargs="+", metavar="DIR", help="capture directories or directories of .pt files")
+    p.add_argument("-o", "--out", default="fxquant-heatmaps", help="output directory (default ./fxquant-heatmaps)")
+    p.add_argument("--where", action="append", default=[], metavar="FIELD=VALUE",
+                   help="keep records whose manifest FIELD equals VALUE (repeatable; V1,V2 for any of several)")
+    p.add_argument("--max-tensors", type=int, default=50, help="draw at most this many tensors (default 50)")
+    p.add_argument("--cells", type=int, default=64, help="heatmap resolution: at most CELLS x CELLS cells (default 64)")
+    p.add_argument("--heads", type=int, default=8, help="heads per attention map (default 8)")
+    p.set_defaults(func=run_plot)
+
+
+def run_plot(args: argparse.Namespace) -> int:
+    from fxquant.analysis.tensor_plots import plot_tensors
+    from fxquant.cli.report_cmd import _where
+
+    index, problems, n = plot_tensors(args.dirs, args.out, where=_where(args.where) or None,
+                                      max_tensors=args.max_tensors, cells=args.cells, heads=args.heads)
+    for p in problems:
+        print(f"warning: {p}", file=sys.stderr)
+    print(f"{n} tensor(s) drawn -> {index}")
     return 0
