@@ -50,6 +50,32 @@ def test_sentinel_fatal_stops_after_writing_the_iteration(tmp_path):
     assert (tmp_path / "fatal" / "nonfinite.json").is_file()
 
 
+@pytest.mark.dist
+@pytest.mark.slow
+def test_sentinel_fatal_stops_every_rank_under_torchrun_tp2(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from fxquant.megatron_glue.run_config import ParallelLayout
+    from fxquant.megatron_glue.sentinel import NonFinitePolicy
+    from tests.test_train_megatron import REPO
+
+    run = _diverging(tmp_path, "tp2", nonfinite=NonFinitePolicy.FATAL, layout=ParallelLayout(tp=2))
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps(run.to_dict()))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "fxquant.megatron_glue.launch", "--config", str(config)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "FXQUANT_RESULT" not in proc.stdout
+    assert out.count("--on-nonfinite fatal stops the run") >= 2, out[-3000:]  # both ranks stopped themselves
+    assert "NON-FINITE (first at iteration 2)" in proc.stdout
+    ev = json.loads((tmp_path / "tp2" / "nonfinite.json").read_text())
+    assert ev["iteration"] == 2 and ev["rank"] == 0 and ev["first_site"]
+
+
 def test_sentinel_off_and_run_config_round_trip(tmp_path):
     from fxquant.megatron_glue.run_config import RunConfig
     from fxquant.megatron_glue.sentinel import NonFinitePolicy
