@@ -20,18 +20,19 @@ sections:
 """
 
 
-def _run_llama(tmp_path, scheme: str):
+def _run_llama(tmp_path, scheme: str, inner: str = "aot_eager"):
     spec = capture.load_spec("scores.yaml", text=SPEC_TEXT)
     model = make_llama()
     tokens = make_tokens(model.cfg)
-    be = FxquantBackend(schemes.get(scheme), capture=spec, inner="aot_eager", root=model)
+    be = FxquantBackend(schemes.get(scheme), capture=spec, inner=inner, root=model)
     with capture.start(spec, tmp_path, scheme=scheme):
         next_token_loss(torch.compile(model, backend=be)(tokens), tokens).backward()
     return capture.open(tmp_path), be, model.cfg
 
 
-def test_sdpa_reference_path_captures_scores_as_its_qk_gemm_computed_them(tmp_path):
-    cs, be, cfg = _run_llama(tmp_path, "FA_mxfp8")
+@pytest.mark.parametrize("inner", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_sdpa_reference_path_captures_scores_as_its_qk_gemm_computed_them(tmp_path, inner):
+    cs, be, cfg = _run_llama(tmp_path, "FA_mxfp8", inner)
     tq = TensorQuant("mxfp8")
     scores = cs.query(role="scores")
     assert len(scores) == cfg.n_layers and {r.phase for r in scores} == {"post"}

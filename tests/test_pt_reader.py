@@ -103,6 +103,7 @@ def test_cli_verbs_read_pt_and_pickles_are_refused(tmp_path, capsys):
     study = json.loads(capsys.readouterr().out)
     assert {r["format"] for r in study["rows"]} == {"mxfp8_e4m3"} and study["recommendation"]
     assert main(["quant-error", str(tmp_path / "logs"), "-q", "--json"]) == 0  # hp tensors only: no rows
-    assert capsys.readouterr().out == ""
+    got = capsys.readouterr()
+    assert got.out == "" and "`fxquant what-if DIR` gives the error" in got.err
     with pytest.raises(pickle.UnpicklingError):
         torch.load(d / "evil.pt", weights_only=True)
