@@ -38,6 +38,28 @@ def test_sentinel_records_the_first_nonfinite_iteration_and_its_parameters(tmp_p
     assert [("nonfinite" in r) for r in lines] == [("nonfinite" in r) for r in result.records]
 
 
+def test_sentinel_names_the_first_captured_site_with_a_nonfinite_value(tmp_path):
+    from fxquant.capture.reader import _read_manifest
+    from fxquant.megatron_glue.run_config import CaptureConfig
+    from fxquant.megatron_glue.train import train
+
+    spec = tmp_path / "stats.yaml"
+    spec.write_text("sections:\n  - layers: {kinds: [qkv, proj, fc1, fc2]}\n"
+                    "    points: [{component: linear, roles: [input, output, grad_output, grad_input]}]\n"
+                    "    what: stats\n")
+    run = _diverging(tmp_path, "cap", backend="aot_eager", train_iters=2)
+    run = __import__("dataclasses").replace(run, capture=CaptureConfig(spec=str(spec)))
+    result = train(run)
+    ev = result.records[1]["nonfinite"]
+    site = ev["first_capture_site"]
+    assert site is not None and site["nan_count"] + site["inf_count"] > 0  # here: a gradient (loss stays finite)
+    records, _ = _read_manifest(tmp_path / "cap" / "captures" / "rank-00000" / "manifest.jsonl")
+    bad = sorted((r for r in records if r["iteration"] == 1
+                  and (r["stats"]["nan_count"] or r["stats"]["inf_count"])), key=lambda r: r["seq"])
+    assert bad and (site["module"], site["role"], site["seq"]) == (bad[0]["module"], bad[0]["role"], bad[0]["seq"])
+    assert not any(r["stats"]["nan_count"] or r["stats"]["inf_count"] for r in records if r["iteration"] == 0)
+
+
 def test_sentinel_fatal_stops_after_writing_the_iteration(tmp_path):
     from fxquant.megatron_glue.sentinel import NonFiniteError, NonFinitePolicy
     from fxquant.megatron_glue.train import train

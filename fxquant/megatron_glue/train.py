@@ -199,7 +199,8 @@ def train(run: RunConfig, progress: Callable[[dict], None] | None = None) -> Tra
                 record = _one_iteration(run, iteration, forward_step_func, batches, runnable, optimizer,
                                         scheduler, num_micro, info)
                 record.update(moe_aux.collect(iteration + 1, num_micro))
-                event = sentinel.check(iteration + 1, record["loss"], record["grad_norm"], model)
+                event = sentinel.check(iteration + 1, record["loss"], record["grad_norm"], model,
+                                       None if capture is None else capture.session)
                 if event is not None:
                     record["nonfinite"] = event
                 if validator is not None and t.evaluates_at(iteration + 1):
