@@ -75,6 +75,8 @@ def test_report_on_exported_pt_equals_report_on_the_capture_set(tmp_path):
         strip = lambda gs: sorted((json.dumps(x["group"], sort_keys=True), x["numel"], x["min"], x["max"],
                                    pytest.approx(x["mean"], rel=1e-12), pytest.approx(x["std"], rel=1e-12)) for x in gs)
         assert strip(sa[key]) == strip(sb[key]), key
+    analysis.report([tmp_path / "pt"], tmp_path / "rc", workers=2, **FAST)  # worker processes open the .pt files
+    assert (tmp_path / "rc/stats/global_stats.json").read_text() == (tmp_path / "rb/stats/global_stats.json").read_text()
     qa, qb = (json.loads((r / "quant_error/sites.json").read_text())["sites"] for r in (tmp_path / "ra", tmp_path / "rb"))
     key = lambda s: (s["rank"], s["layer"], s["role"], s["gemm"])
     assert len(qb) == len(qa) == 12 and all(s["source"] == "tensors" for s in qb)
