@@ -109,3 +109,8 @@ def test_cli_verbs_read_pt_and_pickles_are_refused(tmp_path, capsys):
     assert got.out == "" and "`fxquant what-if DIR` gives the error" in got.err
     with pytest.raises(pickle.UnpicklingError):
         torch.load(d / "evil.pt", weights_only=True)
+    # the predecessor's run_tensor_draw on its own enhanced_tensor_logs/: fxquant draw visualize reads it too
+    assert main(["draw", "--mode", "visualize", "--tensor-dir", str(tmp_path / "logs"), "--output-dir",
+                 str(tmp_path / "draw"), "--no-plots"]) == 0
+    assert json.loads((tmp_path / "draw/report.json").read_text())["records"] == 3
+    assert not marker.exists()
