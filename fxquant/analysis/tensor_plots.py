@@ -85,8 +85,12 @@ def attention_map(t: torch.Tensor, fields: dict, heads: int = 8, cells: int = 48
     """The first ``heads`` heads of the first sequence (module docstring)."""
     if t.dim() < 2:
         raise ValueError(f"attention map of {fields.get('role')}: expected [.., Lq, Lk], got shape {list(t.shape)}")
-    maps = t.reshape(-1, *t.shape[-2:])[:heads] if t.dim() == 3 else t.reshape(-1, *t.shape[-3:])[0][:heads] \
-        if t.dim() >= 4 else t.reshape(1, *t.shape)
+    if t.dim() >= 4:  # [b, h, Lq, Lk] (leading dims flattened): the first sequence's heads
+        maps = t.reshape(-1, *t.shape[-3:])[0][:heads]
+    elif t.dim() == 3:  # Megatron's [b * h, Lq, Lk]: the first entries are the first sequence's heads
+        maps = t[:heads]
+    else:
+        maps = t.reshape(1, *t.shape)
     probs = fields.get("role") == "probs"
     n = maps.shape[0]
     ncols = min(4, n)
