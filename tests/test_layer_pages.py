@@ -15,8 +15,12 @@ FAST = {"formats": ["hifp8"], "mx_formats": ["mxfp8_e4m3"], "offsets": (0,), "sa
 def test_layer_rank_type_pages(tmp_path):
     sent = write_set(tmp_path / "cap", ranks=2, layers=3, what="full")
     res = analysis.report([tmp_path / "cap"], tmp_path / "r", **FAST)
-    figs = sorted(p.name for p in (tmp_path / "r" / "layers").glob("*.svg"))
+    figs = sorted(p.name for p in (tmp_path / "r" / "layers").glob("layer_*.svg"))
     assert figs == [f"layer_{l}_rank_{r}_analysis.svg" for l in range(3) for r in range(2)]
+    types = sorted(p.name for p in (tmp_path / "r" / "layers").glob("type_*.svg"))
+    assert len(types) == 6 and "type_linear_backward_grad_output_quantized_mxfp8_e5m2.svg" in types, types
+    across = (tmp_path / "r" / "layers" / "type_linear_forward_input.svg").read_text()
+    assert "rank 0" in across and "rank 1" in across and "amax" in across
     assert all(f"layers/{f}" in res.files for f in figs)
     rows = list(csv.DictReader(open(tmp_path / "r" / "layers" / "layers.csv")))
     # per (layer, rank): 3 hp types + 3 quantized copies (fprop x, fprop w, dgrad dy)

@@ -2,9 +2,11 @@
 
 For every (layer, rank) of the analysed records one figure overlays the exponent (binade) histograms of each
 tensor type there (component, direction, role, and for quantized copies their format), and one table lists
-each type's moments: tensors, elements, NaN/Inf, zero fraction, min, max, mean, std, amax. Files:
-``layers/layer_{L}_rank_{R}_analysis.svg`` (L = ``X`` for records without a layer) and
-``layers/layers.{csv,txt}`` (every layer, rank and type). The numbers come from the same merged moments and
+each type's moments: tensors, elements, NaN/Inf, zero fraction, min, max, mean, std, amax; for every tensor
+type one figure follows it across layers (amax and std per layer, one line per rank). Files:
+``layers/layer_{L}_rank_{R}_analysis.svg`` (L = ``X`` for records without a layer),
+``layers/type_{component}_{direction}_{role}[_quantized_{format}].svg`` and ``layers/layers.{csv,txt}`` (every layer,
+rank and type). The numbers come from the same merged moments and
 histograms as the global statistics (aggregate.LAYER_PAGE_GROUPING).
 """
 from __future__ import annotations
@@ -14,7 +16,8 @@ from tabulate import tabulate
 
 from fxquant.analysis import bins, svg
 from fxquant.analysis.aggregate import LAYER_PAGE_GROUPING, Aggregator
-from fxquant.analysis.outputs import Outputs, fmt_num, sort_key
+from fxquant.analysis.distributions import _thin_layers
+from fxquant.analysis.outputs import Outputs, fmt_num, slug, sort_key
 
 SECTION = "Per layer and rank"
 STATS = ("tensors", "numel", "nan", "inf", "zero_fraction", "min", "max", "mean", "std", "amax")
@@ -56,7 +59,47 @@ def write(agg: Aggregator, out: Outputs, plots: bool = True) -> dict:
             if fig is not None:
                 name = f"layers/layer_{'X' if layer is None else layer}_rank_{rank}_analysis.svg"
                 out.figure(name, fig, SECTION, f"layer {'-' if layer is None else layer}, rank {rank}")
+        for label, per in _by_type(by_page).items():
+            fig = _type_figure(label, per)
+            if fig is not None:
+                name = slug("_".join(label.replace("[", " ").replace("]", " ").split()))
+                out.figure(f"layers/type_{name}.svg", fig, SECTION, f"{label} across layers")
     return {f"{layer}/{rank}": [type_label(k) for k, _ in types] for (layer, rank), types in by_page.items()}
+
+
+def _by_type(by_page: dict) -> dict[str, dict[int, list[tuple[object, dict]]]]:
+    """type label -> rank -> [(layer, moments)] in layer order (records without a layer left out)."""
+    out: dict[str, dict] = {}
+    for (layer, rank), types in by_page.items():
+        if layer is None:
+            continue
+        for key, g in types:
+            out.setdefault(type_label(key), {}).setdefault(rank, []).append((layer, g.moments.to_dict()))
+    return out
+
+
+def _type_figure(label: str, per_rank: dict) -> svg.Figure | None:
+    layers = sorted({layer for rows in per_rank.values() for layer, _ in rows}, key=sort_key)
+    if not layers:
+        return None
+    pos = {layer: i for i, layer in enumerate(layers)}
+    fig, axes = svg.subplots(1, 2, panel=(380, 240), title=f"{label}: per layer, one line per rank")
+    for ax, stat in zip(axes, ("amax", "std")):
+        positive = False
+        for rank in sorted(per_rank, key=sort_key):
+            rows = per_rank[rank]
+            ys = [np.nan if st[stat] is None or st[stat] <= 0 else st[stat] for _, st in rows]
+            positive |= any(np.isfinite(y) for y in ys)
+            ax.plot([pos[layer] for layer, _ in rows], ys, marker="o", ms=3, label=f"rank {rank}")
+        if positive:
+            ax.set_yscale("log")
+        ax.set_xticks(*_thin_layers(layers))
+        ax.set_xlabel("layer")
+        ax.set_ylabel(stat)
+        ax.grid()
+    if len(per_rank) > 1:
+        axes[1].legend("outside")
+    return fig
 
 
 def _figure(layer, rank, types) -> svg.Figure | None:
