@@ -36,6 +36,10 @@ def test_sentinel_records_the_first_nonfinite_iteration_and_its_parameters(tmp_p
     assert bad[-1]["nonfinite"]["first_iteration"] == 2 and bad[-1]["nonfinite"]["occurrences"] == len(bad)
     lines = [json.loads(line) for line in (tmp_path / "rec" / "metrics.jsonl").read_text().splitlines()]
     assert [("nonfinite" in r) for r in lines] == [("nonfinite" in r) for r in result.records]
+    from fxquant.megatron_glue.launch import format_progress
+
+    assert format_progress(bad[-1], 4).endswith("| NON-FINITE (first at iteration 2)")
+    assert "NON-FINITE" not in format_progress(first, 4)
 
 
 def test_sentinel_names_the_first_captured_site_with_a_nonfinite_value(tmp_path):
