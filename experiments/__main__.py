@@ -56,6 +56,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"],
                    help="parameters and activations: auto = bf16 on CUDA, fp32 on CPU")
     compat.add_arguments(p)  # --save-tensors, --tensor-save-dir, --control-iter
+    p.add_argument("--tensorboard", action="store_true",
+                   help="also write TensorBoard event files to <run>/tensorboard (needs the tensorboard package)")
+    p.add_argument("--on-nonfinite", default="record", choices=["record", "fatal", "off"],
+                   help="NaN/Inf sentinel: record the first non-finite iteration and its parameters in "
+                        "<run>/nonfinite.json and the metrics (default), also stop the run (fatal), or off")
     p.add_argument("--collect-micro-batches", type=int, metavar="M", default=None,
                    help="with --save-tensors: capture micro-batches 0..M-1 of each collected iteration (default all)")
 
@@ -67,7 +72,7 @@ def _resolve(args, model, dataset, scheme, capture_per_run: bool = False):
                    data_prefix=catalog.data_prefixes(args.data_prefix, getattr(args, "datasets", [dataset])).get(dataset),
                    backend=args.backend, attention=args.attention, control_iter=args.control_iter,
                    eval_interval=args.eval_interval, eval_iters=args.eval_iters, capture_per_run=capture_per_run,
-                   precision=args.precision)
+                   precision=args.precision, tensorboard=args.tensorboard, nonfinite=args.on_nonfinite)
 
 
 def _run_scheme(args) -> str:

@@ -26,6 +26,7 @@ from pathlib import Path
 from experiments import catalog
 from fxquant.megatron_glue import dataset_label
 from fxquant.megatron_glue.config import check_host_layout
+from fxquant.megatron_glue.sentinel import NonFinitePolicy
 from fxquant.megatron_glue.run_config import (AttentionKind, CaptureConfig, CompileBackend, DataConfig, DataKind,
                                               ParallelLayout, Precision, RunConfig, per_run_capture,
                                               stop_after)
@@ -96,7 +97,8 @@ def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", varia
             out: str = "runs", tokenizer: str | None = None, data_prefix: str | None = None, iters: int | None = None,
             backend: str = "aot_eager", attention: str = "sdpa", control_iter: int | None = None,
             eval_interval: int | None = None, eval_iters: int | None = None, capture_per_run: bool = False,
-            device: str | None = None, precision: str = "auto") -> Launch:
+            device: str | None = None, precision: str = "auto", tensorboard: bool = False,
+            nonfinite: str = "record") -> Launch:
     """The run these choices describe, or ValueError naming the value and what is allowed. `nproc` None: tp*pp.
     An explicit capture root (`capture.dir`) gets one subdirectory per run (`run_config.per_run_capture`): the
     scheme's name, or `<model>/<dataset>/<scheme>` with `capture_per_run` (a matrix). `device`: where the ranks will run (default `run_device()`)."""
@@ -132,7 +134,8 @@ def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", varia
     tcfg = replace(tcfg, train_iters=iters or tcfg.train_iters, control_iter=stop_after(capture, control_iter),
                    eval_interval=tcfg.eval_interval if eval_interval is None else eval_interval,
                    eval_iters=eval_iters or tcfg.eval_iters, precision=Precision(_pick("precision", precision,
-                                                                                       [p.value for p in Precision])))
+                                                                                       [p.value for p in Precision])),
+                   nonfinite=NonFinitePolicy(_pick("--on-nonfinite policy", nonfinite, [p.value for p in NonFinitePolicy])))
     dp = nproc // (tp * pp)
     if tcfg.global_batch_size % (tcfg.micro_batch_size * dp):
         raise ValueError(f"config {config!r}: global batch {tcfg.global_batch_size} is not divisible by "
@@ -159,7 +162,7 @@ def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", varia
     run_dir = Path(out).resolve() / mcfg.name / dataset / scheme  # absolute: torchrun runs in the repository
     run = RunConfig(model=mcfg, train=tcfg, data=data, output_dir=str(run_dir), tokenizer=tokenizer, scheme=scheme,
                     scheme_yaml=scheme_yaml, capture=capture, attention=attention, backend=backend,
-                    layout=ParallelLayout(tp=tp, pp=pp))
+                    layout=ParallelLayout(tp=tp, pp=pp), tensorboard=tensorboard)
     return Launch(run=run, nproc=nproc, config_path=run_dir / "launch.json")
 
 

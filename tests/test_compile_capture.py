@@ -66,7 +66,7 @@ def test_capture_argument_errors(tmp_path):
         fxquant.compile(model, "bf16", capture_dir=tmp_path)
     with pytest.raises(TypeError, match="capture must be a CaptureSpec"):
         fxquant.compile(model, "bf16", capture=3)
-    with pytest.raises(FileNotFoundError, match=r"neither a file nor a shipped spec \['linear_io', 'predecessor'"):
+    with pytest.raises(FileNotFoundError, match=r"neither a file nor a shipped spec \['attention_maps', 'linear_io', 'predecessor'"):
         fxquant.compile(model, "bf16", capture="no_such_spec")
 
 

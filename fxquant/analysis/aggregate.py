@@ -26,6 +26,8 @@ STAT_GROUPINGS: tuple[tuple[str, ...], ...] = (
 DIST_GROUPINGS = (("copy",), ("copy", "layer"), ("copy", "rank"))  # + block-relative histograms
 COMPARE_GROUPING = ("scheme", "copy", "component", "role")
 MOMENT_GROUPINGS = (("copy", "layer", "rank"), ("copy", "direction", "role"), ("copy", "layer", "direction"))
+# the per-layer / per-rank / per-tensor-type pages (layer_pages.py): moments and exponent histograms only
+LAYER_PAGE_GROUPING = ("layer", "rank", "component", "direction", "role", "copy", "format")
 FLOW_KEY = ("scheme", "copy", "component", "layer", "rank", "direction", "role")
 FLOW_FIELDS = ("numel", "nonzero", "flushed", "saturated")
 
@@ -77,7 +79,7 @@ class Aggregator:
         self.config = config
         self.groups: dict[tuple, dict[tuple, Group]] = {g: {} for g in
                                                          (*STAT_GROUPINGS, *DIST_GROUPINGS, COMPARE_GROUPING,
-                                                          *MOMENT_GROUPINGS)}
+                                                          *MOMENT_GROUPINGS, LAYER_PAGE_GROUPING)}
         self.flows: dict[tuple, dict[str, np.ndarray]] = defaultdict(dict)
         self.sites: list[dict] = []
         self.study: dict[tuple, np.ndarray] = {}
@@ -110,6 +112,8 @@ class Aggregator:
             if g is None:
                 g = table[key_of(f, grouping)] = Group()
             g.moments.merge(s.moments)
+            if grouping is LAYER_PAGE_GROUPING and binade is not None:
+                g.binade = binade.copy() if g.binade is None else g.binade + binade
             if grouping not in hist_groupings:
                 continue
             if signed is not None:

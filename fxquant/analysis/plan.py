@@ -1,9 +1,10 @@
 """Planning an analysis: open capture sets, filter records, refuse what cannot be read, cut the work into tasks.
 
-A *unit* is every record of one site at one moment (rank directory, iteration, micro-batch, module,
+A *unit* is every record of one site at one moment (rank directory, rank, iteration, micro-batch, module,
 role): the high-precision tensor and the quantized copies of it, so a worker can pair them. Units are
 sorted by shard file and key (sequential reads) and packed into *tasks* of about ``task_bytes`` of
-stored tensors; each task goes to one worker. Records of a rank directory written by a newer capture
+stored tensors; each task goes to one worker. A directory of the predecessor's ``.pt`` files opens through
+``fxquant.capture.pt_reader`` like a capture set. Records of a rank directory written by a newer capture
 format (``run.json`` ``format_version`` above what this fxquant reads) are skipped with a warning, as
 is a capture directory the reader refuses (corrupt manifest, not a capture set).
 """
@@ -113,11 +114,14 @@ def build(dirs: list[str | Path], where: dict | None = None, workers: int = 1,
                     log.warning(msg)
                     problems.append(msg)
                 continue
-            site = (root, rdir, f.get("iteration"), f.get("micro_batch"), f.get("module"), f.get("role"))
+            # rank: a .pt directory holds every rank's files in one directory
+            site = (root, rdir, f.get("rank"), f.get("iteration"), f.get("micro_batch"), f.get("module"), f.get("role"))
             seq = f.get("seq")
             order = (str(f.get("file") or ""), str(f.get("key") or ""), seq if isinstance(seq, int) else -1)
             units[site].append((order, f, root, rdir))
-    ordered = sorted(units.values(), key=lambda u: (u[0][2], u[0][3], min(x[0] for x in u)))
+    for root, cs in sets.items():  # files a .pt directory could not read (pt_reader: refused, not a payload)
+        problems.extend(f"{root}: skipped: {p}" for p in getattr(cs, "problems", ()))
+    ordered = sorted(units.values(), key=lambda u: (u[0][2], u[0][3], min(x[0] for x in u)))  # (root, rdir, order)
     items_units: list[tuple[Item, ...]] = []
     index = 0
     for u in ordered:

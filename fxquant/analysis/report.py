@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fxquant.analysis import (distributions, engine, html, loss_curves, mx_report, overflow, plan, quant_error,
-                              stats_report)
+from fxquant.analysis import (distributions, engine, html, layer_pages, loss_curves, mx_report, overflow, plan,
+                              quant_error, stats_report)
 from fxquant.analysis.aggregate import Aggregator
 from fxquant.analysis.outputs import Job, Outputs, run_jobs
 from fxquant.analysis.summary import AnalysisConfig
@@ -90,7 +90,8 @@ def report(dirs: list[str | Path] | str | Path = (), out: str | Path = "fxquant-
             jobs += [Job("stats", stats_report.write, (agg,), {"plots": plots}),
                      Job("quant_error", quant_error.write, (agg,), {"plots": plots})]
             jobs += [Job(f"distributions/{j.name}", j.func, j.args) for j in distributions.jobs(agg)] if plots else []
-            jobs += [Job("overflow", overflow.write, (agg,), {"plots": plots}),
+            jobs += [Job("layers", layer_pages.write, (agg,), {"plots": plots}),
+                     Job("overflow", overflow.write, (agg,), {"plots": plots}),
                      Job("mx_study", mx_report.write, (agg,), {"plots": plots})]
         if runs:
             jobs.append(Job("training", loss_curves.write, (runs,),

@@ -22,6 +22,7 @@ from fxquant.capture.runtime import (
     active_session,
     capture_grad,
     capture_operand,
+    save,
     start,
 )
 from fxquant.capture.spec import (
@@ -44,5 +45,6 @@ from fxquant.capture.tap import Tap
 __all__ = [
     "CaptureError", "CapturePoint", "CaptureReadError", "CaptureSession", "CaptureSet", "CaptureSpec", "Component",
     "Copy", "Direction", "Gemm", "ModuleKind", "Phase", "RankInfo", "Record", "Role", "SessionConfig", "SpecError",
-    "Tap", "What", "active_session", "capture_grad", "capture_operand", "load_spec", "open", "shipped_specs", "start",
+    "Tap", "What", "active_session", "capture_grad", "capture_operand", "load_spec", "open", "save", "shipped_specs",
+    "start",
 ]

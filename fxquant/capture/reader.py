@@ -244,5 +244,12 @@ class CaptureSet:
 
 
 def open_capture(root: str | Path) -> CaptureSet:
+    """An fxquant capture set, or a directory of the predecessor's ``.pt`` files (pt_reader.PtCaptureSet)."""
+    root = Path(root)
+    if root.is_dir() and not any(p.is_dir() and p.name.startswith("rank-") for p in root.iterdir()):
+        from fxquant.capture import pt_reader
+
+        if pt_reader.has_pt_files(root):
+            return pt_reader.PtCaptureSet(root)
     return CaptureSet(root)
 

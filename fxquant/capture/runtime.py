@@ -175,40 +175,75 @@ class CaptureSession:
         if plan is None:
             plan = self._plans[key] = self._plan(decode_taps(tap_text), reference is None)
         x = x.detach()
-        source = ref = None
+        shared: dict = {}  # one private copy of x (and of reference) for every work of this call
         for work, taps in plan:
-            nbytes = work.nbytes(x)
-            with self._lock:
-                n = self._reserve(nbytes, len(taps))
-                if not n:
-                    return
-                seq = self.seq
-                self.seq += n
-            records = [self._record(tap, work, x, seq + k, seq, section) for k, (tap, section) in enumerate(taps[:n])]
-            if x.is_cuda:  # queue the kernels and the copies to pinned memory now; nothing waits for the device
-                prep = work.run(x, reference)
-                host, host_stats, event = self._to_host(prep.payload, prep.stats)
-                self.writer.put(Item(records, host, host_stats, prep.quantized, event, nbytes))
-            elif work.needs_source:  # CPU: a private copy now (trap 4), the tensor work in the writer thread
-                held = 0
-                if source is None:
-                    source = self.pool.copy(x)
-                    held = x.numel() * x.element_size()
+            if not self._emit(work, [(_tap_fields(tap), section) for tap, section in taps], x, reference, shared):
+                return
+
+    def _emit(self, work: Work, taps: list[tuple[dict, str]], x: torch.Tensor, reference: torch.Tensor | None,
+              shared: dict) -> bool:
+        """Reserve budget for ``work`` and hand it to the writer with one record per (tap fields, section);
+        False when the budget stopped capture."""
+        nbytes = work.nbytes(x)
+        with self._lock:
+            n = self._reserve(nbytes, len(taps))
+            if not n:
+                return False
+            seq = self.seq
+            self.seq += n
+        records = [self._record(fields, work, x, seq + k, seq, section) for k, (fields, section) in enumerate(taps[:n])]
+        if x.is_cuda:  # queue the kernels and the copies to pinned memory now; nothing waits for the device
+            prep = work.run(x, reference)
+            host, host_stats, event = self._to_host(prep.payload, prep.stats)
+            self.writer.put(Item(records, host, host_stats, prep.quantized, event, nbytes))
+        elif work.needs_source:  # CPU: a private copy now (trap 4), the tensor work in the writer thread
+            held = 0
+            source = shared.get("source")
+            if source is None:
+                source = shared["source"] = self.pool.copy(x)
+                held = x.numel() * x.element_size()
+            else:
+                source.hold()
+            item_ref = None
+            if reference is not None and work.stats:
+                ref = shared.get("ref")
+                if ref is None:
+                    ref = shared["ref"] = self.pool.copy(reference.detach())
+                    held += reference.numel() * reference.element_size()
                 else:
-                    source.hold()
-                item_ref = None
-                if reference is not None and work.stats:
-                    if ref is None:
-                        ref = self.pool.copy(reference.detach())
-                        held += reference.numel() * reference.element_size()
-                    else:
-                        ref.hold()
-                    item_ref = ref
-                self.writer.put(Item(records, nbytes=held, work=work, source=source, reference=item_ref))
-            else:  # CPU, sampled rows only: copy just those
-                payload = work.sample(x)
-                payload = payload.clone() if payload._base is not None or payload is x else payload
-                self.writer.put(Item(records, payload, None, False, None, nbytes))
+                    ref.hold()
+                item_ref = ref
+            self.writer.put(Item(records, nbytes=held, work=work, source=source, reference=item_ref))
+        else:  # CPU, sampled rows only: copy just those
+            payload = work.sample(x)
+            payload = payload.clone() if payload._base is not None or payload is x else payload
+            self.writer.put(Item(records, payload, None, False, None, nbytes))
+        return True
+
+    def save(self, x: torch.Tensor, name: str, *, module: str = "user", layer: int | None = None,
+             component: str = "user", direction: str = "forward", phase: str = "post") -> bool:
+        """Store ``x`` (full tensor and statistics) as one record named ``name`` (its ``role``), with the
+        session's iteration, micro-batch and rank coordinates, whatever the spec's windows; the budget
+        applies. False when capture has stopped. ``fxquant.capture.save`` calls this on the active session."""
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise TypeError(f"save: x must be a floating torch.Tensor, got "
+                            f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+        for arg, v in (("name", name), ("module", module), ("component", component)):
+            if not isinstance(v, str) or not v.strip():
+                raise ValueError(f"save: {arg} must be a non-empty string, got {v!r}")
+        if direction not in ("forward", "backward") or phase not in ("pre", "post"):
+            raise ValueError(f"save: direction={direction!r} / phase={phase!r}; allowed: forward|backward, pre|post")
+        if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int)):
+            raise TypeError(f"save: layer must be an int or None, got {layer!r}")
+        if self.writer.stopped:
+            self._writer_stopped()
+        if self.stop_reason is not None or self._closed:
+            return False
+        fields = {"format": None, "qspec": None, "component": component, "module": module, "kind": None,
+                  "layer": layer, "role": name, "copy": "hp", "gemm": None, "phase": phase, "direction": direction,
+                  "shard_dim": None, "blocked_dim": None}
+        work = Work(store=True, stats=True, sampling=None, qspec=None, dim=None, flatten=False, requantize=False)
+        return self._emit(work, [(fields, "user")], x.detach(), None, {})
 
     def _plan(self, taps: tuple[Tap, ...], requantize: bool) -> list[tuple[Work, list[tuple[Tap, str]]]]:
         """The distinct tensor work for the live taps of one call, each with the (tap, section name)s it serves:
@@ -260,15 +295,10 @@ class CaptureSession:
         event.record()
         return out[0], out[1], event
 
-    def _record(self, tap: Tap, work: Work, x: torch.Tensor, seq: int, key_seq: int, section: str) -> dict:
-        fmt = None if tap.qspec is None else tap.qspec.split(":", 1)[0]
+    def _record(self, tap_fields: dict, work: Work, x: torch.Tensor, seq: int, key_seq: int, section: str) -> dict:
         return {
-            **self._base, "format": fmt, "qspec": tap.qspec, "component": tap.component.value,
-            "module": tap.module, "kind": None if tap.kind is None else tap.kind.value, "layer": tap.layer,
-            "role": tap.role.value, "copy": tap.copy.value, "gemm": None if tap.gemm is None else tap.gemm.value,
-            "phase": tap.phase.value, "direction": tap.direction.value, "iteration": self.iteration,
-            "micro_batch": self.micro_batch, "seq": seq, "section": section, "shard_dim": tap.shard_dim,
-            "blocked_dim": tap.dim, "shape": work.shape(x), "dtype": str(x.dtype).replace("torch.", ""),
+            **self._base, **tap_fields, "iteration": self.iteration, "micro_batch": self.micro_batch, "seq": seq,
+            "section": section, "shape": work.shape(x), "dtype": str(x.dtype).replace("torch.", ""),
             "stored_shape": work.stored_shape(x), "sample": work.sample_info(x),
             "key": layout.tensor_key(key_seq) if work.store else None, "file": None, "checksum": None,
             "time": time.time(),
@@ -322,6 +352,17 @@ class CaptureSession:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _tap_fields(tap: Tap) -> dict:
+    """The manifest fields a tap determines (the rest come from the session and the tensor)."""
+    return {
+        "format": None if tap.qspec is None else tap.qspec.split(":", 1)[0], "qspec": tap.qspec,
+        "component": tap.component.value, "module": tap.module, "kind": None if tap.kind is None else tap.kind.value,
+        "layer": tap.layer, "role": tap.role.value, "copy": tap.copy.value,
+        "gemm": None if tap.gemm is None else tap.gemm.value, "phase": tap.phase.value,
+        "direction": tap.direction.value, "shard_dim": tap.shard_dim, "blocked_dim": tap.dim,
+    }
 
 
 class _State:
@@ -413,6 +454,17 @@ def capture_grad(x: torch.Tensor, taps: str | tuple, copy: bool = False) -> torc
     return _GradTap.apply(x, taps, copy)
 
 
+def save(x: torch.Tensor, name: str, **fields) -> bool:
+    """Store ``x`` in the active capture session as a record named ``name`` (CaptureSession.save: same manifest
+    fields as a tap's; ``module``, ``layer``, ``component``, ``direction``, ``phase`` optional). False, and
+    nothing stored, when no session is active or capture has stopped. Eager code: inside a compiled region
+    the call is a graph break."""
+    session = _STATE.session
+    if session is None:
+        return False
+    return session.save(x, name, **fields)
+
+
 def capture_operand(q: torch.Tensor, hp: torch.Tensor, tap: str) -> None:
     """For quantized-GEMM functions: capture operand ``q`` as the GEMM consumed it, with ``hp`` its source."""
     torch.ops.fxquant.capture(q, tap, hp)
@@ -420,4 +472,4 @@ def capture_operand(q: torch.Tensor, hp: torch.Tensor, tap: str) -> None:
 
 
 __all__ = ["CaptureError", "CaptureSession", "RankInfo", "SessionConfig", "activate", "active_session",
-           "capture", "capture_grad", "capture_operand", "start"]
+           "capture", "capture_grad", "capture_operand", "save", "start"]

@@ -45,6 +45,7 @@ class Role(str, enum.Enum):
     KEY = "key"
     VALUE = "value"
     PROBS = "probs"
+    SCORES = "scores"  # S = scale * Q K^T before the mask and the softmax (where a site materialises it)
     GRAD_QUERY = "grad_query"
     GRAD_KEY = "grad_key"
     GRAD_VALUE = "grad_value"
@@ -124,6 +125,7 @@ ROLE_TABLE: dict[Component, dict[Role, tuple[Phase, Direction]]] = {
         Role.QUERY: (Phase.PRE, Direction.FORWARD),
         Role.KEY: (Phase.PRE, Direction.FORWARD),
         Role.VALUE: (Phase.PRE, Direction.FORWARD),
+        Role.SCORES: (Phase.POST, Direction.FORWARD),
         Role.PROBS: (Phase.POST, Direction.FORWARD),
         Role.OUTPUT: (Phase.POST, Direction.FORWARD),
         Role.GRAD_OUTPUT: (Phase.PRE, Direction.BACKWARD),

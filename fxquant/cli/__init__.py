@@ -14,7 +14,8 @@ import sys
 
 # Modules of fxquant.cli that provide verbs; add a new verb by adding its module here.
 _VERB_MODULES: tuple[str, ...] = ("formats_cmd", "schemes_cmd", "prepare_data_cmd", "check_spec_cmd", "capture_cmd",
-                                  "explain_cmd", "report_cmd", "collect_cmd", "draw_cmd")
+                                  "explain_cmd", "report_cmd", "collect_cmd", "draw_cmd",
+                                  "what_if_cmd")
 
 
 class HelpFormatter(argparse.HelpFormatter):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from fxquant.capture import pt_reader
 from fxquant.cli import collect_cmd, collect_summary
 
 MODES = ("visualize", "collect", "both")
@@ -31,7 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def capture_sets(root: Path) -> list[Path]:
-    """`root` if it is a capture set (has rank-* directories), else its subdirectories that are."""
+    """`root` if it is a capture set (has rank-* directories), else its subdirectories that are; else `root` when it
+    holds the predecessor's .pt files (read as one set by fxquant.capture.pt_reader, its quant types as schemes)."""
     def is_set(d: Path) -> bool:
         return d.is_dir() and any(c.is_dir() and c.name.startswith("rank-") for c in d.iterdir())
 
@@ -41,6 +43,8 @@ def capture_sets(root: Path) -> list[Path]:
     if is_set(root):
         return [root]
     found = sorted(d for d in root.iterdir() if is_set(d))
+    if not found and pt_reader.has_pt_files(root):
+        return [root]
     if not found:
         raise FileNotFoundError(f"--tensor-dir {str(root)!r} holds no capture set (no rank-* directories in it or "
                                 f"its subdirectories); collect first with `fxquant draw collect` or `fxquant collect`")

@@ -22,7 +22,7 @@ def _where(items: list[str]) -> dict:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("dirs", nargs="*", metavar="DIR", help="capture directories (fxquant.capture sets)")
+    p.add_argument("dirs", nargs="*", metavar="DIR", help="capture directories (fxquant.capture sets, or directories of the predecessor's .pt files)")
     p.add_argument("-j", "--workers", type=int, default=1, help="worker processes that summarise the tensors and then draw the figures (default 1: all in this process)")
     p.add_argument("--where", action="append", default=[], metavar="FIELD=VALUE",
                    help="keep records whose manifest FIELD equals VALUE (repeatable; V1,V2 for any of several; "
@@ -47,7 +47,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--last-n", type=int, default=10, help="iterations in the 'last N' mean relative error")
     p.add_argument("--no-plots", action="store_true", help="tables only")
     p.set_defaults(func=run_report)
-    q = sub.add_parser("quant-error", help="per-site quantization error of captured quantized GEMM operands")
+    q = sub.add_parser("quant-error", help="per-site quantization error of captured quantized GEMM operands "
+                                           "(any high-precision tensor in any format: fxquant what-if)")
     _common(q)
     q.add_argument("--json", action="store_true", help="print the per-site rows as JSON lines")
     q.set_defaults(func=run_quant_error)
@@ -131,6 +132,9 @@ def run_quant_error(args: argparse.Namespace) -> int:
 
     args.sample_blocks = 0  # no MX study needed
     agg = _analyse(args)
+    if not agg.sites:
+        print("note: no quantized copies among the selected records (the predecessor's .pt files hold high-precision "
+              "tensors only); `fxquant what-if DIR` gives the error they would have in any format", file=sys.stderr)
     if args.json:
         for s in agg.sites:
             print(json.dumps(clean(s), sort_keys=True))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from fxquant.formats.base import Encoded, Format
 from fxquant.formats.element import BF16, E2M1, E2M3, E3M2, E4M3, E5M2, FP16, HIF8, INT8, ElementSpec
+from fxquant.formats.legacy import TINY, LegacyClampFormat
 from fxquant.formats.mx import MXFormat
 from fxquant.formats.nvfp4 import NVFP4Format
 from fxquant.formats.options import QuantOptions, Rounding, ScaleMode, Scaling, did_you_mean
@@ -25,6 +26,7 @@ __all__ = [
     "ScaleMode",
     "Scaling",
     "aliases",
+    "compat_names",
     "get",
     "names",
 ]
@@ -49,10 +51,24 @@ _FORMATS: dict[str, Format] = {
 
 _ALIASES: dict[str, str] = {"mxfp8": "mxfp8_e4m3", "mxfp4": "mxfp4_e2m1", "hif8": "hifp8"}
 
+# Compatibility formats (fxquant/formats/legacy.py): reachable by name, never a default, not in names().
+_COMPAT: dict[str, Format] = {
+    f.name: f
+    for f in (
+        LegacyClampFormat("hifp8_legacy_clamp", _FORMATS["hifp8"], TINY,
+                          "HiFloat8 as the predecessor computed it: tiny non-zero values clamped up to +-2^-22"),
+    )
+}
+
 
 def names() -> list[str]:
     """Canonical format names, in table order."""
     return list(_FORMATS)
+
+
+def compat_names() -> list[str]:
+    """Formats that reproduce a predecessor defect for comparison with old results (off by default)."""
+    return list(_COMPAT)
 
 
 def aliases() -> dict[str, str]:
@@ -65,12 +81,13 @@ def canonical_name(name: str) -> str:
         raise TypeError(f"a format name must be a str, got {type(name).__name__}")
     key = name.strip().lower()
     key = _ALIASES.get(key, key)
-    if key not in _FORMATS:
-        known = names() + list(_ALIASES)
+    if key not in _FORMATS and key not in _COMPAT:
+        known = names() + list(_ALIASES) + compat_names()
         raise ValueError(f"unknown format {name!r}{did_you_mean(key, known)}; known formats: {', '.join(known)}")
     return key
 
 
 def get(name: str) -> Format:
     """The format called ``name`` (a canonical name or an alias); ValueError with a did-you-mean otherwise."""
-    return _FORMATS[canonical_name(name)]
+    key = canonical_name(name)
+    return _FORMATS[key] if key in _FORMATS else _COMPAT[key]

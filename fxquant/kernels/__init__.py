@@ -21,7 +21,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["available", "quantize", "register", "registered", "restore_reference"]
+__all__ = ["available", "has_kernel", "quantize", "register", "registered", "restore_reference"]
 
 DEVICES = ("cuda", "cpu")
 _TRITON_DEVICES: set[str] = set()  # devices whose fxquant::quantize implementation is the Triton kernels
@@ -43,10 +43,20 @@ def quantize(x: torch.Tensor, tq, dim: int = -1, seed: int | None = None) -> tor
     return launch.quantize(x, tq, dim, seed)
 
 
+def has_kernel(fmt) -> bool:
+    """Whether Triton kernels implement ``fmt`` (the compatibility formats of formats/legacy.py are reference-only)."""
+    from fxquant.formats.legacy import LegacyClampFormat
+
+    return not isinstance(fmt, LegacyClampFormat)
+
+
 def _quantize_op_impl(x: torch.Tensor, qspec: str, dim: int, seed: int | None = None) -> torch.Tensor:
     from fxquant.ops import parse_qspec
 
-    return quantize(x, parse_qspec(qspec), dim, seed)
+    tq = parse_qspec(qspec)
+    if not has_kernel(tq.fmt):
+        return tq.quantize(x, dim, seed=seed)
+    return quantize(x, tq, dim, seed)
 
 
 def _reference_op_impl(x: torch.Tensor, qspec: str, dim: int, seed: int | None = None) -> torch.Tensor:

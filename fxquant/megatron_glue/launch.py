@@ -30,6 +30,8 @@ def format_progress(record: dict, total: int) -> str:
         line += f" | {key.replace('_loss', '')} {record[key]:.3f}"
     if "val_loss" in record:
         line += f" | val loss {record['val_loss']:.4f}"
+    if "nonfinite" in record:
+        line += f" | NON-FINITE (first at iteration {record['nonfinite']['first_iteration']})"
     return line
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from fxquant.megatron_glue.config import AttentionKind, ModelConfig
+from fxquant.megatron_glue.sentinel import NonFinitePolicy
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,7 @@ class TrainConfig:
     control_iter: int | None = None  # stop after this many iterations of this run (predecessor's --control-iter)
     eval_interval: int = 0  # validation loss every N iterations and at the end; 0 = never
     eval_iters: int = 1     # global batches of the validation split per evaluation (the same ones each time)
+    nonfinite: NonFinitePolicy = NonFinitePolicy.RECORD  # NaN/Inf sentinel (sentinel.py): record | fatal | off
 
     def __post_init__(self) -> None:
         for name in ("seq_length", "micro_batch_size", "global_batch_size", "train_iters", "eval_iters"):
@@ -239,6 +241,16 @@ def stop_after(capture: CaptureConfig | None, control_iter: int | None) -> int |
     return control_iter or None
 
 
+def check_tensorboard() -> None:
+    """TensorBoard output needs torch.utils.tensorboard's writer, i.e. the `tensorboard` package."""
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is None:
+        raise ValueError("--tensorboard needs the 'tensorboard' package (torch.utils.tensorboard writes its event "
+                         "files with it), which is not installed: pip install tensorboard, or drop --tensorboard "
+                         "(metrics.jsonl is always written)")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     model: ModelConfig
@@ -253,7 +265,11 @@ class RunConfig:
     backend: CompileBackend = CompileBackend.AOT_EAGER
     layout: ParallelLayout = field(default_factory=ParallelLayout)
     resume: bool = True
-    tensorboard: bool = False
+    tensorboard: bool = False  # TensorBoard event files in <run>/tensorboard (needs the `tensorboard` package)
+
+    def __post_init__(self) -> None:
+        if self.tensorboard:
+            check_tensorboard()
 
     def compile_scheme(self):
         """What `fxquant.compile` gets: the preset name, or the Scheme parsed from `scheme_yaml`."""

@@ -3,7 +3,8 @@
 One iteration = `global_batch_size` samples = micro-batches of `micro_batch_size` on each of the
 data-parallel ranks, run by `schedule.forward_backward` (Megatron's schedules on CUDA), then the
 optimizer step (`optim`), Megatron's LR scheduler, metrics (JSONL per iteration: loss, lr, grad norm,
-tokens/s, step time, MoE aux losses; optional TensorBoard), the validation loss every `eval_interval`
+tokens/s, step time, MoE aux losses; optional TensorBoard), the NaN/Inf sentinel (`sentinel`: the first
+non-finite iteration and its parameters, recorded or fatal), the validation loss every `eval_interval`
 iterations (`evaluation.Validator`, recorded as `val_loss`), periodic checkpoints (`checkpoint`) and
 auto-resume from the run directory. `control_iter` stops the run after that many iterations of this run (the
 predecessor's `--control-iter`). The model is compiled through `compile_model` (fxquant.compile with the run's
@@ -34,6 +35,7 @@ from fxquant.megatron_glue.optim import HostOptimizer, MegatronOptimizerSetup, l
 from fxquant.megatron_glue.parallel import initialize_parallel
 from fxquant.megatron_glue.run_config import CompileBackend, RunConfig
 from fxquant.megatron_glue.schedule import forward_backward
+from fxquant.megatron_glue.sentinel import NonFiniteSentinel
 from fxquant.megatron_glue.tokenizer import load_tokenizer
 from fxquant.megatron_glue.training_capture import TrainingCapture
 
@@ -92,13 +94,10 @@ class _MetricsSink:
             kept = [line for line in self.path.read_text().splitlines()
                     if line.strip() and json.loads(line)["iteration"] <= start_iteration]
         self.path.write_text("".join(line + "\n" for line in kept))
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                log.warning("TensorBoard requested but the 'tensorboard' package is not installed; skipping")
-            else:
-                self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+        if tensorboard:  # RunConfig refused --tensorboard without the package
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(run_dir / "tensorboard"))
 
     def write(self, record: dict) -> None:
         if not self.enabled:
@@ -110,6 +109,8 @@ class _MetricsSink:
                 self.writer.add_scalar(f"train/{key}", record[key], record["iteration"])
             if "val_loss" in record:
                 self.writer.add_scalar("valid/loss", record["val_loss"], record["iteration"])
+            if "nonfinite" in record:
+                self.writer.add_scalar("train/nonfinite", 1.0, record["iteration"])
 
     def close(self) -> None:
         if self.writer is not None:
@@ -183,6 +184,7 @@ def train(run: RunConfig, progress: Callable[[dict], None] | None = None) -> Tra
             return output, loss_func
 
         sink = _MetricsSink(run_dir, start, info.is_logging_rank, run.tensorboard)
+        sentinel = NonFiniteSentinel(t.nonfinite, run_dir, info.is_logging_rank, info.rank)
         result = TrainResult(run_dir=run_dir, iterations=start, metrics_path=sink.path if info.is_logging_rank else None)
         moe_aux = MoEAuxLosses(model.config)
         moe_aux.start(device)
@@ -197,6 +199,10 @@ def train(run: RunConfig, progress: Callable[[dict], None] | None = None) -> Tra
                 record = _one_iteration(run, iteration, forward_step_func, batches, runnable, optimizer,
                                         scheduler, num_micro, info)
                 record.update(moe_aux.collect(iteration + 1, num_micro))
+                event = sentinel.check(iteration + 1, record["loss"], record["grad_norm"], model,
+                                       None if capture is None else capture.session)
+                if event is not None:
+                    record["nonfinite"] = event
                 if validator is not None and t.evaluates_at(iteration + 1):
                     with capture.paused() if capture is not None else contextlib.nullcontext():
                         record["val_loss"] = validator.loss(forward_step_func, runnable)
@@ -208,6 +214,7 @@ def train(run: RunConfig, progress: Callable[[dict], None] | None = None) -> Tra
                     result.records.append(record)
                     if progress is not None:
                         progress(record)
+                sentinel.stop_if_fatal(event)  # every rank: loss and grad norm are reduced over the job
                 if t.save_interval and (result.iterations % t.save_interval == 0
                                         or result.iterations == t.train_iters):
                     checkpoint.save(ckpt_dir, result.iterations, model=model, optimizer=optimizer,

@@ -14,7 +14,10 @@ fxquant's wrapper with the same leading operands. Post, per selected point:
 
 Effectful captures survive AOT/Inductor (trap 3); ``capture_grad`` is a module-level wrapper (trap 1)
 whose backward runs the capture in the backward graph. Only nodes created here are added; nothing is
-removed (trap 2). Points a site does not materialise (attention ``probs`` under fused SDPA, quantized
+removed (trap 2). Attention ``scores`` (S = scale * Q K^T, before mask and softmax) are the QK^T site's result
+in Megatron's unfused attention; at an SDPA site the reference attention (``wrappers.fxquant_sdpa``) captures
+them itself, given the taps as its ``scores_tap`` keyword. Points a site does not materialise (attention
+``probs`` and ``scores`` under torch's SDPA or the flash kernel, quantized
 copies of operands the scheme keeps in high precision or rounds stochastically) are listed in the
 returned report, never silently dropped.
 
@@ -43,6 +46,7 @@ from fxquant.capture.tap import Tap, encode_taps
 from fxquant.passes.graph_edit import copy_meta
 from fxquant.passes.rewrite_megatron_linear import operand_positions
 from fxquant.passes.sites import META_KEY, OpKind, SiteMeta, body_modules, example_value
+from fxquant.passes.wrappers import fxquant_sdpa
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +58,14 @@ _LINEAR_POSITIONS = {Role.INPUT: ("arg", 0), Role.WEIGHT: ("arg", 1), Role.OUTPU
 _POSITIONS: dict[OpKind, dict[Role, tuple]] = {
     OpKind.LINEAR: _LINEAR_POSITIONS,
     OpKind.MEGATRON_LINEAR: _LINEAR_POSITIONS,  # arg 0 / 1 = the apply node's input / weight (_site_nodes)
+    # scores exist inside the reference attention only (wrappers.fxquant_sdpa): see _tap_sdpa_scores
     OpKind.SDPA: {Role.QUERY: ("arg", 0), Role.KEY: ("arg", 1), Role.VALUE: ("arg", 2), Role.OUTPUT: ("out",),
                   Role.GRAD_OUTPUT: ("out",), Role.GRAD_QUERY: ("arg", 0), Role.GRAD_KEY: ("arg", 1),
-                  Role.GRAD_VALUE: ("arg", 2)},
-    # baddbmm(input, Q, K^T): the key is captured as the GEMM operand K^T [.., d, Lk]
-    OpKind.UNFUSED_QK: {Role.QUERY: ("arg", 1), Role.KEY: ("arg", 2), Role.GRAD_QUERY: ("arg", 1),
-                        Role.GRAD_KEY: ("arg", 2), Role.GRAD_SCORES: ("out",)},
+                  Role.GRAD_VALUE: ("arg", 2), Role.SCORES: ("scores",)},
+    # baddbmm(input, Q, K^T): the key is captured as the GEMM operand K^T [.., d, Lk]; its result is the scores
+    # (alpha = the softmax scale; captured before Megatron's in-place mask)
+    OpKind.UNFUSED_QK: {Role.QUERY: ("arg", 1), Role.KEY: ("arg", 2), Role.SCORES: ("out",),
+                        Role.GRAD_QUERY: ("arg", 1), Role.GRAD_KEY: ("arg", 2), Role.GRAD_SCORES: ("out",)},
     OpKind.UNFUSED_PV: {Role.PROBS: ("arg", 0), Role.VALUE: ("arg", 1), Role.OUTPUT: ("out",),
                         Role.GRAD_OUTPUT: ("out",), Role.GRAD_PROBS: ("arg", 0), Role.GRAD_VALUE: ("arg", 1)},
 }
@@ -194,6 +200,10 @@ def insert_capture_taps(gm: fx.GraphModule, spec: CaptureSpec) -> TapReport:
         nodes = _site_nodes(gm, node, meta.op)
         grad_out: list[Tap] = []
         grad_args: dict[int, list[Tap]] = {}
+        scores = [tap for tap, where in taps if where[0] == "scores"]
+        if scores:
+            _tap_sdpa_scores(node, meta, scores, report)
+            taps = [(tap, where) for tap, where in taps if where[0] != "scores"]
         for tap, where in taps:
             target = nodes.output if where[0] == "out" else nodes.operands[where[1]]
             if target is None:
@@ -231,6 +241,20 @@ def insert_capture_taps(gm: fx.GraphModule, spec: CaptureSpec) -> TapReport:
     graph.lint()
     gm.recompile()
     return report
+
+
+def _tap_sdpa_scores(node: fx.Node, meta: SiteMeta, taps: list[Tap], report: TapReport) -> None:
+    """The scores of an SDPA site exist only inside the reference attention (``quantized_sdpa``): hand it the
+    taps as its ``scores_tap`` keyword. torch's SDPA and the flash kernel never materialise them."""
+    if node.target is not fxquant_sdpa:
+        name = getattr(node.target, "__name__", str(node.target))
+        report.unavailable.extend(
+            f"{meta.site.module_path} ({meta.op.value}): attention.scores[hp]: not materialised by {name} (only "
+            "the reference attention fxquant.qfunctions.quantized_sdpa, used where the scheme quantizes attention "
+            "and the flash kernel is off, and Megatron's unfused attention compute QK^T)" for _ in taps[:1])
+        return
+    node.kwargs = {**node.kwargs, "scores_tap": encode_taps(taps)}
+    report.taps.extend(taps)
 
 
 @dataclass(frozen=True)

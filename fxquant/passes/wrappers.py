@@ -73,10 +73,13 @@ def fxquant_sdpa(
     scale: float | None,
     enable_gqa: bool,
     specs: Specs,
+    scores_tap: str | None = None,
 ) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` rewritten: ``quantized_sdpa`` with the AttentionQuant of ``specs``."""
+    """``F.scaled_dot_product_attention`` rewritten: ``quantized_sdpa`` with the AttentionQuant of ``specs``;
+    ``scores_tap`` (set by the capture pass) captures the scores."""
     return quantized_sdpa(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, aq=attention_quant(specs)
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, aq=attention_quant(specs),
+        scores_tap=scores_tap,
     )
 
 

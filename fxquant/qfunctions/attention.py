@@ -74,8 +74,10 @@ def quantized_sdpa(
     enable_gqa: bool = False,
     *,
     aq: AttentionQuant,
+    scores_tap: str | None = None,
 ) -> torch.Tensor:
-    """``F.scaled_dot_product_attention(...)`` with QK^T and PV quantized per ``aq`` (module docstring)."""
+    """``F.scaled_dot_product_attention(...)`` with QK^T and PV quantized per ``aq`` (module docstring).
+    ``scores_tap``: a capture tap string (fxquant.capture.tap) under which ``S'`` before the mask is captured."""
     _check(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, aq)
     if enable_gqa and query.dim() >= 3 and query.shape[-3] != key.shape[-3]:
         rep = query.shape[-3] // key.shape[-3]
@@ -84,6 +86,8 @@ def quantized_sdpa(
     lq, lk = query.shape[-2], key.shape[-2]
     scale_ = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     s = quantized_matmul(query, key.transpose(-2, -1), aq.qk).float() * scale_
+    if scores_tap is not None:  # capture (fxquant.passes.capture_taps): the scores, before the mask
+        torch.ops.fxquant.capture(s, scores_tap)
     if is_causal:
         causal = torch.ones(lq, lk, dtype=torch.bool, device=s.device).tril()
         s = s.masked_fill(~causal, float("-inf"))

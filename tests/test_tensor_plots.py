@@ -1,0 +1,65 @@
+"""`fxquant plot-tensors`: value heatmaps (largest |value| per cell) and attention maps of captured scores."""
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+
+from fxquant.analysis.tensor_plots import attention_map, matrix_view, peak_cells, value_heatmap
+from fxquant.cli import main
+from tests.analysis_helpers import write_tensors
+
+
+def test_peak_cells_keep_the_largest_magnitude_with_its_sign_and_nan():
+    m = torch.zeros(10, 7)
+    m[3, 2], m[9, 6], m[0, 0], m[5, 5] = -50.0, 7.0, 1.0, float("nan")
+    data, fr, fc = peak_cells(m, 4)
+    assert (fr, fc) == (3, 2) and data.shape == (4, 4)
+    assert data[1, 1] == -50.0 and data[3, 3] == 7.0 and data[0, 0] == 1.0 and math.isnan(data[1, 2])
+    full, fr1, fc1 = peak_cells(m, 64)
+    assert (fr1, fc1) == (1, 1) and torch.equal(torch.from_numpy(full).nan_to_num(123.0), m.nan_to_num(123.0))
+    assert matrix_view(torch.ones(2, 3, 4, 5))[0].shape == (4, 5) and matrix_view(torch.ones(6))[0].shape == (1, 6)
+
+
+def _rects(text: str) -> list[str]:
+    return re.findall(r'<rect x="[^"]+" y="[^"]+" width="[^"]+" height="[^"]+" fill="(#[0-9a-f]{6})"/>', text)
+
+
+def test_value_heatmap_and_attention_map_figures():
+    t = torch.randn(2, 100, 80)
+    t[0, 50, 40] = 1e4  # an outlier survives the pooling: the cell holding it is the darkest red
+    fig = value_heatmap(t, {"module": "m", "role": "input", "rank": 0, "iteration": 0, "micro_batch": 0}, cells=16)
+    text = fig.to_svg()
+    fills = _rects(text)
+    assert len(fills) == 16 * 15  # ceil(100/7)=15 rows of 7, 16 columns of 5
+    from fxquant.analysis.svg import cmap, colour
+
+    assert fills.count(colour(tuple(cmap("RdBu_r")(1.0)))[0]) == 1  # only the outlier's cell at the top colour
+    assert "[0, :, :] of [2, 100, 80]" in text
+    scores = torch.randn(1, 3, 12, 12)
+    amap = attention_map(scores, {"module": "a", "role": "scores", "component": "attention"}, heads=8).to_svg()
+    assert amap.count("head ") == 3 and "key position" in amap
+    probs = torch.softmax(torch.randn(6, 12, 12), -1)  # Megatron's [b*h, Lq, Lk]
+    pm = attention_map(probs, {"module": "a", "role": "probs", "component": "attention"}, heads=4).to_svg()
+    assert pm.count(">head ") == 4 and "probability" in pm
+
+
+def test_cli_draws_captured_scores_as_attention_maps(tmp_path, capsys):
+    from tests.test_capture_scores import _run_llama
+
+    cs, _, cfg = _run_llama(tmp_path / "cap", "FA_mxfp8")
+    write_tensors(tmp_path / "lin", [torch.randn(4, 64)])
+    assert main(["plot-tensors", str(tmp_path / "cap"), str(tmp_path / "lin"), "-o", str(tmp_path / "out"),
+                 "--cells", "16", "--heads", "2"]) == 0
+    assert "tensor(s) drawn" in capsys.readouterr().out
+    maps = sorted((tmp_path / "out" / "attention").glob("*.svg"))
+    assert len(maps) == cfg.n_layers and all("scores" in p.name for p in maps)
+    assert len(list((tmp_path / "out" / "heatmaps").glob("*.svg"))) == 3 * cfg.n_layers + 1  # q, k, scores + 1
+    index = (tmp_path / "out" / "index.html").read_text()
+    assert all(p.name in index for p in maps)
+    assert main(["plot-tensors", str(tmp_path / "cap"), "-o", str(tmp_path / "o2"), "--max-tensors", "1",
+                 "--where", "role=scores"]) == 0
+    assert "--max-tensors 1 reached" in capsys.readouterr().err
+    assert main(["plot-tensors", str(tmp_path / "cap"), "--cells", "1"]) == 2
