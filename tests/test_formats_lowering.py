@@ -39,7 +39,7 @@ def all_specs() -> list[str]:
         if formats.get(f).allow_tensor_scaling:
             specs.append(TensorQuant(f, scaling="tensor").spec())
             specs.append(TensorQuant(f, scaling="tensor", scale_target=224.0, rounding="sr").spec())
-    return specs
+    return specs + [TensorQuant("hifp8_legacy_clamp").spec()]  # the compatibility format, reference arithmetic
 
 
 DEFAULT_SPECS = [TensorQuant(f).spec() for f in formats.names()] + [TensorQuant(f, rounding="sr").spec() for f in formats.names()]

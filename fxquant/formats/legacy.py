@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from fxquant.formats.base import Format
-from fxquant.formats.element import HIF8, ElementSpec
+from fxquant.formats.element import ElementSpec
 from fxquant.formats.options import QuantOptions, Scaling
 from fxquant.formats.scalar import ElementFormat
 
@@ -52,8 +52,9 @@ class LegacyClampFormat(Format):
         tiny = (q == 0) & (x32 != 0) & torch.isfinite(x32)
         return torch.where(tiny, torch.copysign(torch.full_like(q, self.tiny), x32), q)
 
-    def _quantize_canonical(self, x2, opts, seed, *, ctx=None, offset=0):
-        return self._clamp(x2, self.base._quantize_canonical(x2, opts, seed, ctx=ctx, offset=offset))
+    def _quantize_canonical(self, x2, opts, seed, *, ctx=None, offset=0, out_dtype=torch.float32):
+        q = self.base._quantize_canonical(x2, opts, seed, ctx=ctx, offset=offset)
+        return self._clamp(x2, q).to(out_dtype)
 
     def _encode_canonical(self, x2, opts, seed):
         q = self._quantize_canonical(x2.to(torch.float32), opts, seed)
