@@ -3,18 +3,20 @@ compile time, side by side with the peers; prints markdown tables and writes JSO
 
 Sections (``--sections``, default all):
   ceilings   copy bandwidth (x.clone(), bytes read + written) and the bf16 GEMM rate (torch.mm)
-  quantize   every format's quantize (benchmarks/bench_formats.py): Triton vs the copy, eager reference,
-             torchao's to_mx and the predecessor's HiF8 as peers
+  quantize   every format's quantize (benchmarks/bench_formats.py): Triton and the op lowered into Inductor's
+             code (kernels="inductor") vs the copy, eager reference, torchao's to_mx and the predecessor's HiF8
+             as peers
   fused      the fused quantize-on-load GEMM vs quantize kernel + cuBLAS, with the keep/drop verdict
              (benchmarks/bench_fused.py)
   linear     nn.Linear fwd+bwd, 4096x4096 and Llama-3.2-1B MLP shapes: torch.compile bf16 vs fxquant.compile
-             per linear preset; peers: torchao MX emulation (MXTensor round trip + bf16 matmul, eager) and the
+             per linear preset, with each quantize implementation (KERNELS: on the GPU the standalone Triton
+             kernels and the Inductor lowering, side by side: the run that decides kernels="auto"); peers: torchao MX emulation (MXTensor round trip + bf16 matmul, eager) and the
              predecessor's approach (quantize with torch ops, then matmul, eager)
   attention  causal GQA attention fwd+bwd, seq 2k-8k, head dim 64/128: SDPA bf16 (flash) vs the quantized
              flash-attention kernel per FA scheme and the torch reference path (quantized_sdpa, eager; up to
              L = 2048: its [L, L] float32 matrices)
   model      a Llama-3.2-1B-shaped model with fewer layers, fwd+bwd step: compiled bf16 vs fxquant.compile per
-             preset, with peak memory, and the predecessor's eager approach
+             preset and quantize implementation (KERNELS), with peak memory, and the predecessor's eager approach
   capture    capture writer throughput vs raw writes, step overhead (benchmarks/bench_capture.py)
   compile    first-step (compile) time, fxquant.compile vs torch.compile (benchmarks/bench_compile.py)
 Timing: CUDA events around each call after warm-up, median of ``--repeat`` (CPU: perf_counter). Anything
@@ -78,6 +80,14 @@ TARGETS = {"linear_mxfp8": 1.15, "FA_linear_mxfp8": 1.35, "FA_linear_hifp8": 1.5
            "linear_hifp8": 1.5, "linear_mxfp4": 1.5}
 
 
+def kernel_choices(dev: torch.device, backend: str) -> tuple[str, ...]:
+    """The quantize implementations to compare (fxquant.lowering): on CUDA with Inductor both the standalone
+    Triton kernels (today's default there) and the Inductor lowering; elsewhere what "auto" picks."""
+    if dev.type == "cuda" and backend == "inductor":
+        return ("triton", "inductor")
+    return ("auto",)
+
+
 class Timer:
     """Median seconds of ``fn()`` after ``warmup`` calls: CUDA events on the GPU, perf_counter on CPU."""
 
@@ -129,7 +139,8 @@ def ceilings(args, dev: torch.device, timer: Timer) -> list[dict]:
 # -- (b) quantize -----------------------------------------------------------------------------------------
 def quantize(args, dev: torch.device, timer: Timer) -> list[dict]:
     ns = argparse.Namespace(size="2^18" if args.quick else "2^28", dtype="bf16", device=str(dev), formats="all",
-                            impls="eager,triton,peers" if args.quick else "triton,peers", repeat=args.repeat)
+                            impls="eager,inductor,triton,peers" if args.quick else "inductor,triton,peers",
+                            repeat=args.repeat)
     res = bench_formats.bench(ns)
     return [{k: r.get(k) for k in ("format", "impl", "ms", "GB/s", "x copy", "note")} for r in res["rows"]]
 
@@ -220,11 +231,13 @@ def linear(args, dev: torch.device, timer: Timer) -> list[dict]:
             if _out_of_time(args):
                 rows.append({"shape": f"{label} M={m}", "impl": f"fxquant {preset}", "note": SKIPPED})
                 continue
-            torch._dynamo.reset()
-            compiled = fxquant.compile(base, preset, backend=backend)
-            s, note = _attempt(lambda: timer(step(compiled)))
-            rows.append({"shape": f"{label} M={m}", "impl": f"fxquant {preset} ({backend})", "ms": s and s * 1e3,
-                         "x bf16": _ratio(s, bf16_s), "target": TARGETS.get(preset), "note": note})
+            for k in kernel_choices(dev, backend):
+                torch._dynamo.reset()
+                compiled = fxquant.compile(base, preset, backend=backend, kernels=k)
+                s, note = _attempt(lambda: timer(step(compiled)))
+                rows.append({"shape": f"{label} M={m}", "impl": f"fxquant {preset} ({backend}, kernels={k})",
+                             "ms": s and s * 1e3, "x bf16": _ratio(s, bf16_s), "target": TARGETS.get(preset),
+                             "note": note})
             lq = _lq(preset)
             with _reference_ops(dev):
                 s, note = _attempt(lambda: timer(step(lambda t: quantized_linear(t, base.proj.weight, None, lq))))
@@ -340,8 +353,10 @@ def model_step(args, dev: torch.device, timer: Timer) -> list[dict]:
     bf16_s = measure(f"{str(dtype)[6:]} torch.compile ({backend})", lambda m: torch.compile(m, backend=backend))
     rows[0]["x bf16"] = 1.0
     for preset in MODEL_PRESETS:
-        measure(f"fxquant {preset} ({backend})", lambda m: fxquant.compile(m, preset, backend=backend), bf16_s)
-        rows[-1]["target"] = TARGETS.get(preset)
+        for k in kernel_choices(dev, backend):
+            measure(f"fxquant {preset} ({backend}, kernels={k})",
+                    lambda m: fxquant.compile(m, preset, backend=backend, kernels=k), bf16_s)
+            rows[-1]["target"] = TARGETS.get(preset)
     legacy = "legacy_FA_linear_mxfp8"
     measure(f"predecessor approach {legacy} (eager torch ops, forward GEMMs only)", lambda m: fxquant.compile(m, legacy, backend="eager"),
             bf16_s, eager_ops=True)

@@ -101,11 +101,16 @@ class CompileState:
 
     def kernels(self) -> list[Kernels]:
         """What the quantize ops of each compiled graph run (``fxquant.lowering.Kernels``), in compile order."""
-        return list(self.backend.kernels_used)
+        return [self.backend.kernels_used[i] for i in sorted(self.backend.kernels_used)]
 
     def expected_quantize_calls(self) -> tuple[int, int]:
-        """(forward, backward) ``fxquant::quantize`` calls per step that the current rewritten graphs make."""
+        """(forward, backward) ``fxquant::quantize`` calls per step that the current rewritten graphs make (graphs
+        lowered with ``kernels="inductor"`` make none: their quantizes are generated code, ``fused_quantizes``)."""
         return self.backend.expected_calls()
+
+    def fused_quantizes(self) -> tuple[int, int]:
+        """(forward, backward) quantizes per step that Inductor compiled into its own kernels."""
+        return self.backend.fused_calls()
 
     # -- hooks -------------------------------------------------------------------------------------------
     def before_call(self, module: nn.Module, args: tuple) -> None:

@@ -53,7 +53,7 @@ class FxquantBackend:
                  kernels: Kernels = Kernels.AUTO) -> None:
         self.scheme = scheme
         self.kernels = Kernels(kernels)
-        self.kernels_used: list[Kernels] = []  # what ``kernels`` resolved to, per compiled graph
+        self.kernels_used: dict[int, Kernels] = {}  # graph index -> what ``kernels`` resolved to
         self.attention = attention  # SDPA implementation (passes.rewrite_sdpa.AttentionImpl); None: the env/auto
         self.capture = capture  # a CaptureSpec: taps are inserted after the rewrite passes
         self.tap_reports: list = []
@@ -95,15 +95,15 @@ class FxquantBackend:
             report(failed_sites(graph_report.sites), self.strict)
         except QuantizationError as exc:
             self.pending.append(exc)
-        return self.compile_inner(gm, example_inputs)
+        return self.compile_inner(gm, example_inputs, graph_report.index)
 
-    def _resolve_kernels(self, example_inputs: list) -> Kernels:
+    def _resolve_kernels(self, example_inputs: list, index: int) -> Kernels:
         """What this graph's quantize ops run; ValueError where the choice cannot run (TRITON without kernels)."""
         device = lowering.graph_device(example_inputs)
         used = lowering.resolve(self.kernels, inductor=self.inner is Inner.INDUCTOR, device=device)
-        self.kernels_used.append(used)
-        log.info("fxquant: graph %d: quantize kernels %s (kernels=%s, %s)", len(self.kernels_used) - 1,
-                 used.value, self.kernels.value, device)
+        self.kernels_used[index] = used
+        log.info("fxquant: graph %d: quantize kernels %s (kernels=%s, %s)", index, used.value, self.kernels.value,
+                 device)
         return used
 
     def unmatched_rules(self) -> ValueError | None:
@@ -134,11 +134,11 @@ class FxquantBackend:
             first, self.pending = self.pending[0], []
             raise first
 
-    def compile_inner(self, gm: fx.GraphModule, example_inputs: list) -> object:
+    def compile_inner(self, gm: fx.GraphModule, example_inputs: list, index: int = -1) -> object:
         if self.inner is Inner.EAGER or self.dry_run:
             return gm.forward
         try:
-            kernels = self._resolve_kernels(example_inputs)
+            kernels = self._resolve_kernels(example_inputs, index)
         except ValueError as exc:
             return self.refusal(exc)
         decompositions = lowering.decompositions(kernels)
@@ -187,7 +187,14 @@ class FxquantBackend:
         return current
 
     def expected_calls(self) -> tuple[int, int]:
-        reps = self.current_reports()
+        """(forward, backward) calls of the ``fxquant::quantize`` op per step, in graphs that call the op (a graph
+        whose quantizes Inductor generated code for, ``Kernels.INDUCTOR``, calls none: ``fused_calls``)."""
+        reps = [r for r in self.current_reports() if self.kernels_used.get(r.index) is not Kernels.INDUCTOR]
+        return sum(r.expected_calls[0] for r in reps), sum(r.expected_calls[1] for r in reps)
+
+    def fused_calls(self) -> tuple[int, int]:
+        """(forward, backward) quantizes per step that run as Inductor-generated code, not as op calls."""
+        reps = [r for r in self.current_reports() if self.kernels_used.get(r.index) is Kernels.INDUCTOR]
         return sum(r.expected_calls[0] for r in reps), sum(r.expected_calls[1] for r in reps)
 
     def unmatched_ops(self) -> list:

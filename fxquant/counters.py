@@ -7,6 +7,8 @@ eager, aot_eager and Inductor-generated code alike, and by the autograd engine's
 compiles nothing (tracing dispatches the op as well; such a count is flagged ``compiled``). A shortfall
 means some quantization did not run (a frame fell back to eager, a graph was skipped); an excess, that
 a graph ran more often than once per step (e.g. a module called twice) or the model quantizes by itself.
+Graphs compiled with ``kernels="inductor"`` quantize in Inductor-generated code and dispatch no op: they
+count in ``fused`` (from the passes), not in expected or executed.
 
     >>> with fxquant.counters.count_quantize_calls(compiled) as count:
     ...     loss = compiled(batch).loss; loss.backward()
@@ -31,6 +33,7 @@ class QuantizeCount:
     executed: int = 0
     backward: bool = True
     compiled: bool = False  # graphs were compiled inside the block: tracing dispatches the op too
+    fused: int = 0  # quantizes per step in Inductor-generated code (kernels="inductor"): no op call to count
 
 
     @property
@@ -46,7 +49,8 @@ class QuantizeCount:
         part = f"{self.expected_forward} forward + {self.expected_backward} backward" if self.backward else (
             f"{self.expected_forward} forward")
         note = " (graphs were compiled during this step, so tracing calls are included; count a later step)"
-        return f"fxquant::quantize calls: expected {self.expected} ({part}), executed {self.executed}" + (
+        fused = f"; {self.fused} more quantizes compiled into Inductor's kernels" if self.fused else ""
+        return f"fxquant::quantize calls: expected {self.expected} ({part}), executed {self.executed}{fused}" + (
             note if self.compiled else "")
 
 
@@ -70,6 +74,8 @@ def count_quantize_calls(compiled: nn.Module, *, backward: bool = True, strict: 
         count = QuantizeCount(0, 0, backward=backward)
         yield count
     count.expected_forward, count.expected_backward = state.expected_quantize_calls()
+    fused_fwd, fused_bwd = state.fused_quantizes()
+    count.fused = fused_fwd + (fused_bwd if backward else 0)
     count.executed = count_events(prof.events())
     count.compiled = len(state.backend.reports) != n_graphs
     if not count.ok:
