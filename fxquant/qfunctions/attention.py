@@ -76,6 +76,23 @@ def quantized_sdpa(
     aq: AttentionQuant,
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention(...)`` with QK^T and PV quantized per ``aq`` (module docstring)."""
+    return quantized_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, aq=aq)[0]
+
+
+def quantized_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    aq: AttentionQuant,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantized_sdpa`` returning ``(O, P)``: P is the probability matrix the PV GEMM consumed (after
+    dropout, in the input dtype), what ``nn.MultiheadAttention(need_weights=True)`` returns per head."""
     _check(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, aq)
     if enable_gqa and query.dim() >= 3 and query.shape[-3] != key.shape[-3]:
         rep = query.shape[-3] // key.shape[-3]
@@ -96,4 +113,4 @@ def quantized_sdpa(
     if dropout_p > 0.0:
         keep = torch.empty_like(p).bernoulli_(1.0 - dropout_p)
         p = p * keep / (1.0 - dropout_p)
-    return quantized_matmul(p, value, aq.pv)
+    return quantized_matmul(p, value, aq.pv), p
