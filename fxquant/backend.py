@@ -20,7 +20,7 @@ import torch
 from torch import fx, nn
 
 from fxquant.passes import GraphReport, LayerNumbering, ModuleNames, run_passes
-from fxquant.passes.strict import QuantizationError, failed_sites, report
+from fxquant.passes.strict import QuantizationError, failed_sites, opaque_calls, report
 from fxquant.schemes.scheme import Scheme
 
 log = logging.getLogger(__name__)
@@ -78,8 +78,11 @@ class FxquantBackend:
         n_rewritten = sum(s.status.value == "rewritten" for s in graph_report.sites)
         log.info("fxquant: graph %d: %d sites matched, %d rewritten, %d matmul-like ops unmatched",
                  graph_report.index, len(graph_report.sites), n_rewritten, len(graph_report.unmatched))
+        issues = failed_sites(graph_report.sites)
+        if not self.dry_run:  # explain() lists them as unmatched instead
+            issues += opaque_calls(graph_report.unmatched, self.scheme, self.layers)
         try:
-            report(failed_sites(graph_report.sites), self.strict)
+            report(issues, self.strict)
         except QuantizationError as exc:
             self.pending.append(exc)
         return self.compile_inner(gm, example_inputs)

@@ -25,7 +25,7 @@ Masks as torch canonicalises them: a bool ``attn_mask`` / ``key_padding_mask`` (
 additive float mask (-inf), a 2-D attn_mask is broadcast over batch and heads, a 3-D one is
 [B*H, L, S]; key_padding_mask [B, S] is added per batch; ``is_causal`` (with its attn_mask) runs SDPA's
 causal mode when no key_padding_mask is given and weights are not needed. Dropout applies only when
-``training``. Unbatched inputs ([L, E]) are handled as torch does (a batch of one, squeezed).
+``training``. Unbatched inputs ([L, E]) are handled as torch does (a batch of one, squeezed; q, k and v then count as distinct).
 
 Refused (the node is left as it is and reported as an opaque GEMM call, which ``strict`` rejects, see
 ``sites.OPAQUE_GEMM_CALLS``): ``add_bias_kv`` (bias_k / bias_v), ``add_zero_attn``, ``static_k`` /
@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
+from torch._dispatch.python import enable_python_dispatcher
 
 from fxquant.passes.graph_edit import copy_meta
 from fxquant.passes.module_paths import ModuleNames
@@ -147,10 +148,9 @@ def _emit(e: _Emitter, call: _Call, same: tuple[bool, bool]) -> tuple[object, ob
     d = E // H
     self_attn, key_is_value = same
     query, key, value = a["query"], a["key"], a["value"]
-    if not call.batched:
-        query = query.unsqueeze(1)
-        key = query if self_attn else key.unsqueeze(1)
-        value = key if key_is_value else value.unsqueeze(1)
+    if not call.batched:  # three new tensors: torch's identity tests then see distinct q, k, v
+        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+        self_attn = key_is_value = False
     dtype = example_value(call["query"]).dtype
     # -- in-projection -------------------------------------------------------------------------------
     b = a["in_proj_bias"]
@@ -228,7 +228,7 @@ def _stamp(node: fx.Node, mha: fx.Node, names: ModuleNames, suffix: str | None) 
 
 def _fake_run(node: fx.Node, mode: object) -> None:
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), example_value)
-    with mode:
+    with mode, enable_python_dispatcher():  # symbolic shapes need the Python dispatcher (as Dynamo runs them)
         if node.op == "call_method":
             value = getattr(args[0], node.target)(*args[1:], **kwargs)
         else:
@@ -280,7 +280,7 @@ def decompose_mha(gm: fx.GraphModule, names: ModuleNames) -> int:
             _decompose(gm.graph, node, names)
         except Refused as exc:
             node.meta[REFUSED_KEY] = str(exc)
-            log.warning("fxquant: %s (%s) stays one opaque call, unquantized: %s",
+            log.info("fxquant: %s (%s) stays one opaque call, unquantized: %s",
                         names.node_path(node) or "<root>", node.name, exc)
             continue
         done += 1

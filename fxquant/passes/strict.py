@@ -7,7 +7,10 @@
   every ``core_attention`` module that the scheme selects must have been rewritten in some graph; one that
   was not ran outside the compiled graphs (a graph break split it, or its frame was skipped / fell back
   to eager), and the graph-break reasons Dynamo reported during the call are listed with it;
-- a frame that hit Dynamo's recompile limit and therefore runs eagerly from then on.
+- a frame that hit Dynamo's recompile limit and therefore runs eagerly from then on;
+- per graph: an opaque call that runs GEMMs inside one node (``sites.OPAQUE_GEMM_CALLS``: torch's fused
+  transformer fast paths, recurrent layers, an nn.MultiheadAttention call ``decompose_mha`` refused) at a
+  module path where the scheme quantizes a linear or an attention site (``opaque_calls``).
 
 Bad input (``ValueError`` in both modes): a model in which no linear or attention op was found, and a
 scheme rule with a module or layer selector that matches no site (the error lists the nearest paths).
@@ -49,6 +52,18 @@ def failed_sites(sites: Iterable[SiteMeta]) -> list[str]:
         for s in sites
         if s.status is Status.FAILED
     ]
+
+
+def opaque_calls(unmatched: Iterable[UnmatchedOp], scheme: Scheme, layers: LayerNumbering) -> list[str]:
+    """Opaque GEMM-containing calls at a module path whose linear or attention site the scheme would quantize."""
+    out = []
+    for u in unmatched:
+        if not u.opaque:
+            continue
+        if any(selected(scheme, s) for s in (layers.site(u.module_path), layers.site(u.module_path, SiteKind.ATTENTION))):
+            out.append(f"{u.target} in {u.module_path or '<root>'!r} ({u.node_name}) runs its GEMMs unquantized, one "
+                       f"opaque call the scheme cannot reach: {u.note}" + (f" [{u.stack_line}]" if u.stack_line else ""))
+    return out
 
 
 def model_sites(model: nn.Module, layers: LayerNumbering) -> list[Site]:
