@@ -214,7 +214,11 @@ def assert_same(got, want, sums_to_tolerance: bool = False):
 
 
 # -- tests ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", list(CASES))
+_SLOW_HIGH = {"self_batch_first", "float_mask_3d_padding", "cross_bool_mask_3d_weights", "separate_weights_mask",
+              "causal"}  # their layouts are covered by the other cases here; every case runs quantized below
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in _SLOW_HIGH else n for n in CASES])
 def test_high_precision_equals_torch_module(name):
     model, args, kw = make_case(name)
     want = run(model, model, args, kw)
@@ -366,6 +370,13 @@ def test_encoder_fast_path_is_an_opaque_gemm_call():
         torch._dynamo.reset()
         with pytest.raises(QuantizationError, match="_transformer_encoder_layer_fwd in '0'"):
             fxquant.compile(model, "FA_linear_mxfp8", backend="aot_eager", strict=True)(x)
+        torch._dynamo.reset()
+        torch.backends.mha.set_fastpath_enabled(False)  # the documented way back to the decomposable path
+        try:
+            exp = fxquant.explain(model, x, scheme="FA_linear_mxfp8")
+        finally:
+            torch.backends.mha.set_fastpath_enabled(True)
+    assert not exp.unmatched and len(exp.selected) == 6  # in_proj, attention, out_proj, linear1, linear2, 1
 
 
 @pytest.mark.slow
@@ -387,3 +398,17 @@ def test_inductor_encoder_layer_equals_eager_reference():
     torch.testing.assert_close(got[1], ref[1], rtol=1e-4, atol=1e-4)
     for name in ref[2]:
         torch.testing.assert_close(got[2][name], ref[2][name], rtol=1e-3, atol=1e-3, msg=lambda m: f"{name}: {m}")
+
+
+class SkippedAttention(AttnModel):
+    def forward(self, query, key, value, **kw):
+        out, _ = torch._dynamo.disable(self.attn)(query, key, value, need_weights=False)
+        return self.fc(out)
+
+
+def test_mha_outside_the_compiled_graphs_fails_strict_coverage():
+    torch.manual_seed(0)
+    x = torch.randn(B, L, E)
+    compiled = fxquant.compile(SkippedAttention(), "FA_mxfp8", backend="aot_eager", strict=True)
+    with pytest.raises(QuantizationError, match="selected attention site 'attn' was not rewritten"):
+        compiled(x, x, x)

@@ -4,7 +4,7 @@
 
 - per graph: a site the scheme selects whose rewrite could not be applied (``Status.FAILED``);
 - per call that compiled something (``coverage``): every nn.Linear / Megatron Column/RowParallelLinear and
-  every ``core_attention`` module that the scheme selects must have been rewritten in some graph; one that
+  every ``core_attention`` / ``nn.MultiheadAttention`` module that the scheme selects must have been rewritten in some graph; one that
   was not ran outside the compiled graphs (a graph break split it, or its frame was skipped / fell back
   to eager), and the graph-break reasons Dynamo reported during the call are listed with it;
 - a frame that hit Dynamo's recompile limit and therefore runs eagerly from then on;
@@ -67,14 +67,15 @@ def opaque_calls(unmatched: Iterable[UnmatchedOp], scheme: Scheme, layers: Layer
 
 
 def model_sites(model: nn.Module, layers: LayerNumbering) -> list[Site]:
-    """The sites the model's module structure implies: linear modules and ``core_attention`` modules."""
+    """The sites the model's module structure implies: linear modules, ``core_attention`` modules and
+    ``nn.MultiheadAttention`` modules (their attention; their out_proj is an nn.Linear)."""
     out = []
     for name, mod in model.named_modules():
         if not name:
             continue
         if isinstance(mod, nn.Linear) or type(mod).__name__ in LINEAR_MODULE_CLASSES:
             out.append(layers.site(name))
-        elif site_kind_for(name) is SiteKind.ATTENTION:
+        elif site_kind_for(name) is SiteKind.ATTENTION or isinstance(mod, nn.MultiheadAttention):
             out.append(layers.site(name, SiteKind.ATTENTION))
     return out
 
