@@ -412,3 +412,33 @@ def test_mha_outside_the_compiled_graphs_fails_strict_coverage():
     compiled = fxquant.compile(SkippedAttention(), "FA_mxfp8", backend="aot_eager", strict=True)
     with pytest.raises(QuantizationError, match="selected attention site 'attn' was not rewritten"):
         compiled(x, x, x)
+
+
+def test_capture_taps_at_mha_sites(tmp_path):
+    from fxquant import capture
+
+    spec = capture.load_spec("t.yaml", text="""
+sections:
+  - points: [{component: attention, roles: [query, key, value, output, grad_output, grad_query]},
+             {component: linear, roles: [input, output]}]
+""")
+    torch.manual_seed(0)
+    model = AttnModel()
+    x = torch.randn(B, L, E, generator=_gen(1))
+    compiled = fxquant.compile(model, "bf16", backend="aot_eager", capture=spec)
+    with capture.start(spec, tmp_path, scheme="bf16"):
+        out, weights = compiled(x, x, x, need_weights=True)
+        out.sum().backward()
+    cs = capture.open(tmp_path)
+    got = {(r.module, r.role): cs.load(r) for r in cs}
+    q, k, v = F.linear(x.transpose(0, 1), model.attn.in_proj_weight, model.attn.in_proj_bias).chunk(3, -1)
+    heads = [t.reshape(L, B * H, E // H).transpose(0, 1) for t in (q, k, v)]  # [B*H, L, d]
+    for role, want in zip(("query", "key", "value"), heads):
+        assert_bitwise_equal(got[("attn", role)], want, role)
+    qh, kh, vh = heads
+    p = torch.softmax(torch.bmm(qh * (1.0 / (E // H)) ** 0.5, kh.transpose(1, 2)), -1)  # torch's need_weights math
+    assert_bitwise_equal(got[("attn", "output")], torch.bmm(p, vh), "output")
+    assert_bitwise_equal(weights.detach(), p.view(B, H, L, L).mean(1), "weights")
+    assert got[("attn", "grad_output")].shape == got[("attn", "grad_query")].shape == (B * H, L, E // H)
+    assert_bitwise_equal(got[("attn.in_proj", "input")], x.transpose(0, 1), "in_proj input")
+    assert set(got) >= {("attn.out_proj", "input"), ("attn.out_proj", "output"), ("fc", "output")}
