@@ -10,7 +10,6 @@ TransformerEncoderLayer training step with every projection and the attention qu
 """
 from __future__ import annotations
 
-import copy
 import logging
 
 import pytest
@@ -87,8 +86,9 @@ def reference(model: AttnModel, scheme: str, query, key, value, *, key_padding_m
         k, v = quantized_linear(key, w[E:], None if b is None else b[E:], lq("attn.in_proj_kv")).chunk(2, -1)
     else:
         wq, wk, wv = w.chunk(3)
-        q, k, v = (quantized_linear(query, wq, bq, lq("attn.in_proj_q")), quantized_linear(key, wk, bk, lq("attn.in_proj_k")),
-                   quantized_linear(value, wv, bv, lq("attn.in_proj_v")))
+        q = quantized_linear(query, wq, bq, lq("attn.in_proj_q"))
+        k = quantized_linear(key, wk, bk, lq("attn.in_proj_k"))
+        v = quantized_linear(value, wv, bv, lq("attn.in_proj_v"))
     kpm = _canonical(key_padding_mask, query.dtype)
     if is_causal and kpm is None and not need_weights:
         mask = None
@@ -146,7 +146,8 @@ CASES = {  # masks of one kind per call: mixing bool and float is deprecated in 
         need_weights=False, key_padding_mask=torch.randn(B, S, generator=_gen(6)))),
     "cross_bool_mask_3d_weights": (dict(batch_first=False), "cross", lambda: dict(
         need_weights=True, attn_mask=_bool_mask(B * H, L, S, seed=7))),
-    "separate_weights_mask": (dict(kdim=32), "kv", lambda: dict(need_weights=False, attn_mask=_bool_mask(L, S, seed=8))),
+    "separate_weights_mask": (dict(kdim=32), "kv", lambda: dict(
+        need_weights=False, attn_mask=_bool_mask(L, S, seed=8))),
     "separate_weights_padding_weights": (dict(kdim=32), "cross", lambda: dict(
         need_weights=True, key_padding_mask=_bool_mask(B, S, seed=9))),
     "causal": (dict(), "self", lambda: dict(

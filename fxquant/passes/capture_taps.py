@@ -127,7 +127,8 @@ def _quant_operands(meta: SiteMeta, role: Role) -> list[tuple[Gemm, object, int]
                  Role.GRAD_OUTPUT: [(Gemm.DGRAD, c.dgrad.a, 1), (Gemm.WGRAD, c.wgrad.a, 0)]}
     else:
         qk, pv = c.qk, c.pv
-        sdpa = meta.op in (OpKind.SDPA, OpKind.ATTENTION_WEIGHTS)  # K [.., Lk, d]; K^T [.., d, Lk] in Megatron's baddbmm
+        # K [.., Lk, d] under SDPA and MHA's attention; K^T [.., d, Lk] in Megatron's baddbmm
+        sdpa = meta.op in (OpKind.SDPA, OpKind.ATTENTION_WEIGHTS)
         table = {Role.QUERY: [(Gemm.QK, qk.forward.a, -1), (Gemm.DK, qk.grad_b.a, -2)],
                  Role.KEY: [(Gemm.QK, qk.forward.b, -1 if sdpa else -2), (Gemm.DQ, qk.grad_a.b, -2 if sdpa else -1)],
                  Role.GRAD_SCORES: [(Gemm.DQ, qk.grad_a.a, -1), (Gemm.DK, qk.grad_b.b, -2)],

@@ -25,7 +25,8 @@ Masks as torch canonicalises them: a bool ``attn_mask`` / ``key_padding_mask`` (
 additive float mask (-inf), a 2-D attn_mask is broadcast over batch and heads, a 3-D one is
 [B*H, L, S]; key_padding_mask [B, S] is added per batch; ``is_causal`` (with its attn_mask) runs SDPA's
 causal mode when no key_padding_mask is given and weights are not needed. Dropout applies only when
-``training``. Unbatched inputs ([L, E]) are handled as torch does (a batch of one, squeezed; q, k and v then count as distinct).
+``training``. Unbatched inputs ([L, E]) are handled as torch does (a batch of one, squeezed; q, k and v
+then count as distinct).
 
 Refused (the node is left as it is and reported as an opaque GEMM call, which ``strict`` rejects, see
 ``sites.OPAQUE_GEMM_CALLS``): ``add_bias_kv`` (bias_k / bias_v), ``add_zero_attn``, ``static_k`` /
@@ -46,7 +47,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch._dispatch.python import enable_python_dispatcher
 
-from fxquant.passes.graph_edit import copy_meta
+from fxquant.passes.graph_edit import copy_meta, node_arguments
 from fxquant.passes.module_paths import ModuleNames
 from fxquant.passes.sites import REFUSED_KEY, example_value
 from fxquant.passes.wrappers import mha_attention_weights
@@ -78,13 +79,10 @@ class _Call:
 
 
 def _read_call(node: fx.Node) -> _Call:
-    args = dict(_DEFAULTS)
-    for name, value in zip(_NAMES, node.args):
-        args[name] = value
-    for key, value in node.kwargs.items():
-        if key not in _PARAMS:
-            raise Refused(f"unexpected keyword {key!r}")
-        args[key] = value
+    try:
+        args = node_arguments(node, _NAMES, _DEFAULTS)
+    except ValueError as exc:
+        raise Refused(str(exc)) from exc
     for name in _FLAGS:
         if isinstance(args[name], fx.Node):
             raise Refused(f"{name} is not a constant ({args[name].name})")

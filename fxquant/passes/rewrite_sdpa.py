@@ -124,7 +124,8 @@ def rewrite_attention_weights(graph: fx.Graph, node: fx.Node) -> SiteMeta:
     if meta.op is not OpKind.ATTENTION_WEIGHTS or meta.config is None:
         return meta
     q, k, v, mask, dropout_p = node.args
-    new = replace_with_call(graph, node, fxquant_attention_weights, (q, k, v, mask, dropout_p, attention_specs(meta.config)))
+    args = (q, k, v, mask, dropout_p, attention_specs(meta.config))
+    new = replace_with_call(graph, node, fxquant_attention_weights, args)
     calls = matmul_quantize_calls(meta.config.qk, meta.config.pv)
     done = dataclasses.replace(meta, status=Status.REWRITTEN, quantize_calls=calls, note="math")
     new.meta[META_KEY] = done

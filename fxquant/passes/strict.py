@@ -4,9 +4,10 @@
 
 - per graph: a site the scheme selects whose rewrite could not be applied (``Status.FAILED``);
 - per call that compiled something (``coverage``): every nn.Linear / Megatron Column/RowParallelLinear and
-  every ``core_attention`` / ``nn.MultiheadAttention`` module that the scheme selects must have been rewritten in some graph; one that
-  was not ran outside the compiled graphs (a graph break split it, or its frame was skipped / fell back
-  to eager), and the graph-break reasons Dynamo reported during the call are listed with it;
+  every ``core_attention`` / ``nn.MultiheadAttention`` module that the scheme selects must have been
+  rewritten in some graph; one that was not ran outside the compiled graphs (a graph break split it, or
+  its frame was skipped / fell back to eager), and the graph-break reasons Dynamo reported during the
+  call are listed with it;
 - a frame that hit Dynamo's recompile limit and therefore runs eagerly from then on;
 - per graph: an opaque call that runs GEMMs inside one node (``sites.OPAQUE_GEMM_CALLS``: torch's fused
   transformer fast paths, recurrent layers, an nn.MultiheadAttention call ``decompose_mha`` refused) at a
@@ -60,9 +61,11 @@ def opaque_calls(unmatched: Iterable[UnmatchedOp], scheme: Scheme, layers: Layer
     for u in unmatched:
         if not u.opaque:
             continue
-        if any(selected(scheme, s) for s in (layers.site(u.module_path), layers.site(u.module_path, SiteKind.ATTENTION))):
+        sites = (layers.site(u.module_path), layers.site(u.module_path, SiteKind.ATTENTION))
+        if any(selected(scheme, s) for s in sites):
+            where = f" [{u.stack_line}]" if u.stack_line else ""
             out.append(f"{u.target} in {u.module_path or '<root>'!r} ({u.node_name}) runs its GEMMs unquantized, one "
-                       f"opaque call the scheme cannot reach: {u.note}" + (f" [{u.stack_line}]" if u.stack_line else ""))
+                       f"opaque call the scheme cannot reach: {u.note}{where}")
     return out
 
 

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from fxquant.formats.tensor_quant import TensorQuant
-from fxquant.qfunctions import quantized_attention, quantized_baddbmm, quantized_bmm, quantized_linear, quantized_matmul, quantized_sdpa
+from fxquant.qfunctions import (quantized_attention, quantized_baddbmm, quantized_bmm, quantized_linear,
+                                quantized_matmul, quantized_sdpa)
 from fxquant.qfunctions.flash_sdpa import flash_sdpa
 from fxquant.qfunctions.matmul import gemm_specs
 from fxquant.schemes.model import AttentionQuant, GemmQuant, LinearQuant, MatmulQuant

@@ -16,4 +16,5 @@ from fxquant.qfunctions.attention import quantized_attention, quantized_sdpa
 from fxquant.qfunctions.linear import quantized_linear
 from fxquant.qfunctions.matmul import quantized_baddbmm, quantized_bmm, quantized_matmul
 
-__all__ = ["quantized_attention", "quantized_baddbmm", "quantized_bmm", "quantized_linear", "quantized_matmul", "quantized_sdpa"]
+__all__ = ["quantized_attention", "quantized_baddbmm", "quantized_bmm", "quantized_linear", "quantized_matmul",
+           "quantized_sdpa"]
