@@ -310,12 +310,28 @@ def test_transformer_encoder_layer_training_step_quantizes_all_projections_and_a
     assert fxquant.compile_state(compiled).expected_quantize_calls() == (4 * 2 + 2, 4 * 4 + 4)
 
 
+class WithInProj(AttnModel):
+    """A plain nn.Linear named in_proj (as a Mamba mixer's) next to the MultiheadAttention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_proj = nn.Linear(E, E)
+
+    def forward(self, query, key, value, **kw):
+        x = self.in_proj(query)
+        return super().forward(x, x, x, **kw)
+
+
 def test_explain_lists_mha_sites_and_layer_rules_reach_them():
     x = torch.randn(B, L, E)
-    text = str(fxquant.explain(AttnModel(), x, x, x, scheme="FA_linear_mxfp8"))
-    assert "4 sites matched, 4 quantized; 0 matmul-like ops unmatched" in text
+    exp = fxquant.explain(WithInProj(), x, x, x, scheme="FA_linear_mxfp8")
+    text = str(exp)
+    assert "5 sites matched, 5 quantized; 0 matmul-like ops unmatched" in text
     for row in ("attn.in_proj", "attn.out_proj", "attention_weights"):
         assert row in text
+    kinds = {s.site.module_path: s.site.kind.value for s in exp.sites}
+    assert kinds == {"in_proj": "linear", "attn.in_proj": "qkv", "attn": "attention", "attn.out_proj": "proj",
+                     "fc": "linear"}  # the MHA's kinds come from the pass, not from the name in_proj
     torch._dynamo.reset()
     torch.manual_seed(0)
     stack = nn.TransformerEncoder(_encoder(), 2, enable_nested_tensor=False)

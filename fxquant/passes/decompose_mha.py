@@ -5,7 +5,9 @@ Dynamo hands the backend the whole of ``nn.MultiheadAttention`` as one call of
 ``F.multi_head_attention_forward`` (time-first [L, B, E]; with ``batch_first`` the module's transposes
 sit around the call). This pass runs before ``sites.find_sites`` and replaces that node by the same
 computation spelled with the ops fxquant rewrites, each stamped with a module path of its own so that
-scheme rules and ``fxquant explain`` see them as sites (``<mha>`` is the MultiheadAttention's path):
+scheme rules and ``fxquant explain`` see them as sites (``<mha>`` is the MultiheadAttention's path; the
+in-projections have kind qkv and out_proj kind proj, set in ``node.meta[sites.KIND_KEY]``, not guessed
+from the names):
 
     in-projection, packed weight [3E, E] (torch's ``_in_projection_packed``):
         query is key is value:   F.linear(x, W)        -> q, k, v          site <mha>.in_proj
@@ -49,8 +51,9 @@ from torch._dispatch.python import enable_python_dispatcher
 
 from fxquant.passes.graph_edit import copy_meta, node_arguments
 from fxquant.passes.module_paths import ModuleNames
-from fxquant.passes.sites import REFUSED_KEY, example_value
+from fxquant.passes.sites import KIND_KEY, REFUSED_KEY, example_value
 from fxquant.passes.wrappers import mha_attention_weights
+from fxquant.schemes.model import SiteKind
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +225,7 @@ def _stamp(node: fx.Node, mha: fx.Node, names: ModuleNames, suffix: str | None) 
     path = f"{parent}.{suffix}" if parent else suffix
     stack[f"fxquant.mha:{path}"] = (path, nn.Linear)  # an unknown key: ModuleNames reads the spelled path
     node.meta["nn_module_stack"] = stack
+    node.meta[KIND_KEY] = SiteKind.PROJ if suffix == "out_proj" else SiteKind.QKV  # not guessed from the name
 
 
 def _fake_run(node: fx.Node, mode: object) -> None:

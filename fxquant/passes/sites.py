@@ -39,6 +39,7 @@ from fxquant.schemes.model import AttentionQuant, LinearQuant, Site, SiteKind, s
 
 META_KEY = "fxquant"  # node.meta[META_KEY] is a SiteMeta (docs/compile.md)
 REFUSED_KEY = "fxquant_mha_refused"  # node.meta: why decompose_mha left an MHA call opaque
+KIND_KEY = "fxquant_site_kind"  # node.meta: a SiteKind set by decompose_mha, instead of one guessed from the path
 
 
 class OpKind(str, enum.Enum):
@@ -220,7 +221,7 @@ def find_sites(gm: fx.GraphModule, names: ModuleNames, layers: LayerNumbering | 
         path = _site_path(names, node, root)
         name = matmul_name(node)
         if name == "linear":
-            matches.append(Match(node, OpKind.LINEAR, layers.site(path)))
+            matches.append(Match(node, OpKind.LINEAR, layers.site(path, node.meta.get(KIND_KEY))))
         elif name == "scaled_dot_product_attention":
             matches.append(Match(node, OpKind.SDPA, layers.site(path, SiteKind.ATTENTION)))
         elif node.op == "call_function" and node.target is mha_attention_weights:

@@ -96,8 +96,6 @@ _KIND_BY_NAME = {
     "c_attn": SiteKind.QKV, "linear_q": SiteKind.QKV, "linear_kv": SiteKind.QKV,
     "linear_q_proj": SiteKind.QKV, "linear_kv_down_proj": SiteKind.QKV, "linear_kv_up_proj": SiteKind.QKV,
     "linear_q_down_proj": SiteKind.QKV, "linear_q_up_proj": SiteKind.QKV,
-    "in_proj": SiteKind.QKV, "in_proj_q": SiteKind.QKV, "in_proj_k": SiteKind.QKV, "in_proj_v": SiteKind.QKV,
-    "in_proj_kv": SiteKind.QKV,  # nn.MultiheadAttention's in-projection as passes.decompose_mha names it
     "linear_proj": SiteKind.PROJ, "o_proj": SiteKind.PROJ, "out_proj": SiteKind.PROJ, "wo": SiteKind.PROJ,
     "linear_fc1": SiteKind.FC1, "gate_proj": SiteKind.FC1, "up_proj": SiteKind.FC1, "c_fc": SiteKind.FC1,
     "w1": SiteKind.FC1, "w3": SiteKind.FC1, "gate_up_proj": SiteKind.FC1, "fc1": SiteKind.FC1,
