@@ -215,11 +215,18 @@ def assert_same(got, want, sums_to_tolerance: bool = False):
 
 
 # -- tests ------------------------------------------------------------------------------------------------
+# Without the slow marker every case runs once, against torch or against the quantized reference.
 _SLOW_HIGH = {"self_batch_first", "float_mask_3d_padding", "cross_bool_mask_3d_weights", "separate_weights_mask",
-              "causal"}  # their layouts are covered by the other cases here; every case runs quantized below
+              "causal"}
+_SLOW_QUANTIZED = {"self_batch_first", "self_time_first_weights", "separate_weights_padding_weights",
+                   "causal_with_padding"}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in _SLOW_HIGH else n for n in CASES])
+def _cases(slow: set[str]) -> list:
+    return [pytest.param(n, marks=pytest.mark.slow) if n in slow else n for n in CASES]
+
+
+@pytest.mark.parametrize("name", _cases(_SLOW_HIGH))
 def test_high_precision_equals_torch_module(name):
     model, args, kw = make_case(name)
     want = run(model, model, args, kw)
@@ -230,7 +237,7 @@ def test_high_precision_equals_torch_module(name):
     assert "attn" in sites and "attn.out_proj" in sites and not any(s.selected for s in sites.values())
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", _cases(_SLOW_QUANTIZED))
 def test_quantized_equals_qfunctions_reference_bitwise(name):
     model, args, kw = make_case(name)
     scheme = "FA_linear_mxfp8" if "weights" in name or name == "unbatched" else "FA_QKPV_hifp8"
@@ -459,3 +466,16 @@ sections:
     assert got[("attn", "grad_output")].shape == got[("attn", "grad_query")].shape == (B * H, L, E // H)
     assert_bitwise_equal(got[("attn.in_proj", "input")], x.transpose(0, 1), "in_proj input")
     assert set(got) >= {("attn.out_proj", "input"), ("attn.out_proj", "output"), ("fc", "output")}
+
+
+def test_quantized_attention_returns_the_p_its_pv_gemm_consumed():
+    aq = fxquant.schemes.get("FA_QKPV_hifp8").attention_for(Site.from_path("attn", SiteKind.ATTENTION))
+    q, k, v = (torch.randn(B * H, L, E // H, generator=_gen(i)) for i in range(3))
+    mask = torch.randn(1, L, L, generator=_gen(3))
+    o, p = quantized_attention(q, k, v, mask, aq=aq)
+    assert_bitwise_equal(o, quantized_sdpa(q, k, v, mask, aq=aq), "O")
+    qk, pv = aq.qk.forward, aq.pv.forward  # by hand: S = q(Q) q(K)^T, P = softmax(S / sqrt(d) + mask), O = q(P) q(V)
+    s = qk.a.quantize(q, -1) @ qk.b.quantize(k, -1).transpose(1, 2)
+    want_p = torch.softmax(s * (E // H) ** -0.5 + mask, -1)
+    assert_bitwise_equal(p, want_p, "P")
+    assert_bitwise_equal(o, pv.a.quantize(want_p, -1) @ pv.b.quantize(v, -2), "O by hand")

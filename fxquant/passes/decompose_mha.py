@@ -142,63 +142,62 @@ def _canonical_mask(mask, dtype: torch.dtype, is_bool: bool):
     return torch.zeros_like(mask, dtype=dtype).masked_fill(mask, float("-inf"))
 
 
-def _emit(e: _Emitter, call: _Call, same: tuple[bool, bool]) -> tuple[object, object]:
-    """The decomposed MHA (module docstring) on proxies; returns (output, weights or None)."""
-    a = {k: e.proxy(v) for k, v in call.args.items()}
-    E, H = call["embed_dim_to_check"], call["num_heads"]
-    d = E // H
+def _in_projection(e: _Emitter, call: _Call, a: dict, inputs: tuple, same: tuple[bool, bool]) -> list:
+    """q, k, v [L, B, E] as torch's ``_in_projection_packed`` / ``_in_projection`` compute them."""
+    E = call["embed_dim_to_check"]
+    query, key, value = inputs
     self_attn, key_is_value = same
-    query, key, value = a["query"], a["key"], a["value"]
-    if not call.batched:  # three new tensors: torch's identity tests then see distinct q, k, v
-        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
-        self_attn = key_is_value = False
-    dtype = example_value(call["query"]).dtype
-    # -- in-projection -------------------------------------------------------------------------------
-    b = a["in_proj_bias"]
-    if not call["use_separate_proj_weight"]:
-        w = a["in_proj_weight"]
-        if self_attn:
-            q, k, v = _parts(e.linear(query, w, b, "in_proj").chunk(3, -1), 3)
-        elif key_is_value:
-            w_q, w_kv = _parts(w.split([E, 2 * E]), 2)
-            b_q, b_kv = (None, None) if b is None else _parts(b.split([E, 2 * E]), 2)
-            q = e.linear(query, w_q, b_q, "in_proj_q")
-            k, v = _parts(e.linear(key, w_kv, b_kv, "in_proj_kv").chunk(2, -1), 2)
-        else:
-            w_q, w_k, w_v = _parts(w.chunk(3), 3)
-            b_q, b_k, b_v = (None,) * 3 if b is None else _parts(b.chunk(3), 3)
-            q, k, v = (e.linear(query, w_q, b_q, "in_proj_q"), e.linear(key, w_k, b_k, "in_proj_k"),
-                       e.linear(value, w_v, b_v, "in_proj_v"))
-    else:
-        b_q, b_k, b_v = (None,) * 3 if b is None else _parts(b.chunk(3), 3)
-        q = e.linear(query, a["q_proj_weight"], b_q, "q_proj")
-        k = e.linear(key, a["k_proj_weight"], b_k, "k_proj")
-        v = e.linear(value, a["v_proj_weight"], b_v, "v_proj")
-    # -- masks -------------------------------------------------------------------------------------------
+    w, b = a["in_proj_weight"], a["in_proj_bias"]
+    if not call["use_separate_proj_weight"] and self_attn:
+        return _parts(e.linear(query, w, b, "in_proj").chunk(3, -1), 3)
+    if not call["use_separate_proj_weight"] and key_is_value:
+        w_q, w_kv = _parts(w.split([E, 2 * E]), 2)
+        b_q, b_kv = (None, None) if b is None else _parts(b.split([E, 2 * E]), 2)
+        q = e.linear(query, w_q, b_q, "in_proj_q")
+        return [q, *_parts(e.linear(key, w_kv, b_kv, "in_proj_kv").chunk(2, -1), 2)]
+    b_q, b_k, b_v = (None,) * 3 if b is None else _parts(b.chunk(3), 3)
+    if call["use_separate_proj_weight"]:
+        return [e.linear(query, a["q_proj_weight"], b_q, "q_proj"), e.linear(key, a["k_proj_weight"], b_k, "k_proj"),
+                e.linear(value, a["v_proj_weight"], b_v, "v_proj")]
+    w_q, w_k, w_v = _parts(w.chunk(3), 3)
+    return [e.linear(query, w_q, b_q, "in_proj_q"), e.linear(key, w_k, b_k, "in_proj_k"),
+            e.linear(value, w_v, b_v, "in_proj_v")]
+
+
+def _masks(call: _Call, a: dict) -> tuple[object, bool, bool]:
+    """(additive mask [1 | B*H, L | 1, S] or None, is_causal, whether the mask is one [1, L, S] for all)."""
+    H, dtype = call["num_heads"], example_value(call["query"]).dtype
     kpm, mask, is_causal = a["key_padding_mask"], a["attn_mask"], call["is_causal"]
     if kpm is not None:
         kpm_bool = example_value(call["key_padding_mask"]).dtype == torch.bool
         kpm = _canonical_mask(kpm if call.batched else kpm.unsqueeze(0), dtype, kpm_bool)
     if is_causal and kpm is None and not call["need_weights"]:
-        mask = None
-    else:
-        is_causal = False
-        if mask is not None:
-            mask = _canonical_mask(mask, dtype, example_value(call["attn_mask"]).dtype == torch.bool)
-            mask = mask.unsqueeze(0) if call.mask_dim == 2 else mask  # [1 | B*H, L, S]
-    broadcast_mask = mask is not None and call.mask_dim == 2
-    if kpm is not None:
-        kpm = kpm.unsqueeze(1).unsqueeze(1).expand(-1, H, -1, -1).flatten(0, 1)  # [B*H, 1, S]
-        mask = kpm if mask is None else mask + kpm
-        broadcast_mask = False
+        return None, True, False
+    if mask is not None:
+        mask = _canonical_mask(mask, dtype, example_value(call["attn_mask"]).dtype == torch.bool)
+        mask = mask.unsqueeze(0) if call.mask_dim == 2 else mask  # [1 | B*H, L, S]
+    if kpm is None:
+        return mask, False, mask is not None and call.mask_dim == 2
+    kpm = kpm.unsqueeze(1).unsqueeze(1).expand(-1, H, -1, -1).flatten(0, 1)  # [B*H, 1, S]
+    return (kpm if mask is None else mask + kpm), False, False
+
+
+def _emit(e: _Emitter, call: _Call, same: tuple[bool, bool]) -> tuple[object, object]:
+    """The decomposed MHA (module docstring) on proxies; returns (output, weights or None)."""
+    a = {k: e.proxy(v) for k, v in call.args.items()}
+    E, H = call["embed_dim_to_check"], call["num_heads"]
+    d = E // H
+    inputs = (a["query"], a["key"], a["value"])
+    if not call.batched:  # three new tensors: torch's identity tests then see distinct q, k, v
+        inputs, same = tuple(t.unsqueeze(1) for t in inputs), (False, False)
+    q, k, v = _in_projection(e, call, a, inputs, same)
+    mask, is_causal, broadcast_mask = _masks(call, a)
     dropout_p = call["dropout_p"] if call["training"] else 0.0
-    # -- attention and out-projection ----------------------------------------------------------------------
     if call["need_weights"]:
         heads_first = [t.unflatten(-1, (H, d)).flatten(1, 2).transpose(0, 1) for t in (q, k, v)]  # [B*H, L, d]
         both = e.call(mha_attention_weights, *heads_first, mask, dropout_p)
-        o, weights = both[0], both[1]
-        o = o.transpose(0, 1).unflatten(1, (-1, H)).flatten(2)  # [L, B, E]
-        weights = weights.unflatten(0, (-1, H))  # [B, H, L, S]
+        o = both[0].transpose(0, 1).unflatten(1, (-1, H)).flatten(2)  # [L, B, E]
+        weights = both[1].unflatten(0, (-1, H))  # [B, H, L, S]
         if call["average_attn_weights"]:
             weights = weights.mean(dim=1)
     else:
