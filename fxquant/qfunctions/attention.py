@@ -1,5 +1,6 @@
 """``quantized_sdpa``: ``F.scaled_dot_product_attention`` semantics in explicit math, with the QK^T and PV
-matmuls (forward and their backward GEMMs dQ, dK, dP, dV) quantized per an ``AttentionQuant``.
+matmuls (forward and their backward GEMMs dQ, dK, dP, dV) quantized per an ``AttentionQuant``;
+``quantized_attention`` is the same and also returns P (nn.MultiheadAttention's need_weights).
 
 The reference, step by step (q [.., Hq, Lq, d], k [.., Hk, Lk, d], v [.., Hk, Lk, dv]):
 
