@@ -479,3 +479,27 @@ def test_quantized_attention_returns_the_p_its_pv_gemm_consumed():
     want_p = torch.softmax(s * (E // H) ** -0.5 + mask, -1)
     assert_bitwise_equal(p, want_p, "P")
     assert_bitwise_equal(o, pv.a.quantize(want_p, -1) @ pv.b.quantize(v, -2), "O by hand")
+
+
+class AtenCalls(nn.Module):
+    """ATen ops called directly: a matmul and a fused SDPA kernel (one node, two GEMMs inside)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(E, E)
+
+    def forward(self, x):
+        y = torch.ops.aten.mm.default(x.flatten(0, 1), self.fc.weight).view_as(x)
+        q = y.unflatten(-1, (H, E // H)).transpose(1, 2)
+        o = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(q, q, q)[0]
+        return self.fc(o.transpose(1, 2).flatten(2))
+
+
+def test_aten_calls_are_listed_and_aten_attention_fails_strict():
+    x = torch.randn(B, L, E)
+    exp = fxquant.explain(AtenCalls(), x, scheme="FA_linear_mxfp8")
+    listed = {u.target: u.opaque for u in exp.unmatched}
+    assert listed == {"aten.mm": False, "aten._scaled_dot_product_flash_attention_for_cpu": True}
+    torch._dynamo.reset()
+    with pytest.raises(QuantizationError, match="aten._scaled_dot_product_flash_attention_for_cpu in '<root>'"):
+        fxquant.compile(AtenCalls(), "FA_linear_mxfp8", backend="aot_eager", strict=True)(x)

@@ -31,7 +31,7 @@ causal mode when no key_padding_mask is given and weights are not needed. Dropou
 then count as distinct).
 
 Refused (the node is left as it is and reported as an opaque GEMM call, which ``strict`` rejects, see
-``sites.OPAQUE_GEMM_CALLS``): ``add_bias_kv`` (bias_k / bias_v), ``add_zero_attn``, ``static_k`` /
+``passes.opaque``): ``add_bias_kv`` (bias_k / bias_v), ``add_zero_attn``, ``static_k`` /
 ``static_v``, non-constant flags, a result used other than by indexing. The reason is kept in
 ``node.meta[REFUSED_KEY]``. Every inserted node carries the MHA node's ``stack_trace`` and
 ``source_fn_stack`` and an ``example_value`` computed under the graph's fake mode; the pass never runs

@@ -2,7 +2,7 @@
 
 One row per GEMM of every matched site (module path, layer, kind, op, GEMM, each operand's format,
 ``-`` = high precision), then every matmul-like op no pattern matched (it stays in high precision), opaque
-GEMM-containing calls (``sites.OPAQUE_GEMM_CALLS``) with a note saying what they hide.
+GEMM-containing calls (``passes.opaque``) with a note saying what they hide.
 """
 from __future__ import annotations
 

@@ -16,10 +16,11 @@ What each op looks like in the graph Dynamo hands the backend, and the ``OpKind`
                                                                               decompose_mha, which also turns
                                                                               its projections into F.linear)
 
-Every other matmul-like op (matmul, mm, bmm, baddbmm, addmm, einsum, @, ...) is reported as unmatched, and
-so is every call of ``OPAQUE_GEMM_CALLS``: one graph node that runs GEMMs inside (torch's fused transformer
-fast paths, recurrent layers, an MHA call ``decompose_mha`` refused); those carry a ``note``, and strict
-mode rejects them where the scheme quantizes (``strict.opaque_calls``).
+Every other matmul-like op (matmul, mm, bmm, baddbmm, addmm, einsum, @, ATen's mm/bmm/... called directly)
+is reported as unmatched, and so is every opaque call (``passes.opaque``): one graph node that runs GEMMs
+inside (torch's fused transformer fast paths, recurrent layers, ATen's SDPA kernels, an MHA call
+``decompose_mha`` refused); those carry a ``note``, and strict mode rejects them where the scheme
+quantizes (``strict.opaque_calls``).
 This module only reads the graph; ``resolve`` attaches the scheme and the ``rewrite_*`` passes edit it.
 """
 from __future__ import annotations
@@ -34,6 +35,7 @@ from torch import fx
 
 from fxquant.passes.layers import LayerNumbering
 from fxquant.passes.module_paths import ModuleNames
+from fxquant.passes.opaque import aten_matmul, opaque_call
 from fxquant.passes.wrappers import mha_attention_weights
 from fxquant.schemes.model import AttentionQuant, LinearQuant, Site, SiteKind, site_kind_for
 
@@ -88,7 +90,7 @@ class SiteMeta:
 @dataclass(frozen=True)
 class UnmatchedOp:
     """A matmul-like op that no pattern matched (it runs in high precision). ``note`` is set for an opaque
-    call (``OPAQUE_GEMM_CALLS``): what GEMMs it hides, and why it was not decomposed."""
+    call (``passes.opaque``): what GEMMs it hides, and why it was not decomposed."""
 
     node_name: str
     target: str
@@ -110,19 +112,6 @@ _MATMUL_FUNCTIONS = {
     torch.functional.tensordot: "tensordot", torch.mv: "mv", torch.addmv: "addmv", torch.inner: "inner",
     torch.chain_matmul: "chain_matmul", torch.linalg.multi_dot: "multi_dot", torch.linalg.matmul: "matmul",
     torch.linalg.vecdot: "vecdot", operator.matmul: "@", F.bilinear: "bilinear", torch.bilinear: "bilinear",
-}
-# One graph node each, GEMMs inside, none rewritten: name -> what they hide (docs/compile.md "Opaque calls").
-_RNN = "recurrent layer: input and hidden GEMMs of every step"
-OPAQUE_GEMM_CALLS = {
-    F.multi_head_attention_forward: ("multi_head_attention_forward", "nn.MultiheadAttention: in/out projections and "
-                                     "attention"),
-    torch._native_multi_head_attention: ("_native_multi_head_attention", "MultiheadAttention fast path: projections "
-                                         "and attention"),
-    torch._transformer_encoder_layer_fwd: ("_transformer_encoder_layer_fwd", "TransformerEncoderLayer fast path "
-                                           "(eval, no grad): projections, attention and MLP"),
-    torch.lstm: ("lstm", _RNN), torch.gru: ("gru", _RNN), torch.rnn_tanh: ("rnn_tanh", _RNN),
-    torch.rnn_relu: ("rnn_relu", _RNN), torch.lstm_cell: ("lstm_cell", _RNN), torch.gru_cell: ("gru_cell", _RNN),
-    torch.rnn_tanh_cell: ("rnn_tanh_cell", _RNN), torch.rnn_relu_cell: ("rnn_relu_cell", _RNN),
 }
 LINEAR_MODULE_CLASSES = ("ColumnParallelLinear", "RowParallelLinear")
 _MATMUL_METHODS = {"matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "mv", "addmv", "__matmul__", "__rmatmul__"}
@@ -226,7 +215,7 @@ def find_sites(gm: fx.GraphModule, names: ModuleNames, layers: LayerNumbering | 
             matches.append(Match(node, OpKind.SDPA, layers.site(path, SiteKind.ATTENTION)))
         elif node.op == "call_function" and node.target is mha_attention_weights:
             matches.append(Match(node, OpKind.ATTENTION_WEIGHTS, layers.site(path, SiteKind.ATTENTION)))
-        elif node.op == "call_function" and node.target in OPAQUE_GEMM_CALLS:
+        elif node.op == "call_function" and opaque_call(node.target) is not None:
             unmatched.append(_opaque(node, path))
         elif node.op == "call_function" and node.target is AUTOGRAD_FUNCTION_APPLY:
             bodies = body_modules(gm, node)
@@ -242,13 +231,13 @@ def find_sites(gm: fx.GraphModule, names: ModuleNames, layers: LayerNumbering | 
         elif name in ("baddbmm", "bmm") and site_kind_for(path) is SiteKind.ATTENTION:
             op = OpKind.UNFUSED_QK if name == "baddbmm" else OpKind.UNFUSED_PV
             matches.append(Match(node, op, layers.site(path, SiteKind.ATTENTION)))
-        elif name is not None:
+        elif name is not None or (node.op == "call_function" and aten_matmul(node.target) is not None):
             unmatched.append(_unmatched(node, path))
     return FoundSites(matches, unmatched)
 
 
 def _opaque(node: fx.Node, path: str) -> UnmatchedOp:
-    name, hides = OPAQUE_GEMM_CALLS[node.target]
+    name, hides = opaque_call(node.target)
     refused = node.meta.get(REFUSED_KEY)
     note = f"opaque call ({hides})" + (f"; not decomposed: {refused}" if refused else "")
     shapes = tuple(shape_str(example_value(a)) for a in node.args if isinstance(a, fx.Node))
@@ -261,6 +250,6 @@ def _innermost_class(names: ModuleNames, node: fx.Node) -> str:
 
 
 def _unmatched(node: fx.Node, path: str) -> UnmatchedOp:
-    name = matmul_name(node) or str(node.target)
+    name = matmul_name(node) or aten_matmul(node.target) or str(node.target)
     shapes = tuple(shape_str(example_value(a)) for a in node.args if isinstance(a, fx.Node))
     return UnmatchedOp(node.name, name, path, shapes, stack_line(node))

@@ -9,7 +9,7 @@
   its frame was skipped / fell back to eager), and the graph-break reasons Dynamo reported during the
   call are listed with it;
 - a frame that hit Dynamo's recompile limit and therefore runs eagerly from then on;
-- per graph: an opaque call that runs GEMMs inside one node (``sites.OPAQUE_GEMM_CALLS``: torch's fused
+- per graph: an opaque call that runs GEMMs inside one node (``passes.opaque``: torch's fused
   transformer fast paths, recurrent layers, an nn.MultiheadAttention call ``decompose_mha`` refused) at a
   module path where the scheme quantizes a linear or an attention site (``opaque_calls``).
 
