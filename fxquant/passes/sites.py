@@ -239,9 +239,7 @@ def find_sites(gm: fx.GraphModule, names: ModuleNames, layers: LayerNumbering | 
 def _opaque(node: fx.Node, path: str) -> UnmatchedOp:
     name, hides = opaque_call(node.target)
     refused = node.meta.get(REFUSED_KEY)
-    note = f"opaque call ({hides})" + (f"; not decomposed: {refused}" if refused else "")
-    shapes = tuple(shape_str(example_value(a)) for a in node.args if isinstance(a, fx.Node))
-    return UnmatchedOp(node.name, name, path, shapes, stack_line(node), note)
+    return _unmatched(node, path, name, f"opaque call ({hides})" + (f"; not decomposed: {refused}" if refused else ""))
 
 
 def _innermost_class(names: ModuleNames, node: fx.Node) -> str:
@@ -249,7 +247,7 @@ def _innermost_class(names: ModuleNames, node: fx.Node) -> str:
     return getattr(stack[-1][1], "__name__", "") if stack else ""
 
 
-def _unmatched(node: fx.Node, path: str) -> UnmatchedOp:
-    name = matmul_name(node) or aten_matmul(node.target) or str(node.target)
+def _unmatched(node: fx.Node, path: str, name: str | None = None, note: str = "") -> UnmatchedOp:
+    name = name or matmul_name(node) or aten_matmul(node.target) or str(node.target)
     shapes = tuple(shape_str(example_value(a)) for a in node.args if isinstance(a, fx.Node))
-    return UnmatchedOp(node.name, name, path, shapes, stack_line(node))
+    return UnmatchedOp(node.name, name, path, shapes, stack_line(node), note)
