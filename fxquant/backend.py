@@ -25,7 +25,8 @@ from torch import fx, nn
 from fxquant import lowering
 from fxquant.lowering import Kernels
 from fxquant.passes import GraphReport, LayerNumbering, ModuleNames, run_passes
-from fxquant.passes.strict import QuantizationError, failed_sites, possible_sites, report, unmatched_rule_error
+from fxquant.passes.strict import (QuantizationError, failed_sites, opaque_calls, possible_sites, report,
+                                    unmatched_rule_error)
 from fxquant.schemes.scheme import Scheme
 
 log = logging.getLogger(__name__)
@@ -91,8 +92,11 @@ class FxquantBackend:
         n_rewritten = sum(s.status.value == "rewritten" for s in graph_report.sites)
         log.info("fxquant: graph %d: %d sites matched, %d rewritten, %d matmul-like ops unmatched",
                  graph_report.index, len(graph_report.sites), n_rewritten, len(graph_report.unmatched))
+        issues = failed_sites(graph_report.sites)
+        if not self.dry_run:  # explain() lists them as unmatched instead
+            issues += opaque_calls(graph_report.unmatched, self.scheme, self.layers)
         try:
-            report(failed_sites(graph_report.sites), self.strict)
+            report(issues, self.strict)
         except QuantizationError as exc:
             self.pending.append(exc)
         return self.compile_inner(gm, example_inputs, graph_report.index)

@@ -2,11 +2,13 @@
 
 One pass per file, run in this order by ``run_passes`` (ARCHITECTURE.md "Where to rewrite"):
 
+    decompose_mha                       F.multi_head_attention_forward -> F.linear, SDPA / mha_attention_weights
     sites.find_sites                    match F.linear, SDPA, Megatron linears, unfused attention GEMMs
     resolve.resolve_sites               the scheme's LinearQuant / AttentionQuant per site -> node.meta["fxquant"]
     rewrite_linear                      F.linear           -> wrappers.fxquant_linear
                                         a Megatron linear's inlined matmul -> wrappers.fxquant_matmul
     rewrite_sdpa                        SDPA               -> wrappers.fxquant_sdpa
+                                        mha_attention_weights -> wrappers.fxquant_attention_weights
     rewrite_unfused_attention           baddbmm / bmm      -> wrappers.fxquant_baddbmm / fxquant_bmm
     rewrite_megatron_linear             quantize nodes inside autograd_function_apply's fwd/bwd bodies
     strict (checks)                     sites selected but not rewritten, coverage, graph breaks
@@ -21,13 +23,14 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
+from fxquant.passes.decompose_mha import decompose_mha
 from fxquant.passes.expected import expected_calls
 from fxquant.passes.layers import LayerNumbering
 from fxquant.passes.module_paths import ModuleNames
 from fxquant.passes.resolve import resolve_sites
 from fxquant.passes.rewrite_linear import rewrite_linear
 from fxquant.passes.rewrite_megatron_linear import rewrite_megatron_linear
-from fxquant.passes.rewrite_sdpa import rewrite_sdpa
+from fxquant.passes.rewrite_sdpa import rewrite_attention_weights, rewrite_sdpa
 from fxquant.passes.rewrite_unfused_attention import rewrite_unfused_attention
 from fxquant.passes.sites import META_KEY, OpKind, SiteMeta, Status, UnmatchedOp, find_sites
 from fxquant.schemes.scheme import Scheme
@@ -56,6 +59,8 @@ def run_passes(
 ) -> GraphReport:
     """Match, resolve and (unless ``dry_run``) rewrite ``gm`` in place; returns the report. ``dedupe``: count
     expected quantize calls as AOT autograd's CSE leaves them (False for the eager inner backend)."""
+    if decompose_mha(gm, names):
+        gm.recompile()
     found = find_sites(gm, names, layers)
     metas = resolve_sites(found, scheme)
     if dry_run:
@@ -67,6 +72,8 @@ def run_passes(
             done.append(rewrite_linear(gm.graph, match.node))
         elif match.op is OpKind.SDPA:
             done.append(rewrite_sdpa(gm.graph, match.node, attention))
+        elif match.op is OpKind.ATTENTION_WEIGHTS:
+            done.append(rewrite_attention_weights(gm.graph, match.node))
         elif match.op is OpKind.MEGATRON_LINEAR:
             done.append(rewrite_megatron_linear(gm, match.node))
         else:

@@ -19,7 +19,9 @@ in Megatron's unfused attention; at an SDPA site the reference attention (``wrap
 them itself, given the taps as its ``scores_tap`` keyword. Points a site does not materialise (attention
 ``probs`` and ``scores`` under torch's SDPA or the flash kernel, quantized
 copies of operands the scheme keeps in high precision or rounds stochastically) are listed in the
-returned report, never silently dropped.
+returned report, never silently dropped. An nn.MultiheadAttention's attention with need_weights=True
+(``attention_weights``, returning (O, P)) is tapped as SDPA on its q, k, v [B*H, L, d] and item 0 of its
+result; its probs are not tapped.
 
 Megatron linear sites (``autograd_function_apply``; the quantize nodes live inside its bodies) are tapped
 on the node's own operands, which the fwd_body's matmul identifies (``operand_positions``): input and
@@ -55,13 +57,15 @@ CAPTURE = torch.ops.fxquant.capture.default
 # Graph position of each role per op kind: ("arg", i) = i-th operand, ("out",) = the site's result.
 _LINEAR_POSITIONS = {Role.INPUT: ("arg", 0), Role.WEIGHT: ("arg", 1), Role.OUTPUT: ("out",), Role.GRAD_OUTPUT: ("out",),
                      Role.GRAD_INPUT: ("arg", 0), Role.GRAD_WEIGHT: ("arg", 1)}
+_SDPA_POSITIONS = {Role.QUERY: ("arg", 0), Role.KEY: ("arg", 1), Role.VALUE: ("arg", 2), Role.OUTPUT: ("out",),
+                   Role.GRAD_OUTPUT: ("out",), Role.GRAD_QUERY: ("arg", 0), Role.GRAD_KEY: ("arg", 1),
+                   Role.GRAD_VALUE: ("arg", 2)}
 _POSITIONS: dict[OpKind, dict[Role, tuple]] = {
     OpKind.LINEAR: _LINEAR_POSITIONS,
     OpKind.MEGATRON_LINEAR: _LINEAR_POSITIONS,  # arg 0 / 1 = the apply node's input / weight (_site_nodes)
     # scores exist inside the reference attention only (wrappers.fxquant_sdpa): see _tap_sdpa_scores
-    OpKind.SDPA: {Role.QUERY: ("arg", 0), Role.KEY: ("arg", 1), Role.VALUE: ("arg", 2), Role.OUTPUT: ("out",),
-                  Role.GRAD_OUTPUT: ("out",), Role.GRAD_QUERY: ("arg", 0), Role.GRAD_KEY: ("arg", 1),
-                  Role.GRAD_VALUE: ("arg", 2), Role.SCORES: ("scores",)},
+    OpKind.SDPA: {**_SDPA_POSITIONS, Role.SCORES: ("scores",)},
+    OpKind.ATTENTION_WEIGHTS: _SDPA_POSITIONS,  # "out" = item 0 of its (O, P) result (_site_nodes)
     # baddbmm(input, Q, K^T): the key is captured as the GEMM operand K^T [.., d, Lk]; its result is the scores
     # (alpha = the softmax scale; captured before Megatron's in-place mask)
     OpKind.UNFUSED_QK: {Role.QUERY: ("arg", 1), Role.KEY: ("arg", 2), Role.SCORES: ("out",),
@@ -70,6 +74,7 @@ _POSITIONS: dict[OpKind, dict[Role, tuple]] = {
                         Role.GRAD_OUTPUT: ("out",), Role.GRAD_PROBS: ("arg", 0), Role.GRAD_VALUE: ("arg", 1)},
 }
 _ARG_NAMES = {OpKind.LINEAR: ("input", "weight"), OpKind.SDPA: ("query", "key", "value"),
+              OpKind.ATTENTION_WEIGHTS: ("query", "key", "value"),
               OpKind.UNFUSED_QK: ("input", "batch1", "batch2"), OpKind.UNFUSED_PV: ("input", "mat2")}
 
 
@@ -94,6 +99,9 @@ class _SiteNodes:
 
 
 def _site_nodes(gm: fx.GraphModule, node: fx.Node, op: OpKind) -> _SiteNodes:
+    if op is OpKind.ATTENTION_WEIGHTS:  # returns (O, P): the output is its getitem 0
+        firsts = [u for u in node.users if u.target is operator.getitem and u.args[1] == 0]
+        return _SiteNodes(tuple(_operand(node, op, i) for i in range(3)), firsts[0] if len(firsts) == 1 else None)
     if op is not OpKind.MEGATRON_LINEAR:
         return _SiteNodes(tuple(_operand(node, op, i) for i in range(len(_ARG_NAMES[op]))), node)
     bodies = body_modules(gm, node)
@@ -127,7 +135,8 @@ def _quant_operands(meta: SiteMeta, role: Role) -> list[tuple[Gemm, object, int]
                  Role.GRAD_OUTPUT: [(Gemm.DGRAD, c.dgrad.a, 1), (Gemm.WGRAD, c.wgrad.a, 0)]}
     else:
         qk, pv = c.qk, c.pv
-        sdpa = meta.op is OpKind.SDPA  # K [.., Lk, d] under SDPA; K^T [.., d, Lk] in Megatron's baddbmm
+        # K [.., Lk, d] under SDPA and MHA's attention; K^T [.., d, Lk] in Megatron's baddbmm
+        sdpa = meta.op in (OpKind.SDPA, OpKind.ATTENTION_WEIGHTS)
         table = {Role.QUERY: [(Gemm.QK, qk.forward.a, -1), (Gemm.DK, qk.grad_b.a, -2)],
                  Role.KEY: [(Gemm.QK, qk.forward.b, -1 if sdpa else -2), (Gemm.DQ, qk.grad_a.b, -2 if sdpa else -1)],
                  Role.GRAD_SCORES: [(Gemm.DQ, qk.grad_a.a, -1), (Gemm.DK, qk.grad_b.b, -2)],

@@ -47,7 +47,7 @@ def _operand_keys(node: fx.Node) -> list[tuple[int, tuple]]:
         table = [(_FWD, a, "-1"), (_FWD, b, "-2"), (_BWD, node, "dC,-1"), (_BWD, b, "-1"), (_BWD, a, "-2"),
                  (_BWD, node, "dC,-2")]
         runs = _gemm_runs(a, b)
-    elif t is wrappers.fxquant_sdpa:  # every operand inside SDPA is private to the site
+    elif t in (wrappers.fxquant_sdpa, wrappers.fxquant_attention_weights):  # operands private to the site
         s = args[-1]
         phases = [_FWD, _FWD, _BWD, _BWD, _BWD, _BWD] * 2
         q, k, v = args[0], args[1], args[2]

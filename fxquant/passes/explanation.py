@@ -1,7 +1,8 @@
 """``Explanation``: what ``fxquant.explain`` found, as data and as the table ``fxquant explain`` prints.
 
 One row per GEMM of every matched site (module path, layer, kind, op, GEMM, each operand's format,
-``-`` = high precision), then every matmul-like op no pattern matched (it stays in high precision).
+``-`` = high precision), then every matmul-like op no pattern matched (it stays in high precision), opaque
+GEMM-containing calls (``passes.opaque``) with a note saying what they hide.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from fxquant.schemes.scheme import Scheme
 
 _ATTENTION_GEMMS = {
     OpKind.SDPA: ("qk", "dq", "dk", "pv", "dp", "dv"),
+    OpKind.ATTENTION_WEIGHTS: ("qk", "dq", "dk", "pv", "dp", "dv"),
     OpKind.UNFUSED_QK: ("qk", "dq", "dk"),
     OpKind.UNFUSED_PV: ("pv", "dp", "dv"),
 }
@@ -73,8 +75,9 @@ class Explanation:
         lines.append(tabulate(self.rows(), headers=["module", "layer", "kind", "op", "gemm", "operands"]))
         if self.unmatched:
             lines.append("\nunmatched matmul-like ops (high precision):")
-            rows = [[u.module_path or "<root>", u.target, " x ".join(u.shapes), u.stack_line] for u in self.unmatched]
-            lines.append(tabulate(rows, headers=["module", "op", "shapes", "source"]))
+            rows = [[u.module_path or "<root>", u.target, " x ".join(u.shapes), u.note, u.stack_line]
+                    for u in self.unmatched]
+            lines.append(tabulate(rows, headers=["module", "op", "shapes", "note", "source"]))
         for rule in self.unmatched_rules:
             lines.append(f"note: {rule}")
         return "\n".join(lines)

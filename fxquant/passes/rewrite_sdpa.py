@@ -21,6 +21,11 @@ A site the flash op does not support (``flash_sdpa.unsupported_reason``: a mask,
 kernel cannot compute per tile, head dim > 128, ...) falls back to math with the reason logged and kept
 in ``SiteMeta.note``; a flash site's note says "flash". Flash sites make no ``fxquant::quantize`` calls
 (the kernel quantizes inside), so their ``quantize_calls`` are (0, 0).
+
+``rewrite_attention_weights``: an ATTENTION_WEIGHTS site (``wrappers.mha_attention_weights``, an
+nn.MultiheadAttention with need_weights=True, see ``decompose_mha``) becomes
+``wrappers.fxquant_attention_weights(q, k, v, attn_mask, dropout_p, specs)``: ``quantized_attention``, the
+same math as ``quantized_sdpa`` returning (O, P), so the weights the module returns are the quantized P.
 """
 from __future__ import annotations
 
@@ -35,7 +40,7 @@ from torch import fx
 from fxquant.formats.options import parse_enum
 from fxquant.passes.graph_edit import node_arguments, replace_with_call
 from fxquant.passes.sites import META_KEY, OpKind, SiteMeta, Status, example_value
-from fxquant.passes.wrappers import attention_specs, fxquant_flash_sdpa, fxquant_sdpa
+from fxquant.passes.wrappers import attention_specs, fxquant_attention_weights, fxquant_flash_sdpa, fxquant_sdpa
 from fxquant.qfunctions.flash_sdpa import unsupported_reason
 
 log = logging.getLogger(__name__)
@@ -116,5 +121,18 @@ def rewrite_sdpa(graph: fx.Graph, node: fx.Node, attention: AttentionImpl | str 
         new = replace_with_call(graph, node, fxquant_sdpa, args)
         calls = matmul_quantize_calls(meta.config.qk, meta.config.pv)
         done = dataclasses.replace(meta, status=Status.REWRITTEN, quantize_calls=calls, note=f"math: {blocker}")
+    new.meta[META_KEY] = done
+    return done
+
+
+def rewrite_attention_weights(graph: fx.Graph, node: fx.Node) -> SiteMeta:
+    meta: SiteMeta = node.meta[META_KEY]
+    if meta.op is not OpKind.ATTENTION_WEIGHTS or meta.config is None:
+        return meta
+    q, k, v, mask, dropout_p = node.args
+    args = (q, k, v, mask, dropout_p, attention_specs(meta.config))
+    new = replace_with_call(graph, node, fxquant_attention_weights, args)
+    calls = matmul_quantize_calls(meta.config.qk, meta.config.pv)
+    done = dataclasses.replace(meta, status=Status.REWRITTEN, quantize_calls=calls, note="math")
     new.meta[META_KEY] = done
     return done

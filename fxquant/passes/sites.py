@@ -11,8 +11,16 @@ What each op looks like in the graph Dynamo hands the backend, and the ``OpKind`
                                                                               autograd.Function's forward)
     torch.baddbmm inside a core-attention module            UNFUSED_QK       (Megatron's unfused attention)
     torch.bmm inside a core-attention module                UNFUSED_PV
+    wrappers.mha_attention_weights                          ATTENTION_WEIGHTS (nn.MultiheadAttention with
+                                                                              need_weights=True, put there by
+                                                                              decompose_mha, which also turns
+                                                                              its projections into F.linear)
 
-Every other matmul-like op (matmul, mm, bmm, baddbmm, addmm, einsum, @, ...) is reported as unmatched.
+Every other matmul-like op (matmul, mm, bmm, baddbmm, addmm, einsum, @, ATen's mm/bmm/... called directly)
+is reported as unmatched, and so is every opaque call (``passes.opaque``): one graph node that runs GEMMs
+inside (torch's fused transformer fast paths, recurrent layers, ATen's SDPA kernels, an MHA call
+``decompose_mha`` refused); those carry a ``note``, and strict mode rejects them where the scheme
+quantizes (``strict.opaque_calls``).
 This module only reads the graph; ``resolve`` attaches the scheme and the ``rewrite_*`` passes edit it.
 """
 from __future__ import annotations
@@ -27,9 +35,13 @@ from torch import fx
 
 from fxquant.passes.layers import LayerNumbering
 from fxquant.passes.module_paths import ModuleNames
+from fxquant.passes.opaque import aten_matmul, opaque_call
+from fxquant.passes.wrappers import mha_attention_weights
 from fxquant.schemes.model import AttentionQuant, LinearQuant, Site, SiteKind, site_kind_for
 
 META_KEY = "fxquant"  # node.meta[META_KEY] is a SiteMeta (docs/compile.md)
+REFUSED_KEY = "fxquant_mha_refused"  # node.meta: why decompose_mha left an MHA call opaque
+KIND_KEY = "fxquant_site_kind"  # node.meta: a SiteKind set by decompose_mha, instead of one guessed from the path
 
 
 class OpKind(str, enum.Enum):
@@ -39,10 +51,11 @@ class OpKind(str, enum.Enum):
     MODULE_MATMUL = "module_matmul"
     UNFUSED_QK = "unfused_qk"
     UNFUSED_PV = "unfused_pv"
+    ATTENTION_WEIGHTS = "attention_weights"
 
     @property
     def is_attention(self) -> bool:
-        return self in (OpKind.SDPA, OpKind.UNFUSED_QK, OpKind.UNFUSED_PV)
+        return self in (OpKind.SDPA, OpKind.UNFUSED_QK, OpKind.UNFUSED_PV, OpKind.ATTENTION_WEIGHTS)
 
 
 class Status(str, enum.Enum):
@@ -76,13 +89,19 @@ class SiteMeta:
 
 @dataclass(frozen=True)
 class UnmatchedOp:
-    """A matmul-like op that no pattern matched (it runs in high precision)."""
+    """A matmul-like op that no pattern matched (it runs in high precision). ``note`` is set for an opaque
+    call (``passes.opaque``): what GEMMs it hides, and why it was not decomposed."""
 
     node_name: str
     target: str
     module_path: str
     shapes: tuple[str, ...]
     stack_line: str = ""
+    note: str = ""
+
+    @property
+    def opaque(self) -> bool:
+        return bool(self.note)
 
 
 _SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
@@ -191,9 +210,13 @@ def find_sites(gm: fx.GraphModule, names: ModuleNames, layers: LayerNumbering | 
         path = _site_path(names, node, root)
         name = matmul_name(node)
         if name == "linear":
-            matches.append(Match(node, OpKind.LINEAR, layers.site(path)))
+            matches.append(Match(node, OpKind.LINEAR, layers.site(path, node.meta.get(KIND_KEY))))
         elif name == "scaled_dot_product_attention":
             matches.append(Match(node, OpKind.SDPA, layers.site(path, SiteKind.ATTENTION)))
+        elif node.op == "call_function" and node.target is mha_attention_weights:
+            matches.append(Match(node, OpKind.ATTENTION_WEIGHTS, layers.site(path, SiteKind.ATTENTION)))
+        elif node.op == "call_function" and opaque_call(node.target) is not None:
+            unmatched.append(_opaque(node, path))
         elif node.op == "call_function" and node.target is AUTOGRAD_FUNCTION_APPLY:
             bodies = body_modules(gm, node)
             if _is_linear_apply(gm, node) and site_kind_for(path) is not SiteKind.ATTENTION:
@@ -208,9 +231,15 @@ def find_sites(gm: fx.GraphModule, names: ModuleNames, layers: LayerNumbering | 
         elif name in ("baddbmm", "bmm") and site_kind_for(path) is SiteKind.ATTENTION:
             op = OpKind.UNFUSED_QK if name == "baddbmm" else OpKind.UNFUSED_PV
             matches.append(Match(node, op, layers.site(path, SiteKind.ATTENTION)))
-        elif name is not None:
+        elif name is not None or (node.op == "call_function" and aten_matmul(node.target) is not None):
             unmatched.append(_unmatched(node, path))
     return FoundSites(matches, unmatched)
+
+
+def _opaque(node: fx.Node, path: str) -> UnmatchedOp:
+    name, hides = opaque_call(node.target)
+    refused = node.meta.get(REFUSED_KEY)
+    return _unmatched(node, path, name, f"opaque call ({hides})" + (f"; not decomposed: {refused}" if refused else ""))
 
 
 def _innermost_class(names: ModuleNames, node: fx.Node) -> str:
@@ -218,7 +247,7 @@ def _innermost_class(names: ModuleNames, node: fx.Node) -> str:
     return getattr(stack[-1][1], "__name__", "") if stack else ""
 
 
-def _unmatched(node: fx.Node, path: str) -> UnmatchedOp:
-    name = matmul_name(node) or str(node.target)
+def _unmatched(node: fx.Node, path: str, name: str | None = None, note: str = "") -> UnmatchedOp:
+    name = name or matmul_name(node) or aten_matmul(node.target) or str(node.target)
     shapes = tuple(shape_str(example_value(a)) for a in node.args if isinstance(a, fx.Node))
-    return UnmatchedOp(node.name, name, path, shapes, stack_line(node))
+    return UnmatchedOp(node.name, name, path, shapes, stack_line(node), note)

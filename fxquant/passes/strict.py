@@ -4,10 +4,14 @@
 
 - per graph: a site the scheme selects whose rewrite could not be applied (``Status.FAILED``);
 - per call that compiled something (``coverage``): every nn.Linear / Megatron Column/RowParallelLinear and
-  every ``core_attention`` module that the scheme selects must have been rewritten in some graph; one that
-  was not ran outside the compiled graphs (a graph break split it, or its frame was skipped / fell back
-  to eager), and the graph-break reasons Dynamo reported during the call are listed with it;
-- a frame that hit Dynamo's recompile limit and therefore runs eagerly from then on.
+  every ``core_attention`` / ``nn.MultiheadAttention`` module that the scheme selects must have been
+  rewritten in some graph; one that was not ran outside the compiled graphs (a graph break split it, or
+  its frame was skipped / fell back to eager), and the graph-break reasons Dynamo reported during the
+  call are listed with it;
+- a frame that hit Dynamo's recompile limit and therefore runs eagerly from then on;
+- per graph: an opaque call that runs GEMMs inside one node (``passes.opaque``: torch's fused
+  transformer fast paths, recurrent layers, an nn.MultiheadAttention call ``decompose_mha`` refused) at a
+  module path where the scheme quantizes a linear or an attention site (``opaque_calls``).
 
 Bad input (``ValueError`` in both modes): a model in which no linear or attention op was found, and a
 scheme rule with a selector (modules, layers or kinds) that matches no site (the error lists the nearest
@@ -52,15 +56,30 @@ def failed_sites(sites: Iterable[SiteMeta]) -> list[str]:
     ]
 
 
+def opaque_calls(unmatched: Iterable[UnmatchedOp], scheme: Scheme, layers: LayerNumbering) -> list[str]:
+    """Opaque GEMM-containing calls at a module path whose linear or attention site the scheme would quantize."""
+    out = []
+    for u in unmatched:
+        if not u.opaque:
+            continue
+        sites = (layers.site(u.module_path), layers.site(u.module_path, SiteKind.ATTENTION))
+        if any(selected(scheme, s) for s in sites):
+            where = f" [{u.stack_line}]" if u.stack_line else ""
+            out.append(f"{u.target} in {u.module_path or '<root>'!r} ({u.node_name}) runs its GEMMs unquantized, one "
+                       f"opaque call the scheme cannot reach: {u.note}{where}")
+    return out
+
+
 def model_sites(model: nn.Module, layers: LayerNumbering) -> list[Site]:
-    """The sites the model's module structure implies: linear modules and ``core_attention`` modules."""
+    """The sites the model's module structure implies: linear modules, ``core_attention`` modules and
+    ``nn.MultiheadAttention`` modules (their attention; their out_proj is an nn.Linear)."""
     out = []
     for name, mod in model.named_modules():
         if not name:
             continue
         if isinstance(mod, nn.Linear) or type(mod).__name__ in LINEAR_MODULE_CLASSES:
             out.append(layers.site(name))
-        elif site_kind_for(name) is SiteKind.ATTENTION:
+        elif site_kind_for(name) is SiteKind.ATTENTION or isinstance(mod, nn.MultiheadAttention):
             out.append(layers.site(name, SiteKind.ATTENTION))
     return out
 

@@ -10,11 +10,14 @@ AOT autograd traces through them, so their forward and backward both reach the c
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
+import torch.nn.functional as F
 
 from fxquant.formats.tensor_quant import TensorQuant
-from fxquant.qfunctions import quantized_baddbmm, quantized_bmm, quantized_linear, quantized_matmul, quantized_sdpa
+from fxquant.qfunctions import (quantized_attention, quantized_baddbmm, quantized_bmm, quantized_linear,
+                                quantized_matmul, quantized_sdpa)
 from fxquant.qfunctions.flash_sdpa import flash_sdpa
 from fxquant.qfunctions.matmul import gemm_specs
 from fxquant.schemes.model import AttentionQuant, GemmQuant, LinearQuant, MatmulQuant
@@ -81,6 +84,29 @@ def fxquant_sdpa(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, aq=attention_quant(specs),
         scores_tap=scores_tap,
     )
+
+
+def mha_attention_weights(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None, dropout_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``F.multi_head_attention_forward``'s attention when it returns weights, computed as torch does (high
+    precision), on [B*H, L, d]: S = baddbmm(mask, q / sqrt(d), k^T) (bmm without a mask), P = softmax(S),
+    dropout, O = P V. Returns (O, P). Put in the graph by ``passes.decompose_mha``."""
+    q_scaled = query * math.sqrt(1.0 / float(query.shape[-1]))
+    kt = key.transpose(-2, -1)
+    s = torch.bmm(q_scaled, kt) if attn_mask is None else torch.baddbmm(attn_mask, q_scaled, kt)
+    p = torch.softmax(s, dim=-1)
+    if dropout_p > 0.0:
+        p = F.dropout(p, p=dropout_p)
+    return torch.bmm(p, value), p
+
+
+def fxquant_attention_weights(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None, dropout_p: float,
+    specs: Specs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mha_attention_weights`` rewritten: ``quantized_attention`` (O and the quantized path's P)."""
+    return quantized_attention(query, key, value, attn_mask, dropout_p, aq=attention_quant(specs))
 
 
 def fxquant_flash_sdpa(

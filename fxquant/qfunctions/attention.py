@@ -1,5 +1,6 @@
 """``quantized_sdpa``: ``F.scaled_dot_product_attention`` semantics in explicit math, with the QK^T and PV
-matmuls (forward and their backward GEMMs dQ, dK, dP, dV) quantized per an ``AttentionQuant``.
+matmuls (forward and their backward GEMMs dQ, dK, dP, dV) quantized per an ``AttentionQuant``;
+``quantized_attention`` is the same and also returns P (nn.MultiheadAttention's need_weights).
 
 The reference, step by step (q [.., Hq, Lq, d], k [.., Hk, Lk, d], v [.., Hk, Lk, dv]):
 
@@ -78,6 +79,25 @@ def quantized_sdpa(
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention(...)`` with QK^T and PV quantized per ``aq`` (module docstring).
     ``scores_tap``: a capture tap string (fxquant.capture.tap) under which ``S'`` before the mask is captured."""
+    return quantized_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, aq=aq,
+                               scores_tap=scores_tap)[0]
+
+
+def quantized_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    aq: AttentionQuant,
+    scores_tap: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantized_sdpa`` returning ``(O, P)``: P is the probability matrix the PV GEMM consumed (after
+    dropout, in the input dtype), what ``nn.MultiheadAttention(need_weights=True)`` returns per head."""
     _check(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, aq)
     if enable_gqa and query.dim() >= 3 and query.shape[-3] != key.shape[-3]:
         rep = query.shape[-3] // key.shape[-3]
@@ -100,4 +120,4 @@ def quantized_sdpa(
     if dropout_p > 0.0:
         keep = torch.empty_like(p).bernoulli_(1.0 - dropout_p)
         p = p * keep / (1.0 - dropout_p)
-    return quantized_matmul(p, value, aq.pv)
+    return quantized_matmul(p, value, aq.pv), p

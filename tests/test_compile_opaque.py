@@ -1,0 +1,110 @@
+"""Opaque GEMM calls under fxquant.compile (passes.opaque, strict.opaque_calls): an nn.MultiheadAttention that
+decompose_mha refuses, TransformerEncoderLayer's fast path, ATen ops called directly; and strict coverage of
+an nn.MultiheadAttention that runs outside the compiled graphs."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import fxquant
+from fxquant.passes.strict import QuantizationError
+from fxquant.qfunctions import quantized_linear
+from fxquant.schemes.model import Site
+from tests.bitwise import assert_bitwise_equal
+from tests.test_compile_mha import B, E, H, L, AttnModel, _encoder
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_refused_mha_is_listed_and_rejected_by_strict(caplog):
+    torch.manual_seed(0)
+    model = AttnModel(add_bias_kv=True)
+    x = torch.randn(B, L, E)
+    exp = fxquant.explain(model, x, x, x, scheme="FA_linear_mxfp8")
+    (u,) = exp.unmatched
+    assert u.target == "multi_head_attention_forward" and u.module_path == "attn"
+    assert "bias_k/bias_v not supported" in u.note and "bias_k/bias_v not supported" in str(exp)
+    torch._dynamo.reset()
+    with pytest.raises(QuantizationError, match="multi_head_attention_forward in 'attn'.*bias_k/bias_v"):
+        fxquant.compile(model, "FA_linear_mxfp8", backend="aot_eager", strict=True)(x, x, x)
+    torch._dynamo.reset()
+    with caplog.at_level(logging.WARNING, logger="fxquant"):
+        out, _ = fxquant.compile(model, "FA_linear_mxfp8", backend="aot_eager")(x, x, x)
+    assert "runs its GEMMs unquantized" in caplog.text
+    unquantized_attention = model.attn(x, x, x)[0]  # it runs as torch's call; fc after it is quantized
+    fc = fxquant.schemes.get("FA_linear_mxfp8").linear_for(Site.from_path("fc"))
+    assert_bitwise_equal(out, quantized_linear(unquantized_attention, model.fc.weight, model.fc.bias, fc), "output")
+    torch._dynamo.reset()
+    fxquant.compile(model, "bf16", backend="aot_eager", strict=True)(x, x, x)  # nothing to quantize: no error
+
+
+def test_add_zero_attn_is_refused():
+    torch.manual_seed(0)
+    x = torch.randn(B, L, E)
+    exp = fxquant.explain(AttnModel(add_zero_attn=True), x, x, x, scheme="FA_linear_mxfp8")
+    assert [u.note.split("not decomposed: ")[-1] for u in exp.unmatched] == ["add_zero_attn=True not supported"]
+
+
+def test_encoder_fast_path_is_an_opaque_gemm_call():
+    model = nn.Sequential(_encoder(), nn.Linear(E, E)).eval()
+    x = torch.randn(B, L, E)
+    with torch.no_grad():
+        exp = fxquant.explain(model, x, scheme="FA_linear_mxfp8")
+        assert [u.target for u in exp.unmatched] == ["_transformer_encoder_layer_fwd"]
+        assert "opaque call" in exp.unmatched[0].note and "_transformer_encoder_layer_fwd" in str(exp)
+        torch._dynamo.reset()
+        with pytest.raises(QuantizationError, match="_transformer_encoder_layer_fwd in '0'"):
+            fxquant.compile(model, "FA_linear_mxfp8", backend="aot_eager", strict=True)(x)
+        torch._dynamo.reset()
+        torch.backends.mha.set_fastpath_enabled(False)  # the documented way back to the decomposable path
+        try:
+            exp = fxquant.explain(model, x, scheme="FA_linear_mxfp8")
+        finally:
+            torch.backends.mha.set_fastpath_enabled(True)
+    assert not exp.unmatched and len(exp.selected) == 6  # in_proj, attention, out_proj, linear1, linear2, 1
+
+
+class SkippedAttention(AttnModel):
+    def forward(self, query, key, value, **kw):
+        out, _ = torch._dynamo.disable(self.attn)(query, key, value, need_weights=False)
+        return self.fc(out)
+
+
+def test_mha_outside_the_compiled_graphs_fails_strict_coverage():
+    torch.manual_seed(0)
+    x = torch.randn(B, L, E)
+    compiled = fxquant.compile(SkippedAttention(), "FA_mxfp8", backend="aot_eager", strict=True)
+    with pytest.raises(QuantizationError, match="selected attention site 'attn' was not rewritten"):
+        compiled(x, x, x)
+
+
+class AtenCalls(nn.Module):
+    """ATen ops called directly: a matmul and a fused SDPA kernel (one node, two GEMMs inside)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(E, E)
+
+    def forward(self, x):
+        y = torch.ops.aten.mm.default(x.flatten(0, 1), self.fc.weight).view_as(x)
+        q = y.unflatten(-1, (H, E // H)).transpose(1, 2)
+        o = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(q, q, q)[0]
+        return self.fc(o.transpose(1, 2).flatten(2))
+
+
+def test_aten_calls_are_listed_and_aten_attention_fails_strict():
+    x = torch.randn(B, L, E)
+    exp = fxquant.explain(AtenCalls(), x, scheme="FA_linear_mxfp8")
+    listed = {u.target: u.opaque for u in exp.unmatched}
+    assert listed == {"aten.mm": False, "aten._scaled_dot_product_flash_attention_for_cpu": True}
+    torch._dynamo.reset()
+    with pytest.raises(QuantizationError, match="aten._scaled_dot_product_flash_attention_for_cpu in '<root>'"):
+        fxquant.compile(AtenCalls(), "FA_linear_mxfp8", backend="aot_eager", strict=True)(x)
