@@ -14,7 +14,7 @@ from experiments import catalog, compare
 from experiments.launcher import resolve, supervise
 from fxquant.capture import compat
 from fxquant.cli import HelpFormatter, quiet_broken_pipe
-from fxquant.cli.collect_cmd import scheme_for
+from fxquant.cli.collect_plan import collection_for
 from fxquant.megatron_glue.config import AttentionKind
 from fxquant.megatron_glue.run_config import CompileBackend, capture_from_args
 
@@ -85,7 +85,7 @@ def _run_scheme(args) -> str:
     if args.scheme is not None:
         print(f"note: --scheme {args.scheme} given; {CUSTOM_QUANT_TYPE}={env} is not used", file=sys.stderr)
         return args.scheme
-    scheme = scheme_for(env)
+    scheme = collection_for(env).scheme_arg
     print(f"scheme {scheme} (from {CUSTOM_QUANT_TYPE}={env})", file=sys.stderr)
     return scheme
 
