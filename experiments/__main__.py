@@ -16,6 +16,7 @@ from fxquant.capture import compat
 from fxquant.cli import HelpFormatter, quiet_broken_pipe
 from fxquant.cli.collect_plan import collection_for
 from fxquant.megatron_glue.config import AttentionKind
+from fxquant.lowering import Kernels
 from fxquant.megatron_glue.run_config import CompileBackend, capture_from_args
 
 
@@ -50,6 +51,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="aot_eager", choices=[b.value for b in CompileBackend],
                    help="torch.compile backend after fxquant's passes; eager: the rewritten graph interpreted; "
                    "none: no torch.compile (bf16 without capture only)")
+    p.add_argument("--kernels", default="auto", choices=[k.value for k in Kernels],
+                   help="what the quantize ops run: inductor (fused into Inductor's kernels; with --backend "
+                   "inductor), triton (standalone kernels, CUDA), reference, auto (docs/compile.md)")
     p.add_argument("--attention", default="sdpa", choices=[a.value for a in AttentionKind],
                    help="Megatron's core attention: sdpa (F.scaled_dot_product_attention) or local (the unfused "
                    "baddbmm/softmax/bmm the predecessor quantized)")
@@ -72,7 +76,8 @@ def _resolve(args, model, dataset, scheme, capture_per_run: bool = False):
                    data_prefix=catalog.data_prefixes(args.data_prefix, getattr(args, "datasets", [dataset])).get(dataset),
                    backend=args.backend, attention=args.attention, control_iter=args.control_iter,
                    eval_interval=args.eval_interval, eval_iters=args.eval_iters, capture_per_run=capture_per_run,
-                   precision=args.precision, tensorboard=args.tensorboard, nonfinite=args.on_nonfinite)
+                   precision=args.precision, tensorboard=args.tensorboard, nonfinite=args.on_nonfinite,
+                   kernels=args.kernels)
 
 
 def _run_scheme(args) -> str:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from experiments import catalog
+from fxquant.lowering import parse_kernels
 from fxquant.megatron_glue import dataset_label
 from fxquant.megatron_glue.config import check_host_layout
 from fxquant.megatron_glue.sentinel import NonFinitePolicy
@@ -98,7 +99,7 @@ def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", varia
             backend: str = "aot_eager", attention: str = "sdpa", control_iter: int | None = None,
             eval_interval: int | None = None, eval_iters: int | None = None, capture_per_run: bool = False,
             device: str | None = None, precision: str = "auto", tensorboard: bool = False,
-            nonfinite: str = "record") -> Launch:
+            nonfinite: str = "record", kernels: str = "auto") -> Launch:
     """The run these choices describe, or ValueError naming the value and what is allowed. `nproc` None: tp*pp.
     An explicit capture root (`capture.dir`) gets one subdirectory per run (`run_config.per_run_capture`): the
     scheme's name, or `<model>/<dataset>/<scheme>` with `capture_per_run` (a matrix). `device`: where the ranks will run (default `run_device()`)."""
@@ -162,7 +163,7 @@ def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", varia
     run_dir = Path(out).resolve() / mcfg.name / dataset / scheme  # absolute: torchrun runs in the repository
     run = RunConfig(model=mcfg, train=tcfg, data=data, output_dir=str(run_dir), tokenizer=tokenizer, scheme=scheme,
                     scheme_yaml=scheme_yaml, capture=capture, attention=attention, backend=backend,
-                    layout=ParallelLayout(tp=tp, pp=pp), tensorboard=tensorboard)
+                    layout=ParallelLayout(tp=tp, pp=pp), tensorboard=tensorboard, kernels=parse_kernels(kernels))
     return Launch(run=run, nproc=nproc, config_path=run_dir / "launch.json")
 
 

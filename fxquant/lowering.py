@@ -53,6 +53,10 @@ def quantize_traceable(x: torch.Tensor, qspec: str, dim: int, seed: int | None =
     from fxquant.ops import parse_qspec
 
     tq = parse_qspec(qspec)
+    # Under dynamic shapes Dynamo may pass the int arguments as SymInts: specialise them (a guard), since the
+    # block layout and the random stream depend on their values.
+    dim = int(dim)
+    seed = None if seed is None else int(seed)
     check_tensor(x, dim)
     seed_: int | torch.Tensor = 0
     if tq.options.rounding is Rounding.SR:

@@ -82,7 +82,7 @@ def test_rewrite_counts_and_keeps_taps_and_order(tmp_path):
     torch._dynamo.reset()
     model = _model()
     backend = FxquantBackend(schemes.get("bf16"), inner="aot_eager", root=model, capture=spec_text())
-    backend.compile_inner = lambda gm, ex: aot_autograd(fw_compiler=compiler, bw_compiler=compiler)(gm, ex)
+    backend.compile_inner = lambda gm, ex, index=-1: aot_autograd(fw_compiler=compiler, bw_compiler=compiler)(gm, ex)
     with capture.start(spec_text(), tmp_path):
         torch.compile(model, backend=backend)(torch.randn(4, 16)).sum().backward()
     assert counts == [len(b) for b in before] and sum(counts) == 11

@@ -73,18 +73,20 @@ class ElementSpec:
             _FACTORS[key] = all(v == 1.0 for v in to_b + from_b)
         return _FACTORS[key]
 
-    def _factor_tables(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+    def _new_factor_tables(self, device: torch.device) -> tuple[torch.Tensor | None, ...]:
+        return tuple(
+            None if all(v == 1.0 for v in t) else torch.tensor(t, dtype=torch.float32, device=device)
+            for t in self.grid_factors()
+        )
+
+    def _factor_tables(self, device: torch.device) -> tuple[torch.Tensor | None, ...]:
+        if _tracing():  # traced (fxquant.lowering): constants of the graph
+            return self._new_factor_tables(device)
         key = (self, str(device))
         tables = _FACTORS.get(key)
         if tables is None:
-            to_a, to_b, from_a, from_b = self.grid_factors()
-            # Built outside any tracing mode (fake tensors, make_fx): the cached tables are real constants.
-            with _disable_current_modes():
-                tables = tuple(
-                    None if all(v == 1.0 for v in t) else torch.tensor(t, dtype=torch.float32, device=device)
-                    for t in (to_a, to_b, from_a, from_b)
-                )
-            _FACTORS[key] = tables
+            with _disable_current_modes():  # real tensors, cached, whatever mode the caller runs under
+                tables = _FACTORS[key] = self._new_factor_tables(device)
         return tables
 
     def quantize(
@@ -96,7 +98,9 @@ class ElementSpec:
         afterwards): the Inf fix-up pass is skipped. Round-to-nearest-even on a format torch has a dtype
         for uses torch's own cast, which tests check equal to ``quantize_arith`` bit for bit.
         """
-        if rounding != "rne" or self.torch_dtype is None:
+        if rounding != "rne" or self.torch_dtype is None or (self.bits > 8 and _tracing()):
+            # Traced for a compiler (fxquant.lowering), a bf16/fp16 cast followed by the cast back is elided by
+            # Inductor (its emulate_precision_casts is off): those formats round by arithmetic there.
             return self.quantize_arith(v, rounding, saturate, u, finite=finite)
         if not saturate and self.has_inf:
             return v.to(self.torch_dtype).to(torch.float32)  # the cast overflows to Inf, as the format does
@@ -154,6 +158,11 @@ class ElementSpec:
         if table is None:
             table = _TABLES[self] = self.decode_table()
         return table.to(codes.device)[codes.long()]
+
+
+def _tracing() -> bool:
+    """Whether a compiler traces this call (fake tensors are active)."""
+    return torch._guards.detect_fake_mode() is not None
 
 
 _TABLES: dict[ElementSpec, torch.Tensor] = {}  # decode tables, built once per spec from the bit rules

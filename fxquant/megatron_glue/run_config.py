@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from fxquant.lowering import Kernels
 from fxquant.megatron_glue.config import AttentionKind, ModelConfig
 from fxquant.megatron_glue.sentinel import NonFinitePolicy
 
@@ -263,6 +264,7 @@ class RunConfig:
     capture: CaptureConfig | None = None
     attention: AttentionKind = AttentionKind.SDPA
     backend: CompileBackend = CompileBackend.AOT_EAGER
+    kernels: Kernels = Kernels.AUTO  # what the quantize ops run (fxquant.compile(kernels=...), fxquant.lowering)
     layout: ParallelLayout = field(default_factory=ParallelLayout)
     resume: bool = True
     tensorboard: bool = False  # TensorBoard event files in <run>/tensorboard (needs the `tensorboard` package)

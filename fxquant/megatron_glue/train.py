@@ -68,7 +68,7 @@ def compile_model(model: torch.nn.Module, run: RunConfig, capture_spec=None) -> 
     from fxquant.api import compile as fxquant_compile
 
     kwargs = {"capture": capture_spec} if capture_spec is not None else {}
-    return fxquant_compile(model, run.compile_scheme(), backend=run.backend.value, **kwargs)
+    return fxquant_compile(model, run.compile_scheme(), backend=run.backend.value, kernels=run.kernels.value, **kwargs)
 
 
 def _check_batch(run: RunConfig, dp: int) -> int:
