@@ -194,6 +194,10 @@ class Format(abc.ABC):
         d = check_tensor(x, dim)
         if x.numel() == 0:
             return x.clone()
+        if self.block_size is None and opts.rounding is not Rounding.SR:
+            # Element-wise with no random stream: the layout does not matter, so x is quantized as it lies and
+            # calls that differ only in dim trace to the same ops (AOT's CSE merges them: one pass, not two).
+            return self._quantize_canonical(x, opts, seed, out_dtype=x.dtype)
         y = self._quantize_canonical(to_canonical(x, d, self.canonical_float32), opts, seed, out_dtype=x.dtype)
         if x.dim() == 0:
             return y.reshape(())
