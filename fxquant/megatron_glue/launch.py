@@ -1,7 +1,8 @@
 """Entry point of every training process: `torchrun ... -m fxquant.megatron_glue.launch --config run.json`.
 
-Reads a `RunConfig` JSON (written by `experiments`), trains, prints progress on the logging rank and
-a final JSON line (`FXQUANT_RESULT {...}`) the launcher parses. A process entry point, so it prints.
+Reads a `RunConfig` JSON (written by `experiments`), trains, writes progress on the logging rank and a
+final JSON line (`FXQUANT_RESULT {...}`) the launcher parses. These console lines go through the logger
+`CONSOLE`, which `main` points at stdout with the bare message (the launcher reads them there).
 
 Capture can be switched on here too, over the JSON: `--capture SPEC` (shipped name or YAML path) and the
 predecessor's `--save-tensors`, `--tensor-save-dir DIR`, `--control-iter N` and `TENSOR_SAVE_ENABLED`,
@@ -20,6 +21,8 @@ import signal
 import sys
 import warnings
 
+CONSOLE = logging.getLogger(__name__ + ".console")  # the process's console lines (stdout, bare message)
+
 
 def format_progress(record: dict, total: int) -> str:
     """One progress line: loss, lr, grad norm, throughput, step time; MoE aux and validation loss if present."""
@@ -37,7 +40,7 @@ def format_progress(record: dict, total: int) -> str:
 
 def _progress(total: int):
     def show(record: dict) -> None:
-        print(format_progress(record, total), flush=True)
+        CONSOLE.info(format_progress(record, total))
     return show
 
 
@@ -77,10 +80,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _console_to_stdout() -> None:
+    """CONSOLE writes each line as it is to the current stdout (flushed per record by StreamHandler), not to the
+    root logger; called by every ``main`` (a caller may have replaced sys.stdout since the last one)."""
+    for old in list(CONSOLE.handlers):
+        CONSOLE.removeHandler(old)
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    CONSOLE.addHandler(handler)
+    CONSOLE.setLevel(logging.INFO)
+    CONSOLE.propagate = False
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING - 10 * min(args.verbose, 2),
                         format="%(levelname)s %(name)s: %(message)s")
+    _console_to_stdout()
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*")
     from fxquant.megatron_glue.parallel import destroy_parallel
     from fxquant.megatron_glue.run_config import RunConfig
@@ -93,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = train(run, progress=_progress(run.train.train_iters))
         if result.capture is not None:
-            print(describe(result.capture), flush=True)
+            CONSOLE.info(describe(result.capture))
         if result.records:
             validated = [r["val_loss"] for r in result.records if "val_loss" in r]
             summary = {"run_dir": str(result.run_dir), "iterations": result.iterations,
@@ -103,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                        "stopped_by_control_iter": result.stopped_by_control_iter,
                        "captures": str(run.capture.root(run.output_dir)) if run.capture else None}
             if result.stopped_by_control_iter:
-                print(stopped_line(run, len(result.records)), flush=True)
-            print("FXQUANT_RESULT " + json.dumps(summary), flush=True)
+                CONSOLE.info(stopped_line(run, len(result.records)))
+            CONSOLE.info("FXQUANT_RESULT " + json.dumps(summary))
     finally:
         destroy_parallel()
     return 0
