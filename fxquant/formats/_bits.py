@@ -32,6 +32,15 @@ def pow2(k: torch.Tensor) -> torch.Tensor:
     return ((k.to(torch.int32) + 127) << 23).view(torch.float32)
 
 
+def pow2_wide(k: torch.Tensor, *, subnormal: bool = True) -> torch.Tensor:
+    """2**k as float32, exactly, for int32 ``k`` in [-127, 127]: 2**-127 is the float32 subnormal 0x00400000.
+
+    ``subnormal=False`` promises k > -127 (one op less: ``pow2``).
+    """
+    p = pow2(k)
+    return torch.where(k == -127, 2.0**-127, p) if subnormal else p
+
+
 def mul_pow2(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """``x * 2**k`` for int32 ``k`` in [-252, 252], as two multiplications by normal powers of two.
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fxquant.formats._bits import fdiv, frexp_bits, mul_pow2
+from fxquant.formats._bits import fdiv, frexp_bits, mul_pow2, pow2_wide
 from fxquant.formats.base import Format, draw_uniforms
 from fxquant.formats.element import ElementSpec
 from fxquant.formats.options import QuantOptions, ScaleMode, parse_enum
@@ -82,22 +82,30 @@ class MXFormat(Format):
         return QuantOptions(rounding=rnd, saturate=True, scale_mode=mode)
 
     def _scales(self, x2: torch.Tensor, opts: QuantOptions):
-        """(blocked x, s, bad): the shared exponent per block and its NaN-scale mask."""
+        """(blocked x, s, bad): the shared exponent per block, clamped to [-127, 127], and the NaN-scale mask.
+
+        The shortest exact arithmetic, since compilers trace it once per operand (``fxquant.lowering``): under
+        ``floor`` the exponent is the biased exponent field of amax (a float32 subnormal amax gives s <= -127
+        either way, which the clamp maps to -127; amax = NaN/Inf has field 255); s > 127 cannot occur then.
+        """
         xb = blocks(x2, self.block_size)
         amax = xb.abs().amax(dim=-1).to(torch.float32)  # exact in any input dtype; NaN propagates
+        if opts.scale_mode is ScaleMode.FLOOR:
+            field = (amax.view(torch.int32) >> 23) & 0xFF
+            return xb, torch.clamp_min(field - (127 + self.element.emax), -127), field == 0xFF
         bad = ~torch.isfinite(amax)
         s = mx_scale_exponent(torch.where(bad, 0.0, amax), self.element, opts.scale_mode)
         bad = bad | (s > 127)
         return xb, torch.clamp(s, -127, 127), bad
 
     def _elements(
-        self, xb: torch.Tensor, s: torch.Tensor, bad: torch.Tensor, opts: QuantOptions, seed: int, length: int, offset: int = 0
+        self, xb: torch.Tensor, s: torch.Tensor, bad: torch.Tensor, opts: QuantOptions, seed: int, length: int, offset=0
     ):
         """Element values P of every block. Non-finite blocks give garbage here; callers mask them."""
-        # 2**-s as one exact float32 per block (2**-127 is a subnormal, exactly representable): the
-        # product is the correctly rounded x / 2**s, the same as two multiplications by normal powers.
-        inv = mul_pow2(torch.ones_like(s, dtype=torch.float32), -s)
-        scaled = xb * torch.where(bad, 0.0, inv).unsqueeze(-1)
+        # 2**-s as one exact float32 per block (2**-127, for s = 127 where emax = 0, is a subnormal): the product
+        # is the correctly rounded x / 2**s, the same as two multiplications by normal powers.
+        inv = pow2_wide(-s, subnormal=self.element.emax == 0)
+        scaled = xb * inv.unsqueeze(-1)
         u = draw_uniforms(opts.rounding, seed, torch.Size((xb.shape[0], length)), xb.device, offset)
         if u is not None:
             u = blocks(u, self.block_size)
@@ -106,8 +114,7 @@ class MXFormat(Format):
     def _quantize_canonical(self, x2, opts, seed, *, ctx=None, offset=0, out_dtype=torch.float32):
         xb, s, bad = self._scales(x2, opts)
         p = self._elements(xb, s, bad, opts, seed, x2.shape[1], offset)
-        scale = mul_pow2(torch.ones_like(s, dtype=torch.float32), s)
-        y = p * torch.where(bad, float("nan"), scale).unsqueeze(-1)
+        y = p * torch.where(bad, float("nan"), pow2_wide(s)).unsqueeze(-1)
         return unblock(y.to(out_dtype), x2.shape[1])
 
     def _encode_canonical(self, x2, opts, seed):
