@@ -145,7 +145,7 @@ class FxquantBackend:
             kernels = self._resolve_kernels(example_inputs, index)
         except ValueError as exc:
             return self.refusal(exc)
-        decompositions = lowering.decompositions(kernels)
+        decompositions = lowering.decompositions(kernels, inductor=self.inner is Inner.INDUCTOR)
         if self.inner is Inner.AOT_EAGER:
             from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 

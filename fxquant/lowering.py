@@ -5,11 +5,15 @@ pure-torch reference on CPU, a standalone Triton kernel on CUDA). Under ``Kernel
 replaces every call by the reference's own arithmetic (``Format.quantize_traceable``): plain ATen ops over
 the whole tensor, no slab loop, no host sync, which Inductor fuses into one kernel per operand (block amax,
 scale, round, clamp, rescale) together with the ops around it, through its C++ codegen on CPU and its
-Triton codegen on CUDA. The result equals the reference bit for bit (``tests/test_formats_lowering.py``):
+Triton codegen on CUDA. Under Inductor the replacement is a post-grad pass (``LowerQuantize``): AOT
+autograd traces, and its partitioner cuts, a graph with one node per quantize, and each of the forward and
+backward graphs is expanded just before Inductor lowers it (under ``aot_eager`` the op is decomposed while
+AOT traces). The result equals the reference bit for bit (``tests/test_formats_lowering.py``):
 
 - exponents and powers of two come from float32 bits, and every multiplication by a power of two is exact;
-- divisions are float64 divisions rounded to float32 (``formats._bits.fdiv``), equal to IEEE float32
-  division even where a backend divides approximately or by a reciprocal;
+- divisions are IEEE float32 divisions (``formats._bits.fdiv``): float32 ``/`` on CPU, where Inductor's C++
+  keeps them divisions, and elsewhere float64 divisions rounded to float32, exact even where a backend
+  divides approximately or by a reciprocal;
 - no sum of a product appears in the rounding arithmetic, so contraction into FMA cannot change a value;
 - no transcendental function is used; rounding is ``round`` (ties to even), ``floor`` and comparisons.
 
@@ -28,8 +32,10 @@ Kernels:
 from __future__ import annotations
 
 import enum
+import functools
 
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from fxquant.formats.base import check_tensor
 from fxquant.formats.options import Rounding, parse_enum
@@ -64,25 +70,121 @@ def quantize_traceable(x: torch.Tensor, qspec: str, dim: int, seed: int | None =
     return tq.fmt.quantize_traceable(x, dim, tq.options, seed_)
 
 
-def decompositions(kernels: Kernels) -> dict:
-    """Entries to add to AOT autograd's decomposition table for ``kernels`` (resolved, not AUTO)."""
+def decompositions(kernels: Kernels, *, inductor: bool = False) -> dict:
+    """Entries to add to AOT autograd's decomposition table for ``kernels`` (resolved, not AUTO). Under Inductor
+    (``inductor=True``) INDUCTOR adds none: ``LowerQuantize`` expands the op after partitioning."""
     import fxquant.ops  # noqa: F401  (defines the ops)
 
     op = torch.ops.fxquant.quantize.default
     if kernels is Kernels.INDUCTOR:
-        return {op: quantize_traceable}
+        return {op: _aot_time_decomposition} if inductor else {op: quantize_traceable}
     if kernels is Kernels.REFERENCE:
         return {op: torch.ops.fxquant.quantize_reference.default}
     return {}
 
 
+def _aot_time_decomposition(x: torch.Tensor, qspec: str, dim: int, seed: int | None = None) -> object:
+    """AOT-time decomposition under Inductor only where the post-grad pass cannot do it: a SymInt ``dim``, ``seed``
+    or shape (dynamic shapes: the block layout specialises on them here, with guards, which a post-grad pass
+    cannot add), or an element format (``_post_grad``). Every other call stays one node for ``LowerQuantize``."""
+    symbolic = isinstance(dim, torch.SymInt) or isinstance(seed, torch.SymInt)
+    if symbolic or any(isinstance(n, torch.SymInt) for n in x.shape) or not _post_grad(qspec):
+        return quantize_traceable(x, qspec, dim, seed)
+    return NotImplemented
+
+
+@functools.lru_cache(maxsize=None)
+def _post_grad(qspec: str) -> bool:
+    """Whether ``LowerQuantize`` expands this spec after partitioning: block formats. An element format's
+    arithmetic (no block amax) is left to AOT autograd, whose partitioner may then recompute it with its
+    producer in the backward, which the opaque op forbids: measured on the 2-layer Llama of
+    ``benchmarks/bench_step.py`` (2-core CPU), linear_hifp8 compiles in 41 s that way against 56 s, while
+    linear_mxfp8 takes 38 s expanded after partitioning against 41 s (the partitioner's min-cut over every
+    block quantize's ops). Formats whose arithmetic holds tensor constants (bf16's grid-factor tables) are
+    element formats, which the post-grad replacement could not insert anyway."""
+    from fxquant.ops import parse_qspec
+
+    return parse_qspec(qspec).fmt.block_size is not None
+
+
+class LowerQuantize(CustomGraphPass):
+    """Inductor post-grad pass: every ``fxquant::quantize`` node becomes ``quantize_traceable``'s ATen ops.
+
+    Run on the forward and the backward graph after AOT autograd partitioned them, so the joint graph, the
+    min-cut partitioner and AOT's tracing see one node per quantize instead of its few dozen ops. ``inner``:
+    a pass the user had installed in the same slot, run first. ``uuid`` keys Inductor's caches on fxquant's
+    sources (``passes.cache_key``).
+    """
+
+    def __init__(self, inner: object = None) -> None:
+        self.inner = inner
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if self.inner is not None:
+            self.inner(graph)
+        traced: dict[tuple, torch.fx.GraphModule] = {}
+        for node in list(graph.nodes):
+            if node.op == "call_function" and node.target is torch.ops.fxquant.quantize.default:
+                _expand(graph, node, traced)
+
+    def uuid(self) -> object:
+        from fxquant.passes.cache_key import sources_hash
+
+        if self.inner is None:
+            return f"fxquant.LowerQuantize:{sources_hash()}"
+        inner = self.inner.uuid() if isinstance(self.inner, CustomGraphPass) else None
+        return None if inner is None else f"fxquant.LowerQuantize:{sources_hash()}:{inner!r}"
+
+
+def _expand(graph: torch.fx.Graph, node: torch.fx.Node, traced: dict) -> None:
+    """Replace one quantize node by ``quantize_traceable``'s ops: traced once per (spec, dim, seed, input
+    metadata) in the graph's fake mode, then copied, each copy's ``val`` recomputed on its own inputs."""
+    from torch._inductor.pattern_matcher import fwd_only
+
+    x, qspec, dim, *rest = node.args
+    seed = rest[0] if rest else node.kwargs.get("seed")
+    val = x.meta["val"]
+    mode = torch._guards.detect_fake_mode([val])
+    key = (qspec, dim, seed, tuple(val.shape), tuple(val.stride()), val.dtype, str(val.device))
+    gm = traced.get(key)
+    if gm is None:
+        with mode:
+            gm = traced[key] = fwd_only(lambda t: quantize_traceable(t, qspec, dim, seed), [val])
+    meta = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta", "example_value")}
+    env: dict[torch.fx.Node, object] = {}
+    with graph.inserting_before(node):
+        for n in gm.graph.nodes:
+            if n.op == "placeholder":
+                env[n] = x
+            elif n.op == "output":
+                (out,) = n.args[0] if isinstance(n.args[0], (tuple, list)) else (n.args[0],)
+                result = env[out]
+            else:
+                new = graph.node_copy(n, lambda a: env[a])
+                new.meta = dict(meta)
+                if new.op == "call_function":
+                    args, kwargs = torch.fx.node.map_arg((new.args, new.kwargs), lambda a: a.meta["val"])
+                    with mode:
+                        new.meta["val"] = new.target(*args, **kwargs)
+                env[n] = new
+    node.replace_all_uses_with(result)
+    graph.erase_node(node)
+
+
 def inductor_config_patches() -> dict[str, object]:
-    """Inductor settings under INDUCTOR kernels: keep float32 subnormals in generated Triton code (an MX scale
-    of 2**-127 is one). Only settings this torch has are set; Inductor's C++ code never flushes them."""
+    """Inductor settings under INDUCTOR kernels: the ``LowerQuantize`` post-grad pass (chaining a pass the user
+    set there), and float32 subnormals kept in generated Triton code (an MX scale of 2**-127 is one; Inductor's
+    C++ code never flushes them). Only settings this torch has are set."""
     from torch._inductor import config
 
+    existing = config.post_grad_custom_pre_pass
+    patches: dict[str, object] = {
+        "post_grad_custom_pre_pass": existing if isinstance(existing, LowerQuantize) else LowerQuantize(existing)
+    }
     numerics = getattr(config, "eager_numerics", None)
-    return {"eager_numerics.disable_ftz": True} if hasattr(numerics, "disable_ftz") else {}
+    if hasattr(numerics, "disable_ftz"):
+        patches["eager_numerics.disable_ftz"] = True
+    return patches
 
 
 def inductor_backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
@@ -91,7 +193,7 @@ def inductor_backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
     from torch._inductor.compile_fx import compile_fx
     from torch._inductor.decomposition import select_decomp_table
 
-    table = {**select_decomp_table(), **decompositions(Kernels.INDUCTOR)}
+    table = {**select_decomp_table(), **decompositions(Kernels.INDUCTOR, inductor=True)}
     return compile_fx(gm, example_inputs, config_patches=inductor_config_patches(), decompositions=table)
 
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import fxquant.ops  # noqa: F401  (defines the op)
 from fxquant import formats, lowering
-from fxquant.formats._bits import fdiv, seed_key, uniforms
+from fxquant.formats._bits import fdiv, fdiv_wide, seed_key, uniforms
 from fxquant.formats.tensor_quant import TensorQuant
 from tests.bitwise import assert_bitwise_equal
 from tests.test_formats_exhaustive import every_pattern
@@ -157,18 +157,24 @@ DIVISORS = (448.0, 57344.0, 28.0, 7.5, 6.0, 127 / 64, 2688.0)
 
 
 def test_fdiv_equals_float32_division_and_survives_reciprocal_rewrites():
-    """fdiv (float64 division rounded to float32) == IEEE float32 division (CPU eager); and the float64 product
-    with a rounded reciprocal, which Inductor on CUDA emits for constant divisors, gives the same float32."""
+    """fdiv_wide (float64 division rounded to float32, the form used off CPU) == IEEE float32 division (CPU
+    eager); the float64 product with a rounded reciprocal, which Inductor on CUDA emits for constant divisors,
+    gives the same float32; and fdiv on CPU, compiled by Inductor's C++ backend, is that division too."""
     g = torch.Generator().manual_seed(0)
     bits = torch.randint(0, 0x7F800000, (1 << 20,), generator=g, dtype=torch.int32)
     a = torch.cat([bits.view(torch.float32), every_pattern(torch.bfloat16).abs(), torch.tensor([0.0, 2.0**-149])])
     a = a[torch.isfinite(a)]
+    compiled = torch.compile(lambda t, c: fdiv(t, c), backend="inductor", dynamic=False)
     for c in DIVISORS:
         want = a / torch.tensor(c, dtype=torch.float32)
-        assert_bitwise_equal(fdiv(a, c), want, f"fdiv by {c}:")
+        assert_bitwise_equal(fdiv_wide(a, c), want, f"fdiv_wide by {c}:")
         assert_bitwise_equal((a.double() * (1.0 / c)).float(), want, f"reciprocal of {c}:")
+        assert_bitwise_equal(compiled(a, c), want, f"Inductor C++ fdiv by {c}:")
     b = torch.randint(1, 0x7F800000, (1 << 20,), generator=g, dtype=torch.int32).view(torch.float32)
-    assert_bitwise_equal(fdiv(a[: b.numel()], b[: a.numel()]), a[: b.numel()] / b[: a.numel()], "tensor divisor:")
+    want = a[: b.numel()] / b[: a.numel()]
+    assert_bitwise_equal(fdiv_wide(a[: b.numel()], b[: a.numel()]), want, "tensor divisor:")
+    assert_bitwise_equal(compiled(a[: b.numel()], b[: a.numel()]), want, "Inductor C++ tensor divisor:")
+    assert_bitwise_equal(fdiv_wide(1.0, b), 1.0 / b, "scalar dividend:")
 
 
 def test_lowered_graph_has_no_quantize_call_and_fuses_each_operand():
@@ -188,6 +194,49 @@ def test_lowered_graph_has_no_quantize_call_and_fuses_each_operand():
     assert 1 <= code.count("cpp_pybinding(") <= 2  # relu fused into quantize(x); quantize(w) alone or with it
     want = torch.mm(TensorQuant("mxfp8_e4m3").quantize(torch.relu(x), -1), TensorQuant("mxfp8_e4m3").quantize(w, 0))
     assert_bitwise_equal(out, want, "lowered linear:")
+
+
+class _SeenQuantizes:
+    """A user's post-grad pass: records how many quantize nodes each graph holds when it runs."""
+
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.counts.append(sum(n.target is torch.ops.fxquant.quantize.default for n in graph.nodes))
+
+
+def test_block_quantizes_reach_the_partitioner_as_one_node_each_and_a_users_pass_still_runs():
+    """Under Inductor a block-format quantize stays one node through AOT autograd (its partitioner sees no
+    arithmetic); LowerQuantize expands it in the forward and the backward graph after running the pass the
+    user had installed, and the result is still the reference's. An element format is expanded while AOT
+    traces, so no node of it is left by then."""
+    from torch._inductor import config
+    from torch._inductor.utils import run_and_get_code
+
+    for name, spec, want_nodes in (("mxfp8", TensorQuant("mxfp8_e4m3").spec(), 2),
+                                   ("hifp8", TensorQuant("hifp8").spec(), 0)):
+        seen = _SeenQuantizes()
+
+        def f(x, w, spec=spec):
+            xq = torch.ops.fxquant.quantize(torch.relu(x), spec, -1, None)
+            return torch.mm(xq, torch.ops.fxquant.quantize(w, spec, 0, None))
+
+        torch._dynamo.reset()
+        x, w = torch.randn(64, 96, requires_grad=True), torch.randn(96, 48, requires_grad=True)
+        with config.patch(post_grad_custom_pre_pass=seen):
+            fn = torch.compile(f, backend=lowering.inductor_backend)
+            out, codes = run_and_get_code(lambda: fn(x, w))
+            out.sum().backward()
+        assert "torch.ops.fxquant" not in "\n".join(codes), name
+        assert seen.counts[0] == want_nodes, f"{name}: quantize nodes seen after partitioning {seen.counts}"
+        tq = TensorQuant.from_spec(spec)
+        assert_bitwise_equal(out, torch.mm(tq.quantize(torch.relu(x.detach()), -1), tq.quantize(w.detach(), 0)),
+                             f"{name}:")
+        assert x.grad is not None and w.grad is not None
+    inner = lowering.LowerQuantize(_SeenQuantizes())
+    assert inner.uuid() is None, "a user's pass without a uuid opts the graph out of caching"
+    assert isinstance(lowering.LowerQuantize().uuid(), str)
 
 
 def test_compiled_attention_site_quantizes_in_generated_code():

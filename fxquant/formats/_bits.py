@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 F32_MIN_NORMAL = 2.0**-126
+F32_MAX = (2 - 2.0**-23) * 2.0**127
 MASK32 = 0xFFFFFFFF
 _HASH_MUL = 0x45D9F3B  # 73244475 < 2**27: products of 32-bit values stay below 2**59, exact in int64
 
@@ -51,23 +52,44 @@ def mul_pow2(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return (x * pow2(k1)) * pow2(k - k1)
 
 
-def fdiv(a: torch.Tensor, b: float | torch.Tensor) -> torch.Tensor:
-    """The IEEE float32 quotient ``a / b`` (correctly rounded) for float32 ``a`` and ``b``, on every device and
-    under every compiler.
+def fdiv(a: float | torch.Tensor, b: float | torch.Tensor) -> torch.Tensor:
+    """The IEEE float32 quotient ``a / b`` (correctly rounded) for float32 ``a`` and ``b`` (at least one a tensor),
+    on every device and under every compiler.
 
-    Computed as a float64 division rounded to float32: double rounding is innocuous for division when the
-    wide format has at least 2p + 2 bits (53 >= 2 * 24 + 2), so this equals the float32 division. It stays
-    exact where a backend rewrites divisions: CUDA's default float32 ``/`` is approximate (Triton's
-    ``div.full.f32``), and Inductor on CUDA multiplies by the reciprocal of a constant divisor. For the
-    constant divisors fxquant uses (element max normals 448, 57344, 28, 7.5, 6, 127/64 and NVFP4's 2688
-    and 6, each o * 2**j with an odd o <= 127), a float64 product with the rounded reciprocal lies within
-    2**-52 relative of the exact quotient, while a quotient that is not itself a float32 midpoint (it never
-    is: A / o is dyadic only when o divides A) lies at least 2**-32 relative from one, so rounding to
-    float32 gives the same value (``tests/test_formats_lowering.py`` checks both forms).
+    On CPU that is float32 ``/`` itself: eager CPU division is IEEE, and so is Inductor's C++ (it keeps a
+    division by a constant a division on CPU, and compiles without -freciprocal-math). Elsewhere it is
+    ``fdiv_wide``.
+    """
+    t = a if isinstance(a, torch.Tensor) else b
+    if t.device.type == "cpu":
+        return a / b
+    return fdiv_wide(a, b)
+
+
+def fdiv_wide(a: float | torch.Tensor, b: float | torch.Tensor) -> torch.Tensor:
+    """``fdiv`` as a float64 division rounded to float32, for devices and compilers whose float32 ``/`` is not
+    IEEE division.
+
+    Double rounding is innocuous for division when the wide format has at least 2p + 2 bits
+    (53 >= 2 * 24 + 2), so this equals the float32 division. It stays exact where a backend rewrites
+    divisions: CUDA's default float32 ``/`` in Triton is approximate (``div.full.f32``), and Inductor on CUDA
+    multiplies by the reciprocal of a constant divisor. For the constant divisors fxquant uses (element max
+    normals 448, 57344, 28, 7.5, 6, 127/64 and NVFP4's 2688 and 6, each o * 2**j with an odd o <= 127), a
+    float64 product with the rounded reciprocal lies within 2**-52 relative of the exact quotient, while a
+    quotient that is not itself a float32 midpoint (it never is: A / o is dyadic only when o divides A) lies
+    at least 2**-32 relative from one, so rounding to float32 gives the same value
+    (``tests/test_formats_lowering.py`` checks both forms).
     """
     if isinstance(b, torch.Tensor):
         b = b.to(torch.float64)
-    return (a.to(torch.float64) / b).to(torch.float32)
+    if isinstance(a, torch.Tensor):
+        a = a.to(torch.float64)
+    return (a / b).to(torch.float32)
+
+
+def nonfinite(a: torch.Tensor) -> torch.Tensor:
+    """NaN or Inf, for float32 ``a >= 0`` or NaN (an amax): one comparison, as NaN compares false."""
+    return ~(a <= F32_MAX)
 
 
 def round_integer(r: torch.Tensor, rounding: str, u: torch.Tensor | None) -> torch.Tensor:

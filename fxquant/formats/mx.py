@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fxquant.formats._bits import fdiv, frexp_bits, mul_pow2, pow2_wide
+from fxquant.formats._bits import fdiv, frexp_bits, mul_pow2, nonfinite, pow2_wide
 from fxquant.formats.base import Format, draw_uniforms
 from fxquant.formats.element import ElementSpec
 from fxquant.formats.options import QuantOptions, ScaleMode, parse_enum
@@ -93,7 +93,7 @@ class MXFormat(Format):
         if opts.scale_mode is ScaleMode.FLOOR:
             field = (amax.view(torch.int32) >> 23) & 0xFF
             return xb, torch.clamp_min(field - (127 + self.element.emax), -127), field == 0xFF
-        bad = ~torch.isfinite(amax)
+        bad = nonfinite(amax)
         s = mx_scale_exponent(torch.where(bad, 0.0, amax), self.element, opts.scale_mode)
         bad = bad | (s > 127)
         return xb, torch.clamp(s, -127, 127), bad

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fxquant.formats._bits import fdiv
+from fxquant.formats._bits import F32_MAX, fdiv, nonfinite
 from fxquant.formats.base import Format, draw_uniforms
 from fxquant.formats.element import E2M1, E4M3, ElementSpec
 from fxquant.formats.mx import blocks, unblock
@@ -46,16 +46,18 @@ class NVFP4Format(Format):
     def _scales(self, x2: torch.Tensor, amax_t: torch.Tensor | None = None):
         """(blocked x, g, b, inv = (1/g)/b, zero, bad) per the recipe; ``amax_t`` is the whole tensor's amax."""
         xb = blocks(x2, self.block_size)
-        if amax_t is None:
-            amax_t = self._tensor_context(x2, None)
-        bad = ~torch.isfinite(amax_t)
+        amax_b = xb.abs().amax(dim=-1)
+        if amax_t is None:  # the whole tensor's amax is the largest block amax: no second pass over x
+            amax_t = amax_b.amax() if amax_b.numel() else torch.zeros((), device=x2.device)
+        bad = nonfinite(amax_t)
         g = fdiv(torch.where(bad, 1.0, amax_t), GLOBAL_DIVISOR)
-        inv_g = fdiv(torch.ones_like(g), g)
-        zero = (g == 0) | torch.isinf(inv_g)
+        inv_g = fdiv(1.0, g)
+        zero = inv_g > F32_MAX  # g == 0, or 1 / g overflows
         g = torch.where(zero, 1.0, g)
         inv_g = torch.where(zero, 1.0, inv_g)
-        amax_b = torch.where(bad, 0.0, xb.abs().amax(dim=-1))
-        b = E4M3.quantize(torch.clamp(fdiv(fdiv(amax_b, 6.0), g), 2.0**-9, 448.0), "rne", True, None)
+        amax_b = torch.where(bad, 0.0, amax_b)
+        # the clamped quotient is finite: no Inf fix-up in the E4M3 rounding
+        b = E4M3.quantize(torch.clamp(fdiv(fdiv(amax_b, 6.0), g), 2.0**-9, 448.0), "rne", True, None, finite=True)
         inv = fdiv(inv_g, b)
         return xb, g, b, inv, zero, bad
 
