@@ -114,6 +114,18 @@ class ElementSpec:
     ) -> torch.Tensor:
         """``quantize`` by float32 bit arithmetic alone (any element format, any rounding mode)."""
         a = v.abs()
+        if self.uses_ladder():
+            # A few binades (FP4/FP6 elements): the grid step is picked by comparisons with the binade bounds,
+            # in float32 vector arithmetic (no reinterpretation of the bits). The same steps as below: binade
+            # e uses 2**(max(e, emin) - m); values above the top binade use its step, which rounds them to at
+            # least 2**(emax + 1) > max_normal, clamped below like the bit path's larger step would be.
+            step, inv = 2.0 ** (self.emin - self.mbits), 2.0 ** (self.mbits - self.emin)
+            for e in range(self.emin + 1, self.emax + 1):
+                above = a >= 2.0**e
+                step = torch.where(above, 2.0 ** (e - self.mbits), step)
+                inv = torch.where(above, 2.0 ** (self.mbits - e), inv)
+            q = round_integer(a * inv, rounding, u) * step
+            return self._finish(q, v, a, rounding, saturate, finite)
         field = a.view(torch.int32) >> 23  # biased exponent, 0..255 (a >= 0)
         if self.factors_are_normal():
             # e_eff + 127, then 2**(m - e_eff) and 2**(e_eff - m) built from bits: int32 arithmetic only.
@@ -132,6 +144,15 @@ class ElementSpec:
             q = n * from_a[idx]
             if from_b is not None:
                 q = q * from_b[idx]
+        return self._finish(q, v, a, rounding, saturate, finite)
+
+    def uses_ladder(self) -> bool:
+        """Whether ``quantize_arith`` picks the grid step by comparisons: at most two binade bounds (FP4, FP6
+        E2M3) and no Inf, so saturation covers every value above the top binade."""
+        return not self.has_inf and self.emax - self.emin <= 2 and type(self).mantissa_bits is ElementSpec.mantissa_bits
+
+    def _finish(self, q, v, a, rounding, saturate, finite):
+        """Overflow, sign, the single zero and non-finite inputs, after rounding ``a = |v|`` to ``q``."""
         # Round-toward-zero never overflows to Inf (IEEE 754: it gives the largest finite value).
         overflow_to_inf = not saturate and self.has_inf and rounding != "rz"
         if overflow_to_inf:
@@ -143,7 +164,7 @@ class ElementSpec:
             out = out + 0.0  # -0 + 0 == +0: the format has a single zero
         if not finite and not overflow_to_inf:
             # Inf inputs were clamped to max above: Inf stays Inf where the format has one, else NaN.
-            out = torch.where(torch.isinf(v), v if self.has_inf else math.nan, out)
+            out = torch.where(a == math.inf, v if self.has_inf else math.nan, out)  # a compare, vectorised
         return out
 
     # -- codes -------------------------------------------------------------------------------------------
