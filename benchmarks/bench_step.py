@@ -13,8 +13,10 @@ Variants per model, each on its own copy of the same weights:
   <preset> [ref]   the same with kernels="reference": the quantize op opaque, the eager reference per operand
   <preset> [eager] fxquant.compile(..., backend="eager"): the rewritten graph run op by op by the Python
                    interpreter, the reference per operand: eager fake-quant at equal work, no compiler
-Timing: every variant is built and warmed up (its first call, the compile, is reported as ``compile_s``
-with a cold Inductor cache directory per process), then ``--rounds`` rounds each time one step of every
+Timing: every variant is built and warmed up (its first call, the compile, is reported as ``compile_s``;
+one Inductor cache directory per process, so a variant after the first finds the kernels it shares with
+earlier ones compiled; ``--cold-compile`` adds ``cold_compile_s``, plain's and each preset's first step in
+a fresh process with an empty cache), then ``--rounds`` rounds each time one step of every
 variant in turn; a variant's figure is the median over rounds of its step time divided by plain's in the
 same round. Targets (issue 12, 2-core CPU, hidden 512): linear_mxfp8 <= 1.3x, linear_hifp8 <= 1.4x,
 FA_linear_mxfp8 <= 1.6x, linear_mxfp4 / linear_nvfp4 <= 1.5x, every preset >= 2x faster than eager; compile
@@ -30,6 +32,7 @@ import datetime
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +52,7 @@ from tests.models import make_llama, next_token_loss  # noqa: E402
 PRESETS = ("linear_mxfp8", "linear_hifp8", "FA_linear_mxfp8", "linear_mxfp4", "linear_nvfp4")
 TARGETS = {"linear_mxfp8": 1.3, "linear_hifp8": 1.4, "FA_linear_mxfp8": 1.6, "linear_mxfp4": 1.5, "linear_nvfp4": 1.5}
 MODELS = ("torch", "megatron")
+PLAIN = "plain torch.compile"
 
 
 class Variant:
@@ -121,7 +125,7 @@ def variants(args, make_model, step_of) -> list[Variant]:
         model = make_model()
         out.append(Variant(label, preset, step_of(wrap(model), model)))
 
-    add("plain torch.compile", None, lambda m: torch.compile(m))
+    add(PLAIN, None, lambda m: torch.compile(m))
     for preset in args.presets:
         add(preset, preset, lambda m, p=preset: fxquant.compile(m, p))
     for preset in args.reference:
@@ -131,7 +135,35 @@ def variants(args, make_model, step_of) -> list[Variant]:
     return out
 
 
-def run_model(name: str, args) -> list[dict]:
+def compile_only(name: str, label: str, args) -> float:
+    """Child of ``--cold-compile``: build one variant (plain or a preset, kernels='auto'), time its first step."""
+    make_model, step_of = (torch_model if name == "torch" else megatron_model)(args)
+    model = make_model()
+    compiled = torch.compile(model) if label == PLAIN else fxquant.compile(model, label)
+    step = step_of(compiled, model)
+    t0 = time.perf_counter()
+    step()
+    return time.perf_counter() - t0
+
+
+def cold_compiles(name: str, args, argv: list[str]) -> dict[str, float]:
+    """First-step time of plain and every preset, each in a fresh process with an empty Inductor cache."""
+    out = {}
+    for label in [PLAIN, *args.presets]:
+        with tempfile.TemporaryDirectory(prefix="bench_step_cold_") as cache:
+            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+            cmd = [sys.executable, __file__, *argv, "--models", name, "--compile-only", label]
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+        lines = [ln for ln in done.stdout.splitlines() if ln.startswith("COMPILE_S ")]
+        if done.returncode != 0 or not lines:
+            raise RuntimeError(f"cold compile of {label!r} ({name}) failed:\n{done.stderr[-3000:]}")
+        out[label] = float(lines[-1].split()[1])
+        print(f"  {name}: {label} cold compile {out[label]:.1f} s (fresh process, empty cache)", file=sys.stderr, flush=True)
+    return out
+
+
+def run_model(name: str, args, argv: list[str]) -> list[dict]:
+    cold = cold_compiles(name, args, argv) if args.cold_compile else {}
     make_model, step_of = (torch_model if name == "torch" else megatron_model)(args)
     vs = variants(args, make_model, step_of)
     for v in vs:
@@ -155,6 +187,8 @@ def run_model(name: str, args) -> list[dict]:
             "target": target, "meets": None if target is None else x_plain <= target,
             "eager_over_this": (eager_ms[v.preset] / ms) if v.preset in eager_ms and v.preset == v.label else None,
             "compile_s": v.compile_s, "compile_x_plain": v.compile_s / plain.compile_s,
+            "cold_compile_s": cold.get(v.label), "cold_compile_x_plain":
+                cold[v.label] / cold[PLAIN] if v.label in cold else None,
         })
     return rows
 
@@ -174,6 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--json", default=None, help="write the rows and the environment here")
+    p.add_argument("--cold-compile", action="store_true",
+                   help="also time plain's and each preset's first step in a fresh process with an empty Inductor "
+                        "cache (cold_compile_s: the compile a user sees on a new machine)")
+    p.add_argument("--compile-only", default=None, help=argparse.SUPPRESS)  # the --cold-compile child
+    raw = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     split = lambda s: [x for x in s.split(",") if x]  # noqa: E731
     args.presets, args.reference, args.eager = split(args.presets), split(args.reference), split(args.eager)
@@ -184,10 +223,16 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="bench_step_inductor_"))
     torch._dynamo.config.cache_size_limit = 64  # one code object, many compiled copies
     torch._dynamo.config.accumulated_cache_size_limit = 512
+    if args.compile_only is not None:
+        print(f"COMPILE_S {compile_only(models[0], args.compile_only, args):.3f}", flush=True)
+        return 0
+    child_argv = [a for a in _without(raw, ("--models", "--json", "--rounds")) if a != "--cold-compile"]
     rows = []
     for name in models:
-        rows += run_model(name, args)
+        rows += run_model(name, args, child_argv)
     cols = ["model", "variant", "step_ms", "x_plain", "target", "meets", "eager_over_this", "compile_s", "compile_x_plain"]
+    if args.cold_compile:
+        cols += ["cold_compile_s", "cold_compile_x_plain"]
     print(tabulate([[r[c] for c in cols] for r in rows], headers=cols, floatfmt=".2f"))
     if args.json:
         env = {"device": device_name(torch.device("cpu")), "torch": torch.__version__,
@@ -195,6 +240,19 @@ def main(argv: list[str] | None = None) -> int:
                "argv": sys.argv[1:], "load_average": os.getloadavg()}
         Path(args.json).write_text(json.dumps({"environment": env, "args": vars(args), "rows": rows}, indent=1))
     return 0
+
+
+def _without(argv: list[str], options: tuple[str, ...]) -> list[str]:
+    """``argv`` less the given options and their values (``--opt v`` and ``--opt=v``)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in options:
+            skip = True
+        elif not a.startswith(tuple(o + "=" for o in options)):
+            out.append(a)
+    return out
 
 
 if __name__ == "__main__":
