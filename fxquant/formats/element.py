@@ -114,9 +114,10 @@ class ElementSpec:
     ) -> torch.Tensor:
         """``quantize`` by float32 bit arithmetic alone (any element format, any rounding mode)."""
         a = v.abs()
-        if self.uses_ladder():
-            # A few binades (FP4/FP6 elements): the grid step is picked by comparisons with the binade bounds,
-            # in float32 vector arithmetic (no reinterpretation of the bits). The same steps as below: binade
+        if self.uses_ladder() and _tracing():
+            # Traced for a compiler (fxquant.lowering), a few binades (FP4/FP6 elements): the grid step is picked
+            # by comparisons with the binade bounds, in float32 vector arithmetic (Inductor's C++ reinterprets
+            # bits through memory; eager torch does it in place, faster than this). The same steps as below: binade
             # e uses 2**(max(e, emin) - m); values above the top binade use its step, which rounds them to at
             # least 2**(emax + 1) > max_normal, clamped below like the bit path's larger step would be.
             step, inv = 2.0 ** (self.emin - self.mbits), 2.0 ** (self.mbits - self.emin)
