@@ -65,6 +65,12 @@ def op_dim(tq: TensorQuant, dim: int) -> int:
     return dim
 
 
+@functools.lru_cache(maxsize=4096)
+def spec_op_dim(qspec: str, dim: int) -> int:
+    """``op_dim`` for a spec string (parsed once per spec)."""
+    return op_dim(parse_qspec(qspec), dim)
+
+
 def quantize_tensor(x: torch.Tensor, tq: TensorQuant | None, dim: int = -1, seed: int | None = None) -> torch.Tensor:
     """Quantize through the custom op (dispatching to Triton on CUDA); ``tq=None`` returns ``x``."""
     if tq is None:
