@@ -17,7 +17,6 @@ import functools
 
 import torch
 
-from fxquant.formats.options import Rounding
 from fxquant.formats.tensor_quant import TensorQuant
 
 
@@ -56,26 +55,11 @@ def quantize_reference(x: torch.Tensor, qspec: str, dim: int, seed: int | None =
 quantize_reference.register_fake(_quantize_fake)
 
 
-def op_dim(tq: TensorQuant, dim: int) -> int:
-    """The ``dim`` argument a graph passes the op: -1 where the result does not depend on it (an element format
-    without stochastic rounding), so quantizes of one tensor for different GEMM operands are the same node and
-    AOT autograd's CSE keeps one."""
-    if tq.fmt.block_size is None and tq.options.rounding is not Rounding.SR:
-        return -1
-    return dim
-
-
-@functools.lru_cache(maxsize=4096)
-def spec_op_dim(qspec: str, dim: int) -> int:
-    """``op_dim`` for a spec string (parsed once per spec)."""
-    return op_dim(parse_qspec(qspec), dim)
-
-
 def quantize_tensor(x: torch.Tensor, tq: TensorQuant | None, dim: int = -1, seed: int | None = None) -> torch.Tensor:
     """Quantize through the custom op (dispatching to Triton on CUDA); ``tq=None`` returns ``x``."""
     if tq is None:
         return x
-    return torch.ops.fxquant.quantize(x, tq.spec(), op_dim(tq, dim), seed)
+    return torch.ops.fxquant.quantize(x, tq.spec(), dim, seed)
 
 
 # Registers the Triton implementation for CUDA when Triton and a CUDA device are present (cheap otherwise:

@@ -21,7 +21,6 @@ import torch
 
 import fxquant
 from fxquant.counters import count_quantize_calls
-from fxquant.ops import op_dim, parse_qspec
 from fxquant.passes import wrappers
 from fxquant.passes.sites import META_KEY, body_modules
 
@@ -89,7 +88,7 @@ def quantized_operands(gm) -> tuple[dict, dict]:
                 for operand, arg in zip(names, mm.args[:2]):
                     if getattr(arg, "target", None) is QUANTIZE:
                         fmts[(site, gemm, operand)] = _fmt(arg.args[1])
-                        dims[(site, gemm, operand)] = (arg.args[1], arg.args[2])
+                        dims[(site, gemm, operand)] = arg.args[2]
     return fmts, dims
 
 
@@ -116,9 +115,7 @@ def test_preset_quantizes_exactly_the_operands_its_name_says(single_process, fre
     fmts, dims = quantized_operands(report.graph_module)
     want = expected(name)
     assert fmts == want
-    # the blocked dim as the GEMM needs it (K, K, N, N, M, M); -1 where the result does not depend on it
-    assert all(dim == op_dim(parse_qspec(spec), LINEAR_DIMS[k[1:]]) for k, (spec, dim) in dims.items())
-    assert any(dim != -1 for _, dim in dims.values()) == any(_fmt(spec).startswith("mx") for spec, _ in dims.values())
+    assert all(dims[k] == LINEAR_DIMS[k[1:]] for k in dims)
     with count_quantize_calls(compiled) as count:
         step()
     assert count.executed == count.expected == len(want)

@@ -12,7 +12,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxquant import formats, schemes
 from fxquant.formats.tensor_quant import TensorQuant
-from fxquant.ops import op_dim
 from fxquant.qfunctions import quantized_baddbmm, quantized_bmm, quantized_linear, quantized_matmul, quantized_sdpa
 from fxquant.schemes import GemmQuant, LinearQuant, MatmulQuant, Site, SiteKind
 
@@ -217,10 +216,6 @@ def test_each_preset_runs_exactly_its_quantize_calls(x: str) -> None:
     pv = [(f, 3, (1, 2, 40, 40)), (f, 2, (1, 2, 40, 16)),  # O = P V: along Lk
           (f, 3, (1, 2, 40, 16)), (f, 3, (1, 2, 40, 16)),  # dP = dO V^T: along d
           (f, 2, (1, 2, 40, 40)), (f, 2, (1, 2, 40, 16))]  # dV = P^T dO: along Lq
-    # the dim the op is called with: -1 (the last) where the result does not depend on it (ops.op_dim)
-    tq = TensorQuant(x)
-    lin, qk, pv = ([(fmt, op_dim(tq, d) % len(shape), shape) for fmt, d, shape in calls] for calls in (lin, qk, pv))
-    lin = sorted(lin)
     expect = {
         "bf16": ([], []),
         f"linear_{x}": (lin, []),

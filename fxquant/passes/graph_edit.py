@@ -51,9 +51,6 @@ def replace_with_call(graph: fx.Graph, old: fx.Node, target, args: tuple, kwargs
 
 def insert_quantize(graph: fx.Graph, before: fx.Node, operand: fx.Node, spec: str, dim: int) -> fx.Node:
     """Insert ``fxquant::quantize(operand, spec, dim, None)`` before ``before``; return the new node."""
-    from fxquant.ops import spec_op_dim
-
-    dim = spec_op_dim(spec, dim)
     with graph.inserting_before(before):
         q = graph.call_function(torch.ops.fxquant.quantize.default, (operand, spec, dim, None))
     copy_meta(before, q, _fake_quantize(operand, spec, dim))

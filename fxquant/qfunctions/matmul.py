@@ -38,7 +38,7 @@ def q(x: torch.Tensor, spec: str | None, dim: int) -> torch.Tensor:
     """``x`` quantized along ``dim`` per ``spec`` through the custom op; ``x`` itself when spec is None."""
     if spec is None:
         return x
-    return torch.ops.fxquant.quantize(x, spec, fxquant.ops.spec_op_dim(spec, dim), None)
+    return torch.ops.fxquant.quantize(x, spec, dim, None)
 
 
 def _check_matmul_args(a: object, b: object, mq: object, fn: str) -> None:
