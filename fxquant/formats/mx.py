@@ -99,7 +99,7 @@ class MXFormat(Format):
         return xb, torch.clamp(s, -127, 127), bad
 
     def _elements(
-        self, xb: torch.Tensor, s: torch.Tensor, bad: torch.Tensor, opts: QuantOptions, seed: int, length: int, offset=0
+        self, xb: torch.Tensor, s: torch.Tensor, opts: QuantOptions, seed: int, length: int, offset: int = 0
     ):
         """Element values P of every block. Non-finite blocks give garbage here; callers mask them."""
         # 2**-s as one exact float32 per block (2**-127, for s = 127 where emax = 0, is a subnormal): the product
@@ -113,13 +113,13 @@ class MXFormat(Format):
 
     def _quantize_canonical(self, x2, opts, seed, *, ctx=None, offset=0, out_dtype=torch.float32):
         xb, s, bad = self._scales(x2, opts)
-        p = self._elements(xb, s, bad, opts, seed, x2.shape[1], offset)
+        p = self._elements(xb, s, opts, seed, x2.shape[1], offset)
         y = p * torch.where(bad, float("nan"), pow2_wide(s)).unsqueeze(-1)
         return unblock(y.to(out_dtype), x2.shape[1])
 
     def _encode_canonical(self, x2, opts, seed):
         xb, s, bad = self._scales(x2, opts)
-        p = self._elements(xb, s, bad, opts, seed, x2.shape[1])
+        p = self._elements(xb, s, opts, seed, x2.shape[1])
         p = torch.where(bad.unsqueeze(-1), 0.0, p)
         codes = unblock(self.element.encode(p), x2.shape[1])
         scales = torch.where(bad, E8M0_NAN, s + E8M0_BIAS).to(torch.uint8)
