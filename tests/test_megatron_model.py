@@ -87,6 +87,29 @@ def test_compiles_as_one_graph(single_process, attention):
     assert explained.graph_count == 1
 
 
+def test_a_second_call_compiles_nothing(single_process):
+    """Megatron's unfused attention takes its baddbmm output from the global memory buffer. Traced, the buffer
+    must not be filled as a side effect: Dynamo would guard on the dict's contents and the second call, finding
+    the entry, would recompile the whole model (the shipped main job uses this attention)."""
+    from megatron.core import parallel_state
+
+    from fxquant.megatron_glue.graph_breaks import quiet_tp_group_lookup
+
+    parallel_state._GLOBAL_MEMORY_BUFFER.buffer.clear()  # as in a fresh process
+    model = _build("local")
+    ids, pos, mask = _batch()
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    with quiet_tp_group_lookup():
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        compiled(ids, pos, mask, labels=ids).mean().backward()
+        assert counters["stats"]["unique_graphs"] == 1, dict(counters)
+        compiled(ids, pos, mask, labels=ids).mean().backward()
+    assert counters["stats"]["unique_graphs"] == 1, "the second call recompiled"
+    assert parallel_state._GLOBAL_MEMORY_BUFFER.buffer == {}
+
+
 def test_without_the_patch_megatron_breaks_the_graph(single_process):
     """The control for the test above: the warnings.warn in Megatron's TP-group lookup does break graphs."""
     model = _build("sdpa")

@@ -45,6 +45,10 @@ class DeviceMemoryBuffer(GlobalMemoryBuffer):
         self.device = torch.device(device)
 
     def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context: Callable | None = None):
+        if torch.compiler.is_compiling():
+            # A traced graph allocates its own scratch (the compiler plans its memory). Filling the dict here would
+            # be a side effect Dynamo guards on: the next call would find the entry, fail the guard and recompile.
+            return torch.empty(tuple(tensor_shape), dtype=dtype, device=self.device)
         required = functools.reduce(operator.mul, tensor_shape, 1)
         buf = self.buffer.get((name, dtype))
         if buf is None or buf.numel() < required:
