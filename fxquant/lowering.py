@@ -10,12 +10,16 @@ autograd traces, and its partitioner cuts, a graph with one node per quantize, a
 backward graphs is expanded just before Inductor lowers it (under ``aot_eager`` the op is decomposed while
 AOT traces). The result equals the reference bit for bit (``tests/test_formats_lowering.py``):
 
-- exponents and powers of two come from float32 bits, and every multiplication by a power of two is exact;
+- a block's exponent comes from the float32 bits of its amax; an element's binade from Rump's exact ``ufp`` and
+  its rounding from adding and subtracting 2**23 grid steps (``ElementSpec.quantize_steps``: no per-element
+  bit reinterpretation or float8 conversion, which Inductor's C++ vectoriser does through memory); every
+  multiplication by a power of two is exact;
 - divisions are IEEE float32 divisions (``formats._bits.fdiv``): float32 ``/`` on CPU, where Inductor's C++
   keeps them divisions, and elsewhere float64 divisions rounded to float32, exact even where a backend
   divides approximately or by a reciprocal;
-- no sum of a product appears in the rounding arithmetic, so contraction into FMA cannot change a value;
-- no transcendental function is used; rounding is ``round`` (ties to even), ``floor`` and comparisons.
+- every product that feeds a sum is a product with a power of two (exact), so contraction into FMA cannot change
+  a value;
+- no transcendental function is used.
 
 Stochastic rounding with ``seed=None`` draws its seed inside the graph (``torch.randint``, no host sync) and
 indexes the same counter-based uniforms as the reference; with an explicit seed it draws the reference's

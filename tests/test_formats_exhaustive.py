@@ -165,9 +165,11 @@ def test_quantize_every_16bit_input_matches_nearest_search(src, spec, rounding):
     want = nearest_oracle(x, grid, rounding, spec.max_normal)
     if not spec.signed_zero:
         want = torch.where(want == 0, 0.0, want)
-    # Both the public path (torch's own cast for rne where torch has the dtype) and the bit arithmetic.
+    # The public path (torch's own cast for rne where torch has the dtype), the bit arithmetic, and the
+    # arithmetic that compiled graphs use.
     assert_bitwise_equal(spec.quantize(x, rounding, True, None), want, "quantize")
     assert_bitwise_equal(spec.quantize_arith(x, rounding, True, None), want, "quantize_arith")
+    assert_bitwise_equal(spec.quantize_steps(x, rounding, True, None), want, "quantize_steps")
 
 
 @pytest.mark.parametrize("spec,dt", OCP[:2], ids=["e4m3", "e5m2"])

@@ -42,6 +42,46 @@ def pow2_wide(k: torch.Tensor, *, subnormal: bool = True) -> torch.Tensor:
     return torch.where(k == -127, 2.0**-127, p) if subnormal else p
 
 
+def ufp(a: torch.Tensor) -> torch.Tensor:
+    """2**floor(log2 a), the unit in the first place of float32 ``a`` in [2**-126, 2**104), by arithmetic alone.
+
+    Rump's algorithm (S. M. Rump, "Ultimately fast accurate summation", SIAM J. Sci. Comput. 31(5), 2009,
+    Algorithm 3.5) for float32: q = a * (2**23 + 1) and ufp = q - q * (1 - 2**-24), each step rounded to
+    nearest. Every product is spelled as a product with a power of two (exact), so contracting a product and
+    a sum into an FMA gives the same values. Compilers vectorise it, where reading the exponent field needs a
+    float/int reinterpretation (Inductor's C++ does those through memory). NaN gives NaN.
+    ``tests/test_formats_steps.py`` checks every float32 of the range.
+    """
+    q = a * 8388608.0 + a  # a * (2**23 + 1), one rounding
+    return q - (q - q * 2.0**-24)
+
+
+def round_to_step(a: torch.Tensor, step: torch.Tensor, rounding: str, u: torch.Tensor | None) -> torch.Tensor:
+    """Round ``a >= 0`` (float32) to a multiple of ``step`` (a power of two with ``a < 2**22 * step``, step * 2**-24
+    a normal float32) per the rounding mode, by arithmetic alone: the same as ``round_integer(a / step) * step``.
+
+    big = 2**23 steps: the float32 numbers in [big, 2 big) are exactly the multiples of ``step``, so the
+    float32 sum a + big rounds a to the nearest multiple, ties to even, and subtracting big is exact. The other
+    modes correct that nearest multiple t, comparing exact differences (|a - t| <= step / 2): ``ta`` moves a
+    tie up, ``rz`` moves t down where it lies above a, ``sr`` moves the value toward zero up where
+    u * step < a - down, i.e. u < the fractional part. Inf stays Inf, NaN NaN.
+    """
+    big = step * 8388608.0  # 2**23
+    t = (a + big) - big  # nearest, ties to even
+    if rounding == "rne":
+        return t
+    if rounding == "ta":
+        return t + torch.where(a - t == step * 0.5, step, 0.0)
+    down = t - torch.where(t > a, step, 0.0)
+    if rounding == "rz":
+        return down
+    if rounding == "sr":
+        if u is None:
+            raise ValueError("stochastic rounding needs uniforms")
+        return down + torch.where(u * step < a - down, step, 0.0)
+    raise ValueError(f"unknown rounding {rounding!r}")  # pragma: no cover - guarded by option validation
+
+
 def mul_pow2(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """``x * 2**k`` for int32 ``k`` in [-252, 252], as two multiplications by normal powers of two.
 

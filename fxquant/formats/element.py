@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from fxquant.formats._bits import frexp_bits, mul_pow2, pow2, round_integer
+from fxquant.formats._bits import frexp_bits, mul_pow2, pow2, round_integer, round_to_step, ufp
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,7 @@ class ElementSpec:
         """Mantissa width of binade ``e`` (int32 tensor, already clamped to [emin, emax + 1])."""
         return self.mbits
 
+    @torch.compiler.assume_constant_result  # plain numbers: Dynamo calls it instead of tracing its tensor code
     def grid_factors(self) -> tuple[list[float], list[float], list[float], list[float]]:
         """Per float32 exponent field F (0..255): the exact powers of two mapping a value onto its grid.
 
@@ -95,12 +96,18 @@ class ElementSpec:
         """Round float32 ``v`` to the nearest element value (per ``rounding``), in float32.
 
         ``finite=True`` promises no NaN/Inf in ``v`` (block formats, whose non-finite blocks are replaced
-        afterwards): the Inf fix-up pass is skipped. Round-to-nearest-even on a format torch has a dtype
-        for uses torch's own cast, which tests check equal to ``quantize_arith`` bit for bit.
+        afterwards): the Inf fix-up pass is skipped. Eager, round-to-nearest-even on a format torch has a dtype
+        for uses torch's own cast and everything else ``quantize_arith`` (float32 bits); traced for a compiler,
+        ``quantize_steps``. Tests check the three equal bit for bit.
         """
-        if rounding != "rne" or self.torch_dtype is None or (self.bits > 8 and _tracing()):
-            # Traced for a compiler (fxquant.lowering), a bf16/fp16 cast followed by the cast back is elided by
-            # Inductor (its emulate_precision_casts is off): those formats round by arithmetic there.
+        if _tracing():
+            # Traced for a compiler (fxquant.lowering): arithmetic that vectorises (no float/int reinterpretation,
+            # no float8 conversion). A bf16/fp16 cast followed by the cast back would be elided by Inductor (its
+            # emulate_precision_casts is off), so those formats round by arithmetic there as well.
+            if self.steps_in_range():
+                return self.quantize_steps(v, rounding, saturate, u, finite=finite)
+            return self.quantize_arith(v, rounding, saturate, u, finite=finite)
+        if rounding != "rne" or self.torch_dtype is None:
             return self.quantize_arith(v, rounding, saturate, u, finite=finite)
         if not saturate and self.has_inf:
             return v.to(self.torch_dtype).to(torch.float32)  # the cast overflows to Inf, as the format does
@@ -114,19 +121,6 @@ class ElementSpec:
     ) -> torch.Tensor:
         """``quantize`` by float32 bit arithmetic alone (any element format, any rounding mode)."""
         a = v.abs()
-        if self.uses_ladder() and _tracing():
-            # Traced for a compiler (fxquant.lowering), a few binades (FP4/FP6 elements): the grid step is picked
-            # by comparisons with the binade bounds, in float32 vector arithmetic (Inductor's C++ reinterprets
-            # bits through memory; eager torch does it in place, faster than this). The same steps as below: binade
-            # e uses 2**(max(e, emin) - m); values above the top binade use its step, which rounds them to at
-            # least 2**(emax + 1) > max_normal, clamped below like the bit path's larger step would be.
-            step, inv = 2.0 ** (self.emin - self.mbits), 2.0 ** (self.mbits - self.emin)
-            for e in range(self.emin + 1, self.emax + 1):
-                above = a >= 2.0**e
-                step = torch.where(above, 2.0 ** (e - self.mbits), step)
-                inv = torch.where(above, 2.0 ** (self.mbits - e), inv)
-            q = round_integer(a * inv, rounding, u) * step
-            return self._finish(q, v, a, rounding, saturate, finite)
         field = a.view(torch.int32) >> 23  # biased exponent, 0..255 (a >= 0)
         if self.factors_are_normal():
             # e_eff + 127, then 2**(m - e_eff) and 2**(e_eff - m) built from bits: int32 arithmetic only.
@@ -147,10 +141,29 @@ class ElementSpec:
                 q = q * from_b[idx]
         return self._finish(q, v, a, rounding, saturate, finite)
 
-    def uses_ladder(self) -> bool:
-        """Whether ``quantize_arith`` picks the grid step by comparisons: at most two binade bounds (FP4, FP6
-        E2M3) and no Inf, so saturation covers every value above the top binade."""
-        return not self.has_inf and self.emax - self.emin <= 2 and type(self).mantissa_bits is ElementSpec.mantissa_bits
+    def quantize_steps(
+        self, v: torch.Tensor, rounding: str, saturate: bool, u: torch.Tensor | None, *, finite: bool = False
+    ) -> torch.Tensor:
+        """``quantize`` by float32 arithmetic without reading bits (``steps_in_range`` formats): the binade's power of
+        two from ``ufp``, the grid step from it (``grid_step``), the rounding by ``round_to_step``.
+
+        |v| is clamped to [2**emin, 2**(emax + 1)] before ``ufp``, as the bit path clamps the exponent: values
+        below 2**emin use emin's step, values above the top binade a step of the binade above it, which rounds
+        them to more than max_normal (saturated or overflowed below, like the bit path's).
+        """
+        a = v.abs()
+        binade = ufp(torch.clamp(a, 2.0**self.emin, 2.0 ** (self.emax + 1)))
+        q = round_to_step(a, self.grid_step(binade), rounding, u)
+        return self._finish(q, v, a, rounding, saturate, finite)
+
+    def grid_step(self, binade: torch.Tensor) -> torch.Tensor:
+        """The grid step 2**(e - m(e)) of the binade whose power of two is ``binade`` = 2**e (float32 tensor,
+        e in [emin, emax + 1]). Must agree with ``mantissa_bits`` (tested for every binade)."""
+        return binade * 2.0**-self.mbits
+
+    def steps_in_range(self) -> bool:
+        """Whether ``quantize_steps`` applies: every clamped binade within ``ufp``'s range (all formats but bf16)."""
+        return -126 <= self.emin and self.emax + 1 < 104
 
     def _finish(self, q, v, a, rounding, saturate, finite):
         """Overflow, sign, the single zero and non-finite inputs, after rounding ``a = |v|`` to ``q``."""
@@ -183,8 +196,9 @@ class ElementSpec:
 
 
 def _tracing() -> bool:
-    """Whether a compiler traces this call (fake tensors are active)."""
-    return torch._guards.detect_fake_mode() is not None
+    """Whether a compiler traces this call: Dynamo (``torch.compiler.is_compiling``, which it folds to a constant), or
+    AOT autograd and ``make_fx`` (fake tensors are active)."""
+    return torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None
 
 
 _TABLES: dict[ElementSpec, torch.Tensor] = {}  # decode tables, built once per spec from the bit rules
@@ -246,6 +260,13 @@ class HiF8(ElementSpec):
         """3 bits for |E| <= 3, 2 for 4..7, 1 for 8..15, 0 beyond (denormals and overflow)."""
         ae = e.abs()
         return 3 - (ae > 3).to(torch.int32) - (ae > 7).to(torch.int32) - (ae > 15).to(torch.int32)
+
+    def grid_step(self, binade: torch.Tensor) -> torch.Tensor:
+        """``mantissa_bits`` by comparisons of 2**e: 2**(e - 3), doubled for |e| > 3, > 7 and > 15."""
+        step = binade * 0.125
+        for k in (3, 7, 15):
+            step = torch.where((binade > 2.0**k) | (binade < 2.0**-k), step * 2.0, step)
+        return step
 
     def encode(self, q: torch.Tensor) -> torch.Tensor:
         a = q.abs()

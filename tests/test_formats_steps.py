@@ -1,0 +1,143 @@
+"""The traced element rounding (``ElementSpec.quantize_steps``: ``_bits.ufp`` + ``_bits.round_to_step``, what
+``fxquant.lowering`` compiles) equals the float32 bit arithmetic of the eager reference (``quantize_arith``).
+
+- ``ufp`` on every float32 of the binade [1, 2) and the ends and a sample of every binade of its range: float32
+  multiplication and addition are scale-invariant away from underflow and overflow, so one binade in full plus
+  every binade's ends covers the range. Eager and compiled by Inductor (C++).
+- ``grid_step`` against ``mantissa_bits`` for every binade of every element format.
+- ``quantize_steps`` against ``quantize_arith`` for every element format, rounding mode and saturation, on every
+  bf16 and fp16 pattern, every float32 within 40 ulps of every rounding midpoint, every float32 of two whole
+  binades, random float32 bit patterns and the specials; eager and compiled.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fxquant.formats._bits import round_integer, round_to_step, ufp, uniforms
+from fxquant.formats.element import BF16, E2M1, E2M3, E3M2, E4M3, E5M2, FP16, HIF8, INT8
+from tests.bitwise import assert_bitwise_equal
+from tests.test_formats_exhaustive import every_pattern, near_ties
+
+STEP_SPECS = [E4M3, E5M2, E3M2, E2M3, E2M1, HIF8, INT8, FP16]
+ROUNDINGS = ("rne", "ta", "rz", "sr")
+
+
+def binade(e: int, mantissas: torch.Tensor) -> torch.Tensor:
+    """float32 values 2**e * (1 + m * 2**-23) for int32 mantissa fields ``m``."""
+    return (((e + 127) << 23) | mantissas).view(torch.float32)
+
+
+def every_mantissa() -> torch.Tensor:
+    return torch.arange(1 << 23, dtype=torch.int32)
+
+
+def test_ufp_on_every_float32_of_one_binade_and_the_ends_of_all():
+    ends = torch.cat([torch.tensor([0, 1, 2, (1 << 23) - 2, (1 << 23) - 1], dtype=torch.int32),
+                      torch.randint(0, 1 << 23, (4096,), generator=torch.Generator().manual_seed(0), dtype=torch.int32)])
+    compiled = torch.compile(ufp, backend="inductor", dynamic=False)
+    a = binade(0, every_mantissa())
+    assert_bitwise_equal(ufp(a), torch.ones_like(a), "ufp on [1, 2):")
+    assert_bitwise_equal(compiled(a), torch.ones_like(a), "compiled ufp on [1, 2):")
+    xs = torch.cat([binade(e, ends) for e in range(-126, 104)])
+    want = torch.cat([torch.full((ends.numel(),), 2.0**e) for e in range(-126, 104)])
+    assert_bitwise_equal(ufp(xs), want, "ufp over [2**-126, 2**104):")
+    assert_bitwise_equal(compiled(xs), want, "compiled ufp over [2**-126, 2**104):")
+    assert torch.isnan(ufp(torch.tensor([math.nan]))).all()
+
+
+@pytest.mark.parametrize("spec", STEP_SPECS, ids=lambda s: s.name)
+def test_grid_step_agrees_with_mantissa_bits(spec):
+    es = torch.arange(spec.emin, spec.emax + 2, dtype=torch.int32)
+    m = torch.as_tensor(spec.mantissa_bits(es), dtype=torch.int32).expand_as(es)
+    want = torch.tensor([2.0 ** (e - k) for e, k in zip(es.tolist(), m.tolist())])
+    got = spec.grid_step(torch.tensor([2.0**e for e in es.tolist()]))
+    assert_bitwise_equal(got, want, f"{spec.name} grid steps:")
+
+
+def test_steps_cover_every_format_but_bf16():
+    assert all(s.steps_in_range() for s in STEP_SPECS)
+    assert not BF16.steps_in_range()  # its binades reach 2**128: quantize_arith's factor tables instead
+
+
+def test_round_to_step_equals_round_integer():
+    """Every float32 of [1, 2) rounded to steps 2**-1 .. 2**-22 (every position of the cut within the mantissa),
+    per mode, against round_integer(a / step) * step."""
+    a = binade(0, every_mantissa()[::7])
+    u = uniforms(a.numel(), 11, a.device)
+    for k in range(1, 23):
+        step = torch.full_like(a, 2.0**-k)
+        for rounding in ROUNDINGS:
+            want = round_integer(a * 2.0**k, rounding, u) * 2.0**-k
+            assert_bitwise_equal(round_to_step(a, step, rounding, u), want, f"step 2**-{k} {rounding}:")
+
+
+def inputs(spec) -> torch.Tensor:
+    """Every bf16 and fp16 pattern, 40 ulps around every midpoint of the format's grid, every float32 of the binade
+    holding max_normal and of the lowest normal binade, random float32 bit patterns, specials."""
+    gen = torch.Generator().manual_seed(5)
+    rnd = torch.randint(-(2**31), 2**31 - 1, (1 << 20,), generator=gen, dtype=torch.int32).view(torch.float32)
+    whole = [binade(spec.emax, every_mantissa()[::3]), binade(spec.emin, every_mantissa()[1::3])]
+    specials = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 1e-45, 3.4e38, -3.4e38, spec.max_normal,
+                             -spec.max_normal, spec.min_subnormal, spec.min_subnormal / 2])
+    return torch.cat([every_pattern(torch.bfloat16), every_pattern(torch.float16), near_ties(spec), *whole, rnd,
+                      specials])
+
+
+def cases(spec) -> list[tuple[str, bool]]:
+    return [(r, sat) for r in ROUNDINGS for sat in ((True, False) if spec.has_inf else (True,))]
+
+
+@pytest.mark.parametrize("spec", STEP_SPECS, ids=lambda s: s.name)
+def test_quantize_steps_equals_bit_arithmetic(spec):
+    x = inputs(spec)
+    u = uniforms(x.numel(), 3, x.device)
+    for rounding, sat in cases(spec):
+        uu = u if rounding == "sr" else None
+        for finite in (False, True):
+            xs = x[torch.isfinite(x)] if finite else x
+            us = uu[torch.isfinite(x)] if finite and uu is not None else uu
+            want = spec.quantize_arith(xs, rounding, sat, us, finite=finite)
+            got = spec.quantize_steps(xs, rounding, sat, us, finite=finite)
+            assert_bitwise_equal(got, want, f"{spec.name} {rounding} saturate={sat} finite={finite}:")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", STEP_SPECS, ids=lambda s: s.name)
+def test_compiled_element_quantize_equals_eager(spec):
+    """Traced, ``ElementSpec.quantize`` takes ``quantize_steps``; Inductor's C++ code equals the eager bit path."""
+    x = inputs(spec)
+    u = uniforms(x.numel(), 3, x.device)
+    specs = cases(spec)
+
+    def fn(x, u):
+        return tuple(spec.quantize(x, r, sat, u if r == "sr" else None) for r, sat in specs)
+
+    got = torch.compile(fn, backend="inductor", dynamic=False)(x, u)
+    for (rounding, sat), y in zip(specs, got):
+        want = spec.quantize_arith(x, rounding, sat, u if rounding == "sr" else None)
+        assert_bitwise_equal(y, want, f"compiled {spec.name} {rounding} saturate={sat}:")
+
+
+@pytest.mark.parametrize("name", ["hifp8", "fp8_e4m3", "fp8_e5m2", "mxfp8_e4m3", "mxfp4_e2m1", "nvfp4"])
+def test_lowered_element_rounding_reads_no_bits(name):
+    """What makes the lowered quantize fast on CPU: no per-element float/int reinterpretation and no float8
+    conversion, which Inductor's vectorised C++ does element by element through a buffer (``tmpbuf``). Block
+    formats read the exponent of each block's amax: scalar code, once per block."""
+    from torch._inductor.utils import run_and_get_code
+
+    import fxquant.ops  # noqa: F401  (defines the op)
+    from fxquant import lowering
+    from fxquant.formats.tensor_quant import TensorQuant
+
+    spec = TensorQuant(name).spec()
+    fn = torch.compile(lambda t: torch.ops.fxquant.quantize(t, spec, -1, None), backend=lowering.inductor_backend)
+    x = torch.randn(8, 256).to(torch.bfloat16)
+    out, (code,) = run_and_get_code(fn, x)
+    assert_bitwise_equal(out, TensorQuant(name).quantize(x))
+    assert "Float8" not in code
+    assert "bit_cast<int32_t>(tmpbuf" not in code and "bit_cast<float>(tmpbuf" not in code, code
+    if name.startswith(("hifp8", "fp8")):
+        assert "bit_cast" not in code, code
