@@ -181,6 +181,9 @@ def inductor_config_patches() -> dict[str, object]:
     C++ code never flushes them). Only settings this torch has are set."""
     from torch._inductor import config
 
+    from fxquant import element_lowering
+
+    element_lowering.register()
     existing = config.post_grad_custom_pre_pass
     patches: dict[str, object] = {
         "post_grad_custom_pre_pass": existing if isinstance(existing, LowerQuantize) else LowerQuantize(existing)

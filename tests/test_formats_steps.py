@@ -53,8 +53,9 @@ def test_grid_step_agrees_with_mantissa_bits(spec):
     es = torch.arange(spec.emin, spec.emax + 2, dtype=torch.int32)
     m = torch.as_tensor(spec.mantissa_bits(es), dtype=torch.int32).expand_as(es)
     want = torch.tensor([2.0 ** (e - k) for e, k in zip(es.tolist(), m.tolist())])
-    got = spec.grid_step(torch.tensor([2.0**e for e in es.tolist()]))
-    assert_bitwise_equal(got, want, f"{spec.name} grid steps:")
+    binades = torch.tensor([2.0**e for e in es.tolist()])
+    for a in (binades, binades * 1.5, binades * (2 - 2**-23)):  # every value of each binade gives its step
+        assert_bitwise_equal(spec.grid_step(binades, a), want, f"{spec.name} grid steps:")
 
 
 def test_steps_cover_every_format_but_bf16():
@@ -141,3 +142,57 @@ def test_lowered_element_rounding_reads_no_bits(name):
     assert "bit_cast<int32_t>(tmpbuf" not in code and "bit_cast<float>(tmpbuf" not in code, code
     if name.startswith(("hifp8", "fp8")):
         assert "bit_cast" not in code, code
+
+
+def test_round_elements_op_passes_opcheck():
+    import fxquant.formats.element  # noqa: F401  (defines the op)
+
+    v = torch.randn(6, 40) * 100
+    u = uniforms(v.numel(), 9, v.device).reshape(v.shape)
+    op = torch.ops.fxquant.round_elements.default
+    for args in ((v, None, "hif8", "ta", True, False), (v, u, "e4m3", "sr", True, True),
+                 (v.t(), None, "e5m2", "rne", False, False)):
+        torch.library.opcheck(op, args)
+
+
+@pytest.mark.slow
+def test_element_lowering_op_by_op_fallback_equals_reference(monkeypatch):
+    """Where the one-pointwise lowering cannot take a graph (an ATen op outside its table), Inductor's own
+    lowerings run the same traced graph: same values."""
+    import fxquant.ops  # noqa: F401  (defines the op)
+    from fxquant import element_lowering, lowering
+    from fxquant.formats.tensor_quant import TensorQuant
+
+    monkeypatch.setattr(element_lowering, "supported", lambda gm: False)
+    specs = [TensorQuant("hifp8").spec(), TensorQuant("mxfp8_e4m3", rounding="sr").spec()]
+    x = inputs(HIF8)[: 1 << 16].reshape(-1, 64)
+
+    def fn(t):
+        return tuple(torch.ops.fxquant.quantize(t, s, -1, 5) for s in specs)
+
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend=lowering.inductor_backend)(x)
+    for s, y in zip(specs, got):
+        assert_bitwise_equal(y, TensorQuant.from_spec(s).quantize(x, -1, seed=5), s)
+
+
+@pytest.mark.slow
+def test_formats_compile_under_dynamo_without_a_graph_break():
+    """``torch.compile(fullgraph=True)`` of code that calls ``Format.quantize`` (every format, defaults and SR):
+    one graph, Inductor-generated kernels (no fxquant op left in the code), values equal to eager."""
+    from torch._inductor.utils import run_and_get_code
+
+    from fxquant import formats
+
+    names = formats.names()
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(48, 96, generator=g) * torch.pow(2.0, torch.empty(48, 96).uniform_(-20, 20, generator=g))
+
+    def fn(t):
+        return tuple(formats.get(n).quantize(t, rounding=r, seed=4) for n in names for r in (None, "sr"))
+
+    got, codes = run_and_get_code(torch.compile(fn, fullgraph=True), x)
+    assert "torch.ops.fxquant" not in "\n".join(codes)
+    want = fn(x)
+    for (n, r), y, w in zip([(n, r) for n in names for r in (None, "sr")], got, want):
+        assert_bitwise_equal(y, w, f"{n} rounding={r}:")

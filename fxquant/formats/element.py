@@ -12,6 +12,7 @@ Every spec also knows its bit-level codes: ``encode`` maps grid values to uint8 
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -102,10 +103,11 @@ class ElementSpec:
         """
         if _tracing():
             # Traced for a compiler (fxquant.lowering): arithmetic that vectorises (no float/int reinterpretation,
-            # no float8 conversion). A bf16/fp16 cast followed by the cast back would be elided by Inductor (its
+            # no float8 conversion), as one op (``fxquant::round_elements``) that Inductor lowers to one pointwise
+            # computation. A bf16/fp16 cast followed by the cast back would be elided by Inductor (its
             # emulate_precision_casts is off), so those formats round by arithmetic there as well.
             if self.steps_in_range():
-                return self.quantize_steps(v, rounding, saturate, u, finite=finite)
+                return torch.ops.fxquant.round_elements(v, u, self.name, rounding, saturate, finite)
             return self.quantize_arith(v, rounding, saturate, u, finite=finite)
         if rounding != "rne" or self.torch_dtype is None:
             return self.quantize_arith(v, rounding, saturate, u, finite=finite)
@@ -153,12 +155,13 @@ class ElementSpec:
         """
         a = v.abs()
         binade = ufp(torch.clamp(a, 2.0**self.emin, 2.0 ** (self.emax + 1)))
-        q = round_to_step(a, self.grid_step(binade), rounding, u)
+        q = round_to_step(a, self.grid_step(binade, a), rounding, u)
         return self._finish(q, v, a, rounding, saturate, finite)
 
-    def grid_step(self, binade: torch.Tensor) -> torch.Tensor:
+    def grid_step(self, binade: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         """The grid step 2**(e - m(e)) of the binade whose power of two is ``binade`` = 2**e (float32 tensor,
-        e in [emin, emax + 1]). Must agree with ``mantissa_bits`` (tested for every binade)."""
+        e in [emin, emax + 1]) holding ``a`` (clamped to it). Must agree with ``mantissa_bits`` (tested for every
+        binade)."""
         return binade * 2.0**-self.mbits
 
     def steps_in_range(self) -> bool:
@@ -261,12 +264,13 @@ class HiF8(ElementSpec):
         ae = e.abs()
         return 3 - (ae > 3).to(torch.int32) - (ae > 7).to(torch.int32) - (ae > 15).to(torch.int32)
 
-    def grid_step(self, binade: torch.Tensor) -> torch.Tensor:
-        """``mantissa_bits`` by comparisons of 2**e: 2**(e - 3), doubled for |e| > 3, > 7 and > 15."""
-        step = binade * 0.125
-        for k in (3, 7, 15):
-            step = torch.where((binade > 2.0**k) | (binade < 2.0**-k), step * 2.0, step)
-        return step
+    def grid_step(self, binade: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """``mantissa_bits`` by comparisons: 2**(e - 3), times 2 for |e| > 3, 4 for |e| > 7, 8 for |e| > 15, with |e| > k
+        read off ``a`` (a >= 2**(k + 1) or a < 2**-k; the clamp to [2**-22, 2**16] moves no value across these)."""
+        factor = 0.125  # 2**-3
+        for k, wider in ((3, 0.25), (7, 0.5), (15, 1.0)):  # nested selects of constants: each reads ``a`` twice
+            factor = torch.where((a >= 2.0 ** (k + 1)) | (a < 2.0**-k), wider, factor)
+        return binade * factor
 
     def encode(self, q: torch.Tensor) -> torch.Tensor:
         a = q.abs()
@@ -403,3 +407,27 @@ HIF8 = HiF8(
     signed_zero=False,
     default_rounding="ta",
 )
+
+ELEMENTS: dict[str, ElementSpec] = {s.name: s for s in (E4M3, E5M2, E3M2, E2M3, E2M1, FP16, BF16, INT8, HIF8)}
+
+
+# flexible_layout: no stride constraint, also where Inductor met the op before fxquant's lowering was registered
+# (its fallback would otherwise leave a constraint behind that the lowering cannot meet).
+@torch.library.custom_op("fxquant::round_elements", mutates_args=(), tags=(torch.Tag.flexible_layout,))
+def round_elements(
+    v: torch.Tensor, u: torch.Tensor | None, element: str, rounding: str, saturate: bool, finite: bool
+) -> torch.Tensor:
+    """``ELEMENTS[element].quantize_steps(v, rounding, saturate, u, finite=finite)`` as one op: what a traced
+    ``ElementSpec.quantize`` records. Compilers see one node per element rounding; ``fxquant.element_lowering``
+    lowers it for Inductor into one pointwise computation that evaluates each step once per element (Inductor's
+    own lowering of the dozen ATen ops would re-evaluate a shared operand at every use while generating code)."""
+    return ELEMENTS[element].quantize_steps(v, rounding, saturate, u, finite=finite)
+
+
+@round_elements.register_fake
+def _round_elements_fake(v, u, element, rounding, saturate, finite):
+    if "torch._inductor.lowering" in sys.modules:  # traced on the way to Inductor: install the lowering first
+        from fxquant import element_lowering
+
+        element_lowering.register()
+    return torch.empty_like(v, dtype=torch.float32)
