@@ -101,9 +101,9 @@ def _aot_time_decomposition(x: torch.Tensor, qspec: str, dim: int, seed: int | N
 def _post_grad(qspec: str) -> bool:
     """Whether ``LowerQuantize`` expands this spec after partitioning: block formats. An element format's
     arithmetic (no block amax; its rounding one ``fxquant::round_elements`` op) is expanded while AOT autograd
-    traces, which compiles and runs faster: measured on the 2-layer Llama of ``benchmarks/bench_step.py`` (2-core CPU), linear_hifp8's
-    first step (the compile) takes 24.7 s that way against 27.2 s expanded after partitioning, and its step
-    1.08x plain against 1.13x. Block formats reach the partitioner as one node each (its min-cut over a block
+    traces, which compiles and runs faster: measured on the 2-layer Llama of ``benchmarks/bench_step.py``
+    (2-core CPU), linear_hifp8's first step (the compile) takes 24.7 s that way against 27.2 s expanded after
+    partitioning, and its step 1.08x plain against 1.13x. Block formats reach the partitioner as one node each (its min-cut over a block
     quantize's few dozen ops costs seconds). Formats whose arithmetic holds tensor constants (bf16's
     grid-factor tables) are element formats, which the post-grad replacement could not insert anyway."""
     from fxquant.ops import parse_qspec

@@ -50,7 +50,8 @@ def ufp(a: torch.Tensor) -> torch.Tensor:
     nearest. Every product is spelled as a product with a power of two (exact), so contracting a product and
     a sum into an FMA gives the same values. Compilers vectorise it, where reading the exponent field needs a
     float/int reinterpretation (Inductor's C++ does those through memory). NaN gives NaN.
-    ``tests/test_formats_steps.py`` checks every float32 of the range.
+    ``tests/test_formats_steps.py`` checks every float32 of one binade and both ends of every binade of the range
+    (float32 arithmetic is scale-invariant away from underflow and overflow).
     """
     q = a * 8388608.0 + a  # a * (2**23 + 1), one rounding
     return q - (q - q * 2.0**-24)
