@@ -13,7 +13,9 @@ AOT traces). The result equals the reference bit for bit (``tests/test_formats_l
 - a block's exponent comes from the float32 bits of its amax; an element's binade from Rump's exact ``ufp`` and
   its rounding from adding and subtracting 2**23 grid steps (``ElementSpec.quantize_steps``: no per-element
   bit reinterpretation or float8 conversion, which Inductor's C++ vectoriser does through memory); every
-  multiplication by a power of two is exact;
+  multiplication by a power of two is exact; the per-element arithmetic reaches Inductor as one op
+  (``fxquant::round_elements`` or ``fxquant::block_values``), lowered by ``fxquant.pointwise_lowering`` into
+  one pointwise computation;
 - divisions are IEEE float32 divisions (``formats._bits.fdiv``): float32 ``/`` on CPU, where Inductor's C++
   keeps them divisions, and elsewhere float64 divisions rounded to float32, exact even where a backend
   divides approximately or by a reciprocal;
@@ -181,9 +183,9 @@ def inductor_config_patches() -> dict[str, object]:
     C++ code never flushes them). Only settings this torch has are set."""
     from torch._inductor import config
 
-    from fxquant import element_lowering
+    from fxquant import pointwise_lowering
 
-    element_lowering.register()
+    pointwise_lowering.register()
     existing = config.post_grad_custom_pre_pass
     patches: dict[str, object] = {
         "post_grad_custom_pre_pass": existing if isinstance(existing, LowerQuantize) else LowerQuantize(existing)

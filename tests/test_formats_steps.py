@@ -144,26 +144,58 @@ def test_lowered_element_rounding_reads_no_bits(name):
         assert "bit_cast" not in code, code
 
 
-def test_round_elements_op_passes_opcheck():
-    import fxquant.formats.element  # noqa: F401  (defines the op)
-
+def test_traced_stage_ops_pass_opcheck():
     v = torch.randn(6, 40) * 100
     u = uniforms(v.numel(), 9, v.device).reshape(v.shape)
     op = torch.ops.fxquant.round_elements.default
     for args in ((v, None, "hif8", "ta", True, False), (v, u, "e4m3", "sr", True, True),
                  (v.t(), None, "e5m2", "rne", False, False)):
         torch.library.opcheck(op, args)
+    xb = v.reshape(6, 5, 8).to(torch.bfloat16)
+    amax = xb.abs().amax(-1, keepdim=True).float().expand(xb.shape)
+    op = torch.ops.fxquant.block_values.default
+    for args in ((xb, amax, None, None, "mxfp8_e4m3", "rne", "floor"),
+                 (xb.float(), amax, None, u.reshape(6, 5, 8), "mxfp4_e2m1", "sr", "rceil"),
+                 (xb.float(), amax, amax.amax().expand(xb.shape), None, "nvfp4", "rne", None)):
+        torch.library.opcheck(op, args)
+
+
+def test_every_stage_lowers_as_one_pointwise():
+    """The traced graph of every element rounding and every block format's stage, for every option, uses only ops
+    ``pointwise_lowering`` maps (none falls back to Inductor's op-by-op lowering)."""
+    from fxquant import formats, pointwise_lowering
+    from fxquant.formats.element import ELEMENTS
+
+    for name, spec in ELEMENTS.items():
+        if not spec.steps_in_range():
+            continue
+        for rounding, sat in cases(spec):
+            for finite, with_u in ((False, rounding == "sr"), (True, rounding == "sr")):
+                gm = pointwise_lowering.elements_graph(name, rounding, sat, finite, with_u)
+                assert pointwise_lowering.supported(gm), (name, rounding, sat, finite)
+    f32, bf16 = torch.float32, torch.bfloat16
+    for name in formats.names():
+        fmt = formats.get(name)
+        if fmt.block_size is None:
+            continue
+        modes = [None] if name == "nvfp4" else ["floor", "ceil", "rceil", "even"]
+        for rounding in ROUNDINGS:
+            for mode in modes:
+                for x_dtype in (f32, bf16):
+                    gm = pointwise_lowering.block_graph(name, rounding, mode, (x_dtype, f32, f32), name == "nvfp4",
+                                                        rounding == "sr")
+                    assert pointwise_lowering.supported(gm), (name, rounding, mode, x_dtype)
 
 
 @pytest.mark.slow
-def test_element_lowering_op_by_op_fallback_equals_reference(monkeypatch):
+def test_pointwise_lowering_op_by_op_fallback_equals_reference(monkeypatch):
     """Where the one-pointwise lowering cannot take a graph (an ATen op outside its table), Inductor's own
     lowerings run the same traced graph: same values."""
     import fxquant.ops  # noqa: F401  (defines the op)
-    from fxquant import element_lowering, lowering
+    from fxquant import pointwise_lowering, lowering
     from fxquant.formats.tensor_quant import TensorQuant
 
-    monkeypatch.setattr(element_lowering, "supported", lambda gm: False)
+    monkeypatch.setattr(pointwise_lowering, "supported", lambda gm: False)
     specs = [TensorQuant("hifp8").spec(), TensorQuant("mxfp8_e4m3", rounding="sr").spec()]
     x = inputs(HIF8)[: 1 << 16].reshape(-1, 64)
 

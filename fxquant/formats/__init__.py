@@ -16,6 +16,7 @@ from fxquant.formats.mx import MXFormat
 from fxquant.formats.nvfp4 import NVFP4Format
 from fxquant.formats.options import QuantOptions, Rounding, ScaleMode, Scaling, did_you_mean
 from fxquant.formats.scalar import ElementFormat
+from fxquant.formats import traced_ops  # noqa: F401,E402  (defines the ops traced quantizes record)
 
 __all__ = [
     "Encoded",

@@ -12,7 +12,6 @@ Every spec also knows its bit-level codes: ``encode`` maps grid values to uint8 
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -410,24 +409,3 @@ HIF8 = HiF8(
 
 ELEMENTS: dict[str, ElementSpec] = {s.name: s for s in (E4M3, E5M2, E3M2, E2M3, E2M1, FP16, BF16, INT8, HIF8)}
 
-
-# flexible_layout: no stride constraint, also where Inductor met the op before fxquant's lowering was registered
-# (its fallback would otherwise leave a constraint behind that the lowering cannot meet).
-@torch.library.custom_op("fxquant::round_elements", mutates_args=(), tags=(torch.Tag.flexible_layout,))
-def round_elements(
-    v: torch.Tensor, u: torch.Tensor | None, element: str, rounding: str, saturate: bool, finite: bool
-) -> torch.Tensor:
-    """``ELEMENTS[element].quantize_steps(v, rounding, saturate, u, finite=finite)`` as one op: what a traced
-    ``ElementSpec.quantize`` records. Compilers see one node per element rounding; ``fxquant.element_lowering``
-    lowers it for Inductor into one pointwise computation that evaluates each step once per element (Inductor's
-    own lowering of the dozen ATen ops would re-evaluate a shared operand at every use while generating code)."""
-    return ELEMENTS[element].quantize_steps(v, rounding, saturate, u, finite=finite)
-
-
-@round_elements.register_fake
-def _round_elements_fake(v, u, element, rounding, saturate, finite):
-    if "torch._inductor.lowering" in sys.modules:  # traced on the way to Inductor: install the lowering first
-        from fxquant import element_lowering
-
-        element_lowering.register()
-    return torch.empty_like(v, dtype=torch.float32)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from fxquant.formats._bits import fdiv, frexp_bits, mul_pow2, nonfinite, pow2_wide
 from fxquant.formats.base import Format, draw_uniforms
-from fxquant.formats.element import ElementSpec
+from fxquant.formats.element import ElementSpec, _tracing
 from fxquant.formats.options import QuantOptions, ScaleMode, parse_enum
 
 E8M0_NAN = 0xFF
@@ -44,6 +44,25 @@ def blocks(x2: torch.Tensor, block: int) -> torch.Tensor:
 def unblock(xb: torch.Tensor, length: int) -> torch.Tensor:
     """Inverse of ``blocks``: ``[rows, nblocks, block]`` -> ``[rows, length]``."""
     return xb.reshape(xb.shape[0], xb.shape[1] * xb.shape[2])[:, :length]
+
+
+def blocked_uniforms(opts: QuantOptions, seed: int, x2: torch.Tensor, offset: int, block: int) -> torch.Tensor | None:
+    """The stochastic-rounding uniforms of canonical ``x2`` (a slab starting at flat index ``offset``), blocked."""
+    u = draw_uniforms(opts.rounding, seed, x2.shape, x2.device, offset)
+    return None if u is None else blocks(u, block)
+
+
+def block_stage(fmt: Format, xb: torch.Tensor, amax: torch.Tensor, tensor_amax: torch.Tensor | None,
+                u: torch.Tensor | None, opts: QuantOptions) -> torch.Tensor:
+    """``fmt.block_values(xb, amax, tensor_amax, u, opts)``; traced for a compiler, the op
+    ``fxquant::block_values`` (amaxes broadcast to ``xb``), which ``fxquant.pointwise_lowering`` makes one
+    pointwise computation."""
+    if not _tracing():
+        return fmt.block_values(xb, amax, tensor_amax, u, opts)
+    mode = None if opts.scale_mode is None else opts.scale_mode.value
+    return torch.ops.fxquant.block_values(xb, amax.expand(xb.shape),
+                                          None if tensor_amax is None else tensor_amax.expand(xb.shape), u,
+                                          fmt.name, opts.rounding.value, mode)
 
 
 def mx_scale_exponent(amax: torch.Tensor, elem: ElementSpec, mode: ScaleMode) -> torch.Tensor:
@@ -81,48 +100,52 @@ class MXFormat(Format):
             raise ValueError(f"saturate={saturate!r}: MX elements always saturate (OCP MX rule); allowed: True")
         return QuantOptions(rounding=rnd, saturate=True, scale_mode=mode)
 
-    def _scales(self, x2: torch.Tensor, opts: QuantOptions):
-        """(blocked x, s, bad): the shared exponent per block, clamped to [-127, 127], and the NaN-scale mask.
+    def _exponents(self, amax: torch.Tensor, opts: QuantOptions) -> tuple[torch.Tensor, torch.Tensor]:
+        """(s, bad) from block amaxes (float32, any shape): the shared exponent, clamped to [-127, 127], and the
+        NaN-scale mask.
 
         The shortest exact arithmetic, since compilers trace it once per operand (``fxquant.lowering``): under
         ``floor`` the exponent is the biased exponent field of amax (a float32 subnormal amax gives s <= -127
         either way, which the clamp maps to -127; amax = NaN/Inf has field 255); s > 127 cannot occur then.
         """
-        xb = blocks(x2, self.block_size)
-        amax = xb.abs().amax(dim=-1).to(torch.float32)  # exact in any input dtype; NaN propagates
         if opts.scale_mode is ScaleMode.FLOOR:
             field = (amax.view(torch.int32) >> 23) & 0xFF
-            return xb, torch.clamp_min(field - (127 + self.element.emax), -127), field == 0xFF
+            return torch.clamp_min(field - (127 + self.element.emax), -127), field == 0xFF
         bad = nonfinite(amax)
         s = mx_scale_exponent(torch.where(bad, 0.0, amax), self.element, opts.scale_mode)
-        bad = bad | (s > 127)
-        return xb, torch.clamp(s, -127, 127), bad
+        return torch.clamp(s, -127, 127), bad | (s > 127)
 
-    def _elements(
-        self, xb: torch.Tensor, s: torch.Tensor, opts: QuantOptions, seed: int, length: int, offset: int = 0
-    ):
-        """Element values P of every block. Non-finite blocks give garbage here; callers mask them."""
+    def _amax(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(blocked x [rows, nblocks, 32], amax [rows, nblocks, 1] in float32: exact in any input dtype)."""
+        xb = blocks(x2, self.block_size)
+        return xb, xb.abs().amax(dim=-1, keepdim=True).to(torch.float32)
+
+    def _elements(self, xb: torch.Tensor, s: torch.Tensor, u: torch.Tensor | None, opts: QuantOptions):
+        """Element values P (``s`` broadcast to ``xb``). Non-finite blocks give garbage here; callers mask them."""
         # 2**-s as one exact float32 per block (2**-127, for s = 127 where emax = 0, is a subnormal): the product
         # is the correctly rounded x / 2**s, the same as two multiplications by normal powers.
         inv = pow2_wide(-s, subnormal=self.element.emax == 0)
-        scaled = xb * inv.unsqueeze(-1)
-        u = draw_uniforms(opts.rounding, seed, torch.Size((xb.shape[0], length)), xb.device, offset)
-        if u is not None:
-            u = blocks(u, self.block_size)
-        return self.element.quantize(scaled, opts.rounding.value, True, u, finite=True)
+        return self.element.quantize(xb * inv, opts.rounding.value, True, u, finite=True)
+
+    def block_values(self, xb: torch.Tensor, amax: torch.Tensor, tensor_amax: None, u: torch.Tensor | None,
+                     opts: QuantOptions) -> torch.Tensor:
+        """The quantized values (float32) of blocked ``xb`` given its block amaxes ``amax`` (broadcast to ``xb``):
+        the per-element stage of ``quantize``, after the reduction. (MX has no tensor amax.)"""
+        s, bad = self._exponents(amax, opts)
+        return self._elements(xb, s, u, opts) * torch.where(bad, float("nan"), pow2_wide(s))
 
     def _quantize_canonical(self, x2, opts, seed, *, ctx=None, offset=0, out_dtype=torch.float32):
-        xb, s, bad = self._scales(x2, opts)
-        p = self._elements(xb, s, opts, seed, x2.shape[1], offset)
-        y = p * torch.where(bad, float("nan"), pow2_wide(s)).unsqueeze(-1)
+        xb, amax = self._amax(x2)
+        y = block_stage(self, xb, amax, None, blocked_uniforms(opts, seed, x2, offset, self.block_size), opts)
         return unblock(y.to(out_dtype), x2.shape[1])
 
     def _encode_canonical(self, x2, opts, seed):
-        xb, s, bad = self._scales(x2, opts)
-        p = self._elements(xb, s, opts, seed, x2.shape[1])
-        p = torch.where(bad.unsqueeze(-1), 0.0, p)
+        xb, amax = self._amax(x2)
+        s, bad = self._exponents(amax, opts)
+        p = self._elements(xb, s, blocked_uniforms(opts, seed, x2, 0, self.block_size), opts)
+        p = torch.where(bad, 0.0, p)
         codes = unblock(self.element.encode(p), x2.shape[1])
-        scales = torch.where(bad, E8M0_NAN, s + E8M0_BIAS).to(torch.uint8)
+        scales = torch.where(bad, E8M0_NAN, s + E8M0_BIAS).to(torch.uint8).squeeze(-1)
         return codes, scales, None
 
     def _decode_canonical(self, codes, scales, tensor_scale, opts):
@@ -132,3 +155,4 @@ class MXFormat(Format):
         y = mul_pow2(p, (c - E8M0_BIAS).unsqueeze(-1))
         y = torch.where((c == E8M0_NAN).unsqueeze(-1), float("nan"), y)
         return unblock(y, length)
+

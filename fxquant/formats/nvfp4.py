@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from fxquant.formats._bits import F32_MAX, fdiv, nonfinite
-from fxquant.formats.base import Format, draw_uniforms
+from fxquant.formats.base import Format
 from fxquant.formats.element import E2M1, E4M3, ElementSpec
-from fxquant.formats.mx import blocks, unblock
+from fxquant.formats.mx import block_stage, blocked_uniforms, blocks, unblock
 from fxquant.formats.options import QuantOptions
 
 NVFP4_BLOCK = 16
@@ -43,12 +43,16 @@ class NVFP4Format(Format):
     def _tensor_context(self, x2, opts):
         return x2.abs().amax() if x2.numel() else torch.zeros((), device=x2.device)
 
-    def _scales(self, x2: torch.Tensor, amax_t: torch.Tensor | None = None):
-        """(blocked x, g, b, inv = (1/g)/b, zero, bad) per the recipe; ``amax_t`` is the whole tensor's amax."""
+    def _amax(self, x2: torch.Tensor, amax_t: torch.Tensor | None = None):
+        """(blocked x, block amaxes [rows, nblocks, 1], the tensor's amax); ``amax_t`` given: the whole tensor's."""
         xb = blocks(x2, self.block_size)
-        amax_b = xb.abs().amax(dim=-1)
+        amax_b = xb.abs().amax(dim=-1, keepdim=True)
         if amax_t is None:  # the whole tensor's amax is the largest block amax: no second pass over x
             amax_t = amax_b.amax() if amax_b.numel() else torch.zeros((), device=x2.device)
+        return xb, amax_b, amax_t
+
+    def _scale_values(self, amax_b: torch.Tensor, amax_t: torch.Tensor):
+        """(g, b, inv = (1/g)/b, zero, bad) per the recipe, from block and tensor amaxes (broadcastable)."""
         bad = nonfinite(amax_t)
         g = fdiv(torch.where(bad, 1.0, amax_t), GLOBAL_DIVISOR)
         inv_g = fdiv(1.0, g)
@@ -58,30 +62,32 @@ class NVFP4Format(Format):
         amax_b = torch.where(bad, 0.0, amax_b)
         # the clamped quotient is finite: no Inf fix-up in the E4M3 rounding
         b = E4M3.quantize(torch.clamp(fdiv(fdiv(amax_b, 6.0), g), 2.0**-9, 448.0), "rne", True, None, finite=True)
-        inv = fdiv(inv_g, b)
-        return xb, g, b, inv, zero, bad
+        return g, b, fdiv(inv_g, b), zero, bad
 
-    def _elements(self, xb, inv, opts, seed, length, offset=0):
-        u = draw_uniforms(opts.rounding, seed, torch.Size((xb.shape[0], length)), xb.device, offset)
-        if u is not None:
-            u = blocks(u, self.block_size)
-        v = torch.clamp(xb * inv.unsqueeze(-1), -6.0, 6.0)
+    def _elements(self, xb, inv, u, opts):
+        v = torch.clamp(xb * inv, -6.0, 6.0)
         return E2M1.quantize(v, opts.rounding.value, True, u, finite=True)
 
+    def block_values(self, xb, amax, tensor_amax, u, opts):
+        """The quantized values (float32) of blocked ``xb`` given its block amaxes and the tensor's amax (both
+        broadcast to ``xb``): the per-element stage of ``quantize``, after the reductions."""
+        g, b, inv, zero, bad = self._scale_values(amax, tensor_amax)
+        y = self._elements(xb, inv, u, opts) * (g * b)
+        return torch.where(zero, 0.0, torch.where(bad, float("nan"), y))
+
     def _quantize_canonical(self, x2, opts, seed, *, ctx=None, offset=0, out_dtype=torch.float32):
-        xb, g, b, inv, zero, bad = self._scales(x2, ctx)
-        p = self._elements(xb, inv, opts, seed, x2.shape[1], offset)
-        y = p * (g * b).unsqueeze(-1)
-        y = torch.where(zero, 0.0, torch.where(bad, float("nan"), y))
+        xb, amax_b, amax_t = self._amax(x2, ctx)
+        y = block_stage(self, xb, amax_b, amax_t, blocked_uniforms(opts, seed, x2, offset, self.block_size), opts)
         return unblock(y.to(out_dtype), x2.shape[1])
 
     def _encode_canonical(self, x2, opts, seed):
-        xb, g, b, inv, zero, bad = self._scales(x2)
-        p = self._elements(xb, inv, opts, seed, x2.shape[1])
+        xb, amax_b, amax_t = self._amax(x2)
+        g, b, inv, zero, bad = self._scale_values(amax_b, amax_t)
+        p = self._elements(xb, inv, blocked_uniforms(opts, seed, x2, 0, self.block_size), opts)
         p = torch.where(zero | bad, 0.0, p)
         codes = unblock(E2M1.encode(p), x2.shape[1])
         tensor_scale = torch.where(zero, 0.0, torch.where(bad, float("nan"), g))
-        return codes, E4M3.encode(b), tensor_scale
+        return codes, E4M3.encode(b.squeeze(-1)), tensor_scale
 
     def _decode_canonical(self, codes, scales, tensor_scale, opts):
         p = blocks(E2M1.decode(codes), self.block_size)
