@@ -16,7 +16,8 @@ Variants per model, each on its own copy of the same weights:
 Timing: every variant is built and warmed up (its first call, the compile, is reported as ``compile_s``;
 one Inductor cache directory per process, so a variant after the first finds the kernels it shares with
 earlier ones compiled; ``--cold-compile`` adds ``cold_compile_s``, plain's and each preset's first step in
-a fresh process with an empty cache), then ``--rounds`` rounds each time one step of every
+a fresh process with an empty cache, and where it went: Inductor's code generation, gcc summed over the
+compile workers, the kernel libraries and KB of C++ written), then ``--rounds`` rounds each time one step of every
 variant in turn; a variant's figure is the median over rounds of its step time divided by plain's in the
 same round. Targets (issue 12, 2-core CPU, hidden 512): linear_mxfp8 <= 1.3x, linear_hifp8 <= 1.4x,
 FA_linear_mxfp8 <= 1.6x, linear_mxfp4 / linear_nvfp4 <= 1.5x, every preset >= 2x faster than eager; compile
@@ -135,30 +136,44 @@ def variants(args, make_model, step_of) -> list[Variant]:
     return out
 
 
-def compile_only(name: str, label: str, args) -> float:
-    """Child of ``--cold-compile``: build one variant (plain or a preset, kernels='auto'), time its first step."""
+def compile_only(name: str, label: str, args) -> dict[str, float]:
+    """Child of ``--cold-compile``: build one variant (plain or a preset, kernels='auto'), time its first step, and
+    say where the time went: Inductor's code generation (Python), gcc (summed over the compile workers, which
+    run in parallel), the kernel libraries and C++ source it wrote (this process's empty cache directory)."""
+    from torch._dynamo.utils import compile_times
+
     make_model, step_of = (torch_model if name == "torch" else megatron_model)(args)
     model = make_model()
     compiled = torch.compile(model) if label == PLAIN else fxquant.compile(model, label)
     step = step_of(compiled, model)
     t0 = time.perf_counter()
     step()
-    return time.perf_counter() - t0
+    first = time.perf_counter() - t0
+    keys, values = compile_times(repr="csv", aggregate=True)
+    times = {k: float(v) for k, v in zip(keys, values)}
+    cache = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    return {"first_step_s": first, "codegen_s": times.get("Scheduler.codegen", 0.0),
+            "gcc_s": times.get("compile_file", 0.0), "kernel_libraries": len(list(cache.rglob("*.so"))),
+            "cpp_kb": sum(f.stat().st_size for f in cache.rglob("*.cpp")) / 1024}
 
 
-def cold_compiles(name: str, args, argv: list[str]) -> dict[str, float]:
-    """First-step time of plain and every preset, each in a fresh process with an empty Inductor cache."""
+def cold_compiles(name: str, args, argv: list[str]) -> dict[str, dict[str, float]]:
+    """First step of plain and every preset, each in a fresh process with an empty Inductor cache, with the
+    breakdown ``compile_only`` reports."""
     out = {}
     for label in [PLAIN, *args.presets]:
         with tempfile.TemporaryDirectory(prefix="bench_step_cold_") as cache:
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
             cmd = [sys.executable, __file__, *argv, "--models", name, "--compile-only", label]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-        lines = [ln for ln in done.stdout.splitlines() if ln.startswith("COMPILE_S ")]
+        lines = [ln for ln in done.stdout.splitlines() if ln.startswith("COMPILE ")]
         if done.returncode != 0 or not lines:
             raise RuntimeError(f"cold compile of {label!r} ({name}) failed:\n{done.stderr[-3000:]}")
-        out[label] = float(lines[-1].split()[1])
-        print(f"  {name}: {label} cold compile {out[label]:.1f} s (fresh process, empty cache)", file=sys.stderr, flush=True)
+        out[label] = json.loads(lines[-1].split(" ", 1)[1])
+        c = out[label]
+        print(f"  {name}: {label} cold compile {c['first_step_s']:.1f} s (fresh process, empty cache; code generation "
+              f"{c['codegen_s']:.1f} s, gcc {c['gcc_s']:.1f} s over the workers, {c['kernel_libraries']} kernel "
+              f"libraries, {c['cpp_kb']:.0f} KB of C++)", file=sys.stderr, flush=True)
     return out
 
 
@@ -187,8 +202,9 @@ def run_model(name: str, args, argv: list[str]) -> list[dict]:
             "target": target, "meets": None if target is None else x_plain <= target,
             "eager_over_this": (eager_ms[v.preset] / ms) if v.preset in eager_ms and v.preset == v.label else None,
             "compile_s": v.compile_s, "compile_x_plain": v.compile_s / plain.compile_s,
-            "cold_compile_s": cold.get(v.label), "cold_compile_x_plain":
-                cold[v.label] / cold[PLAIN] if v.label in cold else None,
+            "cold_compile_s": cold[v.label]["first_step_s"] if v.label in cold else None, "cold_compile_x_plain":
+                cold[v.label]["first_step_s"] / cold[PLAIN]["first_step_s"] if v.label in cold else None,
+            "cold_compile": cold.get(v.label),
         })
     return rows
 
@@ -224,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     torch._dynamo.config.cache_size_limit = 64  # one code object, many compiled copies
     torch._dynamo.config.accumulated_cache_size_limit = 512
     if args.compile_only is not None:
-        print(f"COMPILE_S {compile_only(models[0], args.compile_only, args):.3f}", flush=True)
+        print(f"COMPILE {json.dumps(compile_only(models[0], args.compile_only, args))}", flush=True)
         return 0
     child_argv = [a for a in _without(raw, ("--models", "--json", "--rounds")) if a != "--cold-compile"]
     rows = []
@@ -233,7 +249,11 @@ def main(argv: list[str] | None = None) -> int:
     cols = ["model", "variant", "step_ms", "x_plain", "target", "meets", "eager_over_this", "compile_s", "compile_x_plain"]
     if args.cold_compile:
         cols += ["cold_compile_s", "cold_compile_x_plain"]
-    print(tabulate([[r[c] for c in cols] for r in rows], headers=cols, floatfmt=".2f"))
+        for r in rows:  # where the cold compile went, flattened for the table
+            for k, v in (r.get("cold_compile") or {}).items():
+                r[f"cold_{k}"] = v
+        cols += ["cold_codegen_s", "cold_gcc_s", "cold_kernel_libraries", "cold_cpp_kb"]
+    print(tabulate([[r.get(c) for c in cols] for r in rows], headers=cols, floatfmt=".2f"))
     if args.json:
         env = {"device": device_name(torch.device("cpu")), "torch": torch.__version__,
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
