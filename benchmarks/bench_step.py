@@ -40,6 +40,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
+if __name__ == "__main__":  # before torch is imported: Inductor settles on its cache directory as it loads
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="bench_step_inductor_"))
+
 import torch
 from tabulate import tabulate
 
@@ -236,7 +239,6 @@ def main(argv: list[str] | None = None) -> int:
     bad = [m for m in models if m not in MODELS]
     if bad:
         p.error(f"--models: unknown {bad}; choose from {list(MODELS)}")
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="bench_step_inductor_"))
     torch._dynamo.config.cache_size_limit = 64  # one code object, many compiled copies
     torch._dynamo.config.accumulated_cache_size_limit = 512
     if args.compile_only is not None:
