@@ -21,7 +21,8 @@ from fxquant.formats.element import BF16, E2M1, E2M3, E3M2, E4M3, E5M2, FP16, HI
 from tests.bitwise import assert_bitwise_equal
 from tests.test_formats_exhaustive import every_pattern, near_ties
 
-STEP_SPECS = [E4M3, E5M2, E3M2, E2M3, E2M1, HIF8, INT8, FP16]
+STEP_SPECS = [E4M3, E5M2, E3M2, E2M3, E2M1, HIF8, INT8, FP16]  # binades within ufp's range
+ALL_SPECS = [*STEP_SPECS, BF16]  # bf16: rounded scaled by 2**64 / 2**-64 outside [2**-60, 2**60)
 ROUNDINGS = ("rne", "ta", "rz", "sr")
 
 
@@ -58,9 +59,12 @@ def test_grid_step_agrees_with_mantissa_bits(spec):
         assert_bitwise_equal(spec.grid_step(binades, a), want, f"{spec.name} grid steps:")
 
 
-def test_steps_cover_every_format_but_bf16():
+def test_steps_cover_every_format_but_bf16_unscaled():
+    from fxquant.formats.element import ELEMENTS
+
     assert all(s.steps_in_range() for s in STEP_SPECS)
-    assert not BF16.steps_in_range()  # its binades reach 2**128: quantize_arith's factor tables instead
+    assert not BF16.steps_in_range()  # its binades reach 2**128 and its steps 2**-133: quantize_steps rescales
+    assert set(ELEMENTS.values()) == set(ALL_SPECS)  # every element format is tested below
 
 
 def test_round_to_step_equals_round_integer():
@@ -91,7 +95,7 @@ def cases(spec) -> list[tuple[str, bool]]:
     return [(r, sat) for r in ROUNDINGS for sat in ((True, False) if spec.has_inf else (True,))]
 
 
-@pytest.mark.parametrize("spec", STEP_SPECS, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", ALL_SPECS, ids=lambda s: s.name)
 def test_quantize_steps_equals_bit_arithmetic(spec):
     x = inputs(spec)
     u = uniforms(x.numel(), 3, x.device)
@@ -106,7 +110,7 @@ def test_quantize_steps_equals_bit_arithmetic(spec):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", STEP_SPECS, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", ALL_SPECS, ids=lambda s: s.name)
 def test_compiled_element_quantize_equals_eager(spec):
     """Traced, ``ElementSpec.quantize`` takes ``quantize_steps``; Inductor's C++ code equals the eager bit path."""
     x = inputs(spec)
@@ -122,7 +126,7 @@ def test_compiled_element_quantize_equals_eager(spec):
         assert_bitwise_equal(y, want, f"compiled {spec.name} {rounding} saturate={sat}:")
 
 
-@pytest.mark.parametrize("name", ["hifp8", "fp8_e4m3", "fp8_e5m2", "mxfp8_e4m3", "mxfp4_e2m1", "nvfp4"])
+@pytest.mark.parametrize("name", ["hifp8", "fp8_e4m3", "fp8_e5m2", "bf16", "mxfp8_e4m3", "mxfp4_e2m1", "nvfp4"])
 def test_lowered_element_rounding_reads_no_bits(name):
     """What makes the lowered quantize fast on CPU: no per-element float/int reinterpretation and no float8
     conversion, which Inductor's vectorised C++ does element by element through a buffer (``tmpbuf``). Block
@@ -140,7 +144,7 @@ def test_lowered_element_rounding_reads_no_bits(name):
     assert_bitwise_equal(out, TensorQuant(name).quantize(x))
     assert "Float8" not in code
     assert "bit_cast<int32_t>(tmpbuf" not in code and "bit_cast<float>(tmpbuf" not in code, code
-    if name.startswith(("hifp8", "fp8")):
+    if name.startswith(("hifp8", "fp8", "bf16")):
         assert "bit_cast" not in code, code
 
 
@@ -167,8 +171,6 @@ def test_every_stage_lowers_as_one_pointwise():
     from fxquant.formats.element import ELEMENTS
 
     for name, spec in ELEMENTS.items():
-        if not spec.steps_in_range():
-            continue
         for rounding, sat in cases(spec):
             for finite, with_u in ((False, rounding == "sr"), (True, rounding == "sr")):
                 gm = pointwise_lowering.elements_graph(name, rounding, sat, finite, with_u)

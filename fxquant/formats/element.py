@@ -105,9 +105,7 @@ class ElementSpec:
             # no float8 conversion), as one op (``fxquant::round_elements``) that Inductor lowers to one pointwise
             # computation. A bf16/fp16 cast followed by the cast back would be elided by Inductor (its
             # emulate_precision_casts is off), so those formats round by arithmetic there as well.
-            if self.steps_in_range():
-                return torch.ops.fxquant.round_elements(v, u, self.name, rounding, saturate, finite)
-            return self.quantize_arith(v, rounding, saturate, u, finite=finite)
+            return torch.ops.fxquant.round_elements(v, u, self.name, rounding, saturate, finite)
         if rounding != "rne" or self.torch_dtype is None:
             return self.quantize_arith(v, rounding, saturate, u, finite=finite)
         if not saturate and self.has_inf:
@@ -150,11 +148,26 @@ class ElementSpec:
 
         |v| is clamped to [2**emin, 2**(emax + 1)] before ``ufp``, as the bit path clamps the exponent: values
         below 2**emin use emin's step, values above the top binade a step of the binade above it, which rounds
-        them to more than max_normal (saturated or overflowed below, like the bit path's).
+        them to more than max_normal (saturated or overflowed below, like the bit path's). A format whose
+        binades leave ``ufp``'s range (bf16: 2**-133 steps, binades up to 2**127) rounds |v| scaled by 2**64
+        below 2**-60 and by 2**-64 from 2**60 and scales the result back: scaling by a power of two is exact
+        there (no result underflows or overflows float32 but one that rounds past 2**128, which is Inf either
+        way), and every comparison of the rounding is scale-invariant.
         """
         a = v.abs()
-        binade = ufp(torch.clamp(a, 2.0**self.emin, 2.0 ** (self.emax + 1)))
-        q = round_to_step(a, self.grid_step(binade, a), rounding, u)
+        if self.steps_in_range():
+            binade = ufp(torch.clamp(a, 2.0**self.emin, 2.0 ** (self.emax + 1)))
+            q = round_to_step(a, self.grid_step(binade, a), rounding, u)
+            return self._finish(q, v, a, rounding, saturate, finite)
+        if self.emin > -60:  # pragma: no cover - bf16 is the one such format
+            raise NotImplementedError(f"{self.name}: emin {self.emin} above the scaled steps' 2**-60")
+        small, large = a < 2.0**-60, a >= 2.0**60
+        a2 = a * torch.where(small, 2.0**64, torch.where(large, 2.0**-64, 1.0))
+        # Scaled, only the scaled subnormals lie below 2**(emin + 64) (emin's step for them) and only Inf above
+        # 2**64 (finite a < 2**128).
+        binade = ufp(torch.clamp(a2, 2.0 ** (self.emin + 64), 2.0**64))
+        q2 = round_to_step(a2, self.grid_step(binade, a2), rounding, u)
+        q = q2 * torch.where(small, 2.0**-64, torch.where(large, 2.0**64, 1.0))
         return self._finish(q, v, a, rounding, saturate, finite)
 
     def grid_step(self, binade: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
@@ -164,7 +177,8 @@ class ElementSpec:
         return binade * 2.0**-self.mbits
 
     def steps_in_range(self) -> bool:
-        """Whether ``quantize_steps`` applies: every clamped binade within ``ufp``'s range (all formats but bf16)."""
+        """Whether ``quantize_steps`` rounds without rescaling: every clamped binade within ``ufp``'s range (all
+        formats but bf16)."""
         return -126 <= self.emin and self.emax + 1 < 104
 
     def _finish(self, q, v, a, rounding, saturate, finite):
