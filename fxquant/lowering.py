@@ -105,9 +105,8 @@ def _post_grad(qspec: str) -> bool:
     arithmetic (no block amax; its rounding one ``fxquant::round_elements`` op) is expanded while AOT autograd
     traces, which compiles and runs faster: measured on the 2-layer Llama of ``benchmarks/bench_step.py``
     (2-core CPU), linear_hifp8's first step (the compile) takes 24.7 s that way against 27.2 s expanded after
-    partitioning, and its step 1.08x plain against 1.13x. Block formats reach the partitioner as one node each (its min-cut over a block
-    quantize's few dozen ops costs seconds). Formats whose arithmetic holds tensor constants (bf16's
-    grid-factor tables) are element formats, which the post-grad replacement could not insert anyway."""
+    partitioning, and its step 1.08x plain against 1.13x. Block formats reach the partitioner as one node each
+    (its min-cut over a block quantize's few dozen ops costs seconds)."""
     from fxquant.ops import parse_qspec
 
     return parse_qspec(qspec).fmt.block_size is not None

@@ -33,8 +33,10 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 
 
+@functools.lru_cache(maxsize=None)
 def _ops_table() -> dict:
-    """ATen op -> function of Inductor ``ops`` values (scalars already made constants of the operand's dtype)."""
+    """ATen op -> function of Inductor ``ops`` values (scalars already made constants of the operand's dtype).
+    ``ops`` dispatches to the handler current at call time, so one table serves every kernel."""
     from torch._inductor.virtualized import ops
 
     return {
@@ -127,36 +129,46 @@ def _nested_graph(node: torch.fx.Node) -> torch.fx.GraphModule:
     return elements_graph(element, rounding, saturate, finite, u is not None)
 
 
-def _interpret(gm: torch.fx.GraphModule, inputs: list, table: dict) -> object:
-    """Run ``gm`` on Inductor ``ops`` values ``inputs`` (one per placeholder), each node once."""
-    from torch._inductor.virtualized import ops
-
+def _run(gm: torch.fx.GraphModule, inputs: list, call: Callable[[torch.fx.Node, dict], object]) -> object:
+    """Walk ``gm`` once: placeholders take ``inputs`` in order, every other node ``call(node, env)``; the output's
+    value."""
     env: dict = {}
     inputs_left = iter(inputs)
-
-    def dtype_of(a: object) -> torch.dtype:
-        return a.meta["val"].dtype
-
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             env[node] = next(inputs_left)
         elif node.op == "output":
             (out,) = node.args[0] if isinstance(node.args[0], (tuple, list)) else (node.args[0],)
             return env[out]
-        elif node.target is aten.scalar_tensor.default:
-            env[node] = ops.constant(node.args[0], node.kwargs.get("dtype") or torch.float32)
-        elif node.target is aten.view.dtype:
-            env[node] = ops.to_dtype_bitcast(env[node.args[0]], node.args[1], dtype_of(node.args[0]))
-        elif node.target is prims.convert_element_type.default:
-            env[node] = ops.to_dtype(env[node.args[0]], node.args[1])
-        elif node.target is torch.ops.fxquant.round_elements.default:
-            v, u = node.args[:2]
-            env[node] = _interpret(_nested_graph(node), [env[v]] + ([] if u is None else [env[u]]), table)
-        elif node.target in _ON_BOOL and dtype_of(node.args[0]) is torch.bool:
-            env[node] = getattr(ops, _ON_BOOL[node.target])(*_promoted(node, env, dtype_of))
         else:
-            env[node] = table[node.target](*_promoted(node, env, dtype_of))
+            env[node] = call(node, env)
     raise AssertionError("traced graph without an output")  # pragma: no cover
+
+
+def _dtype_of(a: torch.fx.Node) -> torch.dtype:
+    return a.meta["val"].dtype
+
+
+def _interpret(gm: torch.fx.GraphModule, inputs: list) -> object:
+    """Run ``gm`` on Inductor ``ops`` values ``inputs`` (one per placeholder), each node once."""
+    return _run(gm, inputs, _interpret_node)
+
+
+def _interpret_node(node: torch.fx.Node, env: dict) -> object:
+    from torch._inductor.virtualized import ops
+
+    if node.target is aten.scalar_tensor.default:
+        return ops.constant(node.args[0], node.kwargs.get("dtype") or torch.float32)
+    if node.target is aten.view.dtype:
+        return ops.to_dtype_bitcast(env[node.args[0]], node.args[1], _dtype_of(node.args[0]))
+    if node.target is prims.convert_element_type.default:
+        return ops.to_dtype(env[node.args[0]], node.args[1])
+    if node.target is torch.ops.fxquant.round_elements.default:
+        v, u = node.args[:2]
+        return _interpret(_nested_graph(node), [env[v]] + ([] if u is None else [env[u]]))
+    if node.target in _ON_BOOL and _dtype_of(node.args[0]) is torch.bool:
+        return getattr(ops, _ON_BOOL[node.target])(*_promoted(node, env))
+    return _ops_table()[node.target](*_promoted(node, env))
 
 
 _COMPARISONS = {aten.eq.Tensor, aten.eq.Scalar, aten.gt.Tensor, aten.gt.Scalar, aten.ge.Tensor, aten.ge.Scalar,
@@ -166,7 +178,7 @@ _ON_BOOL = {aten.bitwise_or.Tensor: "logical_or", aten.bitwise_or.Scalar: "logic
             aten.bitwise_and.Scalar: "logical_and", aten.bitwise_not.default: "logical_not"}
 
 
-def _promoted(node: torch.fx.Node, env: dict, dtype_of: Callable) -> list:
+def _promoted(node: torch.fx.Node, env: dict) -> list:
     """The Inductor values of ``node``'s arguments in the dtype the ATen op computes in (ATen's type promotion:
     a comparison in its tensors' common dtype, everything else in its result's dtype; a select's condition as
     it is); Python scalars as constants of that dtype."""
@@ -174,14 +186,14 @@ def _promoted(node: torch.fx.Node, env: dict, dtype_of: Callable) -> list:
 
     tensors = [a for a in node.args if isinstance(a, torch.fx.Node)]
     if node.target in _COMPARISONS:
-        want = functools.reduce(torch.promote_types, [dtype_of(a) for a in tensors])
+        want = functools.reduce(torch.promote_types, [_dtype_of(a) for a in tensors])
     else:
         want = node.meta["val"].dtype
     out = []
     for i, a in enumerate(node.args):
         if not isinstance(a, torch.fx.Node):
             out.append(ops.constant(a, want))
-        elif (node.target is aten.where.self and i == 0) or dtype_of(a) == want:
+        elif (node.target is aten.where.self and i == 0) or _dtype_of(a) == want:
             out.append(env[a])
         else:
             out.append(ops.to_dtype(env[a], want))
@@ -192,18 +204,11 @@ def _lower_op_by_op(gm: torch.fx.GraphModule, inputs: list) -> object:
     """``gm`` through Inductor's own lowerings (any op Inductor knows; inputs broadcast)."""
     from torch._inductor.lowering import lowerings
 
-    env: dict = {}
-    inputs_left = iter(inputs)
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            env[node] = next(inputs_left)
-        elif node.op == "call_function":
-            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: env[a])
-            env[node] = lowerings[node.target](*args, **kwargs)
-        elif node.op == "output":
-            (out,) = node.args[0] if isinstance(node.args[0], (tuple, list)) else (node.args[0],)
-            return env[out]
-    raise AssertionError("traced graph without an output")  # pragma: no cover
+    def call(node: torch.fx.Node, env: dict) -> object:
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: env[a])
+        return lowerings[node.target](*args, **kwargs)
+
+    return _run(gm, inputs, call)
 
 
 def _lower_graph(gm: torch.fx.GraphModule, inputs: list) -> object:
@@ -214,10 +219,9 @@ def _lower_graph(gm: torch.fx.GraphModule, inputs: list) -> object:
     if not supported(gm) or any(list(t.get_size()) != list(first.get_size()) for t in inputs):
         log.debug("fxquant: %s lowered op by op", gm)
         return _lower_op_by_op(gm, inputs)
-    table = _ops_table()
     loaders = [t.make_loader() for t in inputs]
     return ir.Pointwise.create(device=first.get_device(), dtype=torch.float32, ranges=list(first.get_size()),
-                               inner_fn=lambda index: _interpret(gm, [load(index) for load in loaders], table))
+                               inner_fn=lambda index: _interpret(gm, [load(index) for load in loaders]))
 
 
 def _lower_round_elements(v, u, element: str, rounding: str, saturate: bool, finite: bool):

@@ -43,7 +43,6 @@ class ElementSpec:
         """Mantissa width of binade ``e`` (int32 tensor, already clamped to [emin, emax + 1])."""
         return self.mbits
 
-    @torch.compiler.assume_constant_result  # plain numbers: Dynamo calls it instead of tracing its tensor code
     def grid_factors(self) -> tuple[list[float], list[float], list[float], list[float]]:
         """Per float32 exponent field F (0..255): the exact powers of two mapping a value onto its grid.
 
@@ -74,20 +73,17 @@ class ElementSpec:
             _FACTORS[key] = all(v == 1.0 for v in to_b + from_b)
         return _FACTORS[key]
 
-    def _new_factor_tables(self, device: torch.device) -> tuple[torch.Tensor | None, ...]:
-        return tuple(
-            None if all(v == 1.0 for v in t) else torch.tensor(t, dtype=torch.float32, device=device)
-            for t in self.grid_factors()
-        )
-
     def _factor_tables(self, device: torch.device) -> tuple[torch.Tensor | None, ...]:
-        if _tracing():  # traced (fxquant.lowering): constants of the graph
-            return self._new_factor_tables(device)
+        """``grid_factors`` as float32 tensors on ``device`` (None for an all-ones factor), cached. Eager only: a
+        traced quantize rounds by ``quantize_steps``."""
         key = (self, str(device))
         tables = _FACTORS.get(key)
         if tables is None:
             with _disable_current_modes():  # real tensors, cached, whatever mode the caller runs under
-                tables = _FACTORS[key] = self._new_factor_tables(device)
+                tables = _FACTORS[key] = tuple(
+                    None if all(v == 1.0 for v in t) else torch.tensor(t, dtype=torch.float32, device=device)
+                    for t in self.grid_factors()
+                )
         return tables
 
     def quantize(
@@ -422,4 +418,3 @@ HIF8 = HiF8(
 )
 
 ELEMENTS: dict[str, ElementSpec] = {s.name: s for s in (E4M3, E5M2, E3M2, E2M3, E2M1, FP16, BF16, INT8, HIF8)}
-

@@ -155,4 +155,3 @@ class MXFormat(Format):
         y = mul_pow2(p, (c - E8M0_BIAS).unsqueeze(-1))
         y = torch.where((c == E8M0_NAN).unsqueeze(-1), float("nan"), y)
         return unblock(y, length)
-
