@@ -1,6 +1,8 @@
-"""Inductor lowerings of the two ops a traced quantize records, ``fxquant::round_elements`` (an element format's
-rounding) and ``fxquant::block_values`` (a block format's values from x and its amaxes): each becomes one
-pointwise computation that evaluates every step of the reference arithmetic once per element.
+"""Inductor lowerings of the ops a traced quantize records, ``fxquant::round_elements`` (an element format's
+rounding), ``fxquant::block_scale`` (a block format's inverse scale or scale per block, from its amaxes) and
+``fxquant::block_values`` (a block format's values from x and its scales): each becomes one pointwise
+computation that evaluates every step of the reference arithmetic once per element. NVFP4's ``block_scale`` is
+realised as a buffer (a per-block loop of its own); MX's is inlined into the per-element loop.
 
 Inductor lowers an ATen graph node by node, and the code of a node that is inlined into its consumers is
 generated again for every use: an operand shared at several depths (the binade of ``ufp``, used three times, from
@@ -11,10 +13,10 @@ arithmetic, with fake tensors, as a compiler sees it) into an ATen graph once pe
 inside a single ``Pointwise`` inner function, each ATen op mapped to the Inductor op of the same semantics:
 every intermediate is a variable computed once, the generated code is the same arithmetic in the same order, and
 the result equals the reference bit for bit (tests/test_formats_lowering.py, tests/test_formats_steps.py). A
-nested ``round_elements`` (in ``block_values``) is interpreted in place. A graph with an ATen op outside the
+nested ``round_elements`` (in ``block_scale`` and ``block_values``) is interpreted in place. A graph with an ATen op outside the
 table, or with inputs of different sizes, is lowered by Inductor's own lowerings instead (the same values).
 
-``register()`` installs both (idempotent); ``fxquant.lowering`` calls it before Inductor compiles a graph, and
+``register()`` installs all three (idempotent); ``fxquant.lowering`` calls it before Inductor compiles a graph, and
 the ops' fake implementations call it when Inductor is loaded.
 """
 from __future__ import annotations
@@ -57,6 +59,7 @@ def _ops_table() -> dict:
         aten.lt.Tensor: ops.lt,
         aten.lt.Scalar: ops.lt,
         aten.le.Scalar: ops.le,
+        aten.ne.Tensor: ops.ne,
         aten.ne.Scalar: ops.ne,
         aten.div.Tensor: ops.truediv,  # IEEE division: what fdiv spells, on every device (docs/kernels.md)
         aten.reciprocal.default: ops.reciprocal,
@@ -100,16 +103,28 @@ def elements_graph(element: str, rounding: str, saturate: bool, finite: bool, wi
 
 
 @functools.lru_cache(maxsize=None)
-def block_graph(fmt: str, rounding: str, scale_mode: str | None, dtypes: tuple, with_tensor_amax: bool,
-                with_u: bool) -> torch.fx.GraphModule:
-    """The traced ``block_values`` of a block format for one option set and input dtypes (xb, amax, tensor
-    amax): placeholders xb, amax (, tensor_amax) (, u)."""
+def scale_graph(fmt: str, rounding: str, scale_mode: str | None, amax_dtype: torch.dtype, with_tensor_amax: bool,
+                which: int) -> torch.fx.GraphModule:
+    """The traced ``block_scales(...)[which]`` of a block format for one option set: placeholders amax (,
+    tensor_amax)."""
     from fxquant import formats
 
     f = formats.get(fmt)
     opts = f.resolve(rounding=rounding, scale_mode=scale_mode)
-    return _trace(lambda xb, amax, t, u: f.block_values(xb, amax, t, u, opts),
-                  [(dtypes[0], True), (dtypes[1], True), (dtypes[2], with_tensor_amax), (torch.float32, with_u)])
+    return _trace(lambda amax, t: f.block_scales(amax, t, opts)[which],
+                  [(amax_dtype, True), (torch.float32, with_tensor_amax)])
+
+
+@functools.lru_cache(maxsize=None)
+def block_graph(fmt: str, rounding: str, x_dtype: torch.dtype, with_u: bool) -> torch.fx.GraphModule:
+    """The traced ``scaled_values`` of a block format for one option set and input dtype: placeholders xb, inv,
+    scale (, u)."""
+    from fxquant import formats
+
+    f = formats.get(fmt)
+    opts = f.resolve(rounding=rounding)
+    return _trace(lambda xb, inv, scale, u: f.scaled_values(xb, inv, scale, u, opts),
+                  [(x_dtype, True), (torch.float32, True), (torch.float32, True), (torch.float32, with_u)])
 
 
 def supported(gm: torch.fx.GraphModule) -> bool:
@@ -172,7 +187,7 @@ def _interpret_node(node: torch.fx.Node, env: dict) -> object:
 
 
 _COMPARISONS = {aten.eq.Tensor, aten.eq.Scalar, aten.gt.Tensor, aten.gt.Scalar, aten.ge.Tensor, aten.ge.Scalar,
-                aten.lt.Tensor, aten.lt.Scalar, aten.le.Scalar, aten.ne.Scalar}
+                aten.lt.Tensor, aten.lt.Scalar, aten.le.Scalar, aten.ne.Tensor, aten.ne.Scalar}
 # On booleans Inductor lowers the bitwise ATen ops to its logical ops.
 _ON_BOOL = {aten.bitwise_or.Tensor: "logical_or", aten.bitwise_or.Scalar: "logical_or",
             aten.bitwise_and.Scalar: "logical_and", aten.bitwise_not.default: "logical_not"}
@@ -229,10 +244,21 @@ def _lower_round_elements(v, u, element: str, rounding: str, saturate: bool, fin
     return _lower_graph(gm, [v] if u is None else [v, u])
 
 
-def _lower_block_values(xb, amax, tensor_amax, u, fmt: str, rounding: str, scale_mode: str | None):
-    dtypes = (xb.get_dtype(), amax.get_dtype(), torch.float32 if tensor_amax is None else tensor_amax.get_dtype())
-    gm = block_graph(fmt, rounding, scale_mode, dtypes, tensor_amax is not None, u is not None)
-    return _lower_graph(gm, [t for t in (xb, amax, tensor_amax, u) if t is not None])
+def _lower_block_scale(amax, tensor_amax, fmt: str, rounding: str, scale_mode: str | None, which: int):
+    gm = scale_graph(fmt, rounding, scale_mode, amax.get_dtype(), tensor_amax is not None, which)
+    out = _lower_graph(gm, [t for t in (amax, tensor_amax) if t is not None])
+    if tensor_amax is not None:
+        # NVFP4: the tensor amax already puts the block amaxes and the per-element pass in separate loops over
+        # x, so a buffer of scales costs no pass over x, and its per-block arithmetic (three divisions and an
+        # E4M3 rounding) runs vectorised over blocks instead of as scalar code at the head of each block. MX
+        # keeps its scale inline: there the block amax and the element pass share one loop over x.
+        out.realize()
+    return out
+
+
+def _lower_block_values(xb, inv, scale, u, fmt: str, rounding: str):
+    gm = block_graph(fmt, rounding, xb.get_dtype(), u is not None)
+    return _lower_graph(gm, [t for t in (xb, inv, scale, u) if t is not None])
 
 
 @functools.lru_cache(maxsize=None)
@@ -243,4 +269,5 @@ def register() -> None:
     import fxquant.formats  # noqa: F401  (defines the ops)
 
     register_lowering(torch.ops.fxquant.round_elements.default, type_promotion_kind=None)(_lower_round_elements)
+    register_lowering(torch.ops.fxquant.block_scale.default, type_promotion_kind=None)(_lower_block_scale)
     register_lowering(torch.ops.fxquant.block_values.default, type_promotion_kind=None)(_lower_block_values)

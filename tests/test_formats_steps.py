@@ -129,12 +129,13 @@ def test_compiled_element_quantize_equals_eager(spec):
 @pytest.mark.parametrize("name", ["hifp8", "fp8_e4m3", "fp8_e5m2", "bf16", "mxfp8_e4m3", "mxfp4_e2m1", "nvfp4"])
 def test_lowered_element_rounding_reads_no_bits(name):
     """What makes the lowered quantize fast on CPU: no per-element float/int reinterpretation and no float8
-    conversion, which Inductor's vectorised C++ does element by element through a buffer (``tmpbuf``). Block
-    formats read the exponent of each block's amax: scalar code, once per block."""
+    conversion, which Inductor's vectorised C++ does element by element through a buffer (``tmpbuf``). A block
+    format's per-block stage (``fxquant::block_scale``, one value per block) may read the exponent of its amax;
+    its per-element stage (``fxquant::block_values``, compiled alone here) does not."""
     from torch._inductor.utils import run_and_get_code
 
     import fxquant.ops  # noqa: F401  (defines the op)
-    from fxquant import lowering
+    from fxquant import formats, lowering
     from fxquant.formats.tensor_quant import TensorQuant
 
     spec = TensorQuant(name).spec()
@@ -143,9 +144,20 @@ def test_lowered_element_rounding_reads_no_bits(name):
     out, (code,) = run_and_get_code(fn, x)
     assert_bitwise_equal(out, TensorQuant(name).quantize(x))
     assert "Float8" not in code
-    assert "bit_cast<int32_t>(tmpbuf" not in code and "bit_cast<float>(tmpbuf" not in code, code
-    if name.startswith(("hifp8", "fp8", "bf16")):
+    fmt = formats.get(name)
+    if fmt.block_size is None:
         assert "bit_cast" not in code, code
+        return
+    xb = x.reshape(8, -1, fmt.block_size)
+    amax = xb.abs().amax(-1, keepdim=True).float()
+    inv, scale = fmt.block_scales(amax, amax.amax().expand(amax.shape) if name == "nvfp4" else None, fmt.resolve())
+
+    def values(xb, inv, scale):
+        return torch.ops.fxquant.block_values(xb, inv.expand(xb.shape), scale.expand(xb.shape), None, name, "rne")
+
+    out, (code,) = run_and_get_code(torch.compile(values, backend="inductor", dynamic=False), xb, inv, scale)
+    assert_bitwise_equal(out.reshape(x.shape).to(x.dtype), TensorQuant(name).quantize(x))
+    assert "bit_cast" not in code and "Float8" not in code, code
 
 
 def test_traced_stage_ops_pass_opcheck():
@@ -156,12 +168,41 @@ def test_traced_stage_ops_pass_opcheck():
                  (v.t(), None, "e5m2", "rne", False, False)):
         torch.library.opcheck(op, args)
     xb = v.reshape(6, 5, 8).to(torch.bfloat16)
-    amax = xb.abs().amax(-1, keepdim=True).float().expand(xb.shape)
+    amax = xb.abs().amax(-1, keepdim=True).float()
+    t = amax.amax().expand(amax.shape)
+    op = torch.ops.fxquant.block_scale.default
+    for which in (0, 1):
+        for args in ((amax, None, "mxfp8_e4m3", "rne", "floor", which), (amax, None, "mxfp4_e2m1", "sr", "rceil", which),
+                     (amax, t, "nvfp4", "rne", None, which)):
+            torch.library.opcheck(op, args)
+    inv = torch.exp2(-torch.floor(torch.log2(amax))).expand(xb.shape)
+    scale = (1 / inv).expand(xb.shape)
     op = torch.ops.fxquant.block_values.default
-    for args in ((xb, amax, None, None, "mxfp8_e4m3", "rne", "floor"),
-                 (xb.float(), amax, None, u.reshape(6, 5, 8), "mxfp4_e2m1", "sr", "rceil"),
-                 (xb.float(), amax, amax.amax().expand(xb.shape), None, "nvfp4", "rne", None)):
+    for args in ((xb, inv, scale, None, "mxfp8_e4m3", "rne"), (xb.float(), inv, scale, u.reshape(6, 5, 8), "mxfp4_e2m1", "sr"),
+                 (xb.float(), inv, scale, None, "nvfp4", "rne")):
         torch.library.opcheck(op, args)
+
+
+def test_block_stage_ops_equal_quantize():
+    """``fxquant::block_scale`` then ``fxquant::block_values`` (scales broadcast, as a traced quantize records
+    them) give ``Format.quantize`` bit for bit: normal, subnormal, NaN- and Inf-carrying, all-zero blocks, and
+    NVFP4 tensors too small for its scale arithmetic (all zeros) or carrying a NaN (all NaN)."""
+    from fxquant import formats
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(12, 64, generator=g) * torch.pow(2.0, torch.empty(12, 64).uniform_(-30, 30, generator=g))
+    x[1, 3], x[2, 40], x[3] = float("nan"), float("inf"), 0.0
+    x[4] = x[4] * 2.0**-140
+    for name in ("mxfp8_e4m3", "mxfp4_e2m1", "mxint8", "nvfp4"):
+        fmt = formats.get(name)
+        mode = None if name == "nvfp4" else "floor"
+        for rows in (x, x[4:5], x[3:4], x[5:]):
+            xb = rows.reshape(rows.shape[0], -1, fmt.block_size)
+            amax = xb.abs().amax(-1, keepdim=True)
+            t = amax.amax().expand(amax.shape) if name == "nvfp4" else None
+            inv, scale = (torch.ops.fxquant.block_scale(amax, t, name, "rne", mode, w).expand(xb.shape) for w in (0, 1))
+            got = torch.ops.fxquant.block_values(xb, inv, scale, None, name, "rne").reshape(rows.shape)
+            assert_bitwise_equal(got, fmt.quantize(rows), name)
 
 
 def test_every_stage_lowers_as_one_pointwise():
@@ -183,10 +224,12 @@ def test_every_stage_lowers_as_one_pointwise():
         modes = [None] if name == "nvfp4" else ["floor", "ceil", "rceil", "even"]
         for rounding in ROUNDINGS:
             for mode in modes:
-                for x_dtype in (f32, bf16):
-                    gm = pointwise_lowering.block_graph(name, rounding, mode, (x_dtype, f32, f32), name == "nvfp4",
-                                                        rounding == "sr")
-                    assert pointwise_lowering.supported(gm), (name, rounding, mode, x_dtype)
+                for which in (0, 1):
+                    gm = pointwise_lowering.scale_graph(name, rounding, mode, f32, name == "nvfp4", which)
+                    assert pointwise_lowering.supported(gm), (name, rounding, mode, which)
+            for x_dtype in (f32, bf16):
+                gm = pointwise_lowering.block_graph(name, rounding, x_dtype, rounding == "sr")
+                assert pointwise_lowering.supported(gm), (name, rounding, x_dtype)
 
 
 @pytest.mark.slow

@@ -54,15 +54,18 @@ def blocked_uniforms(opts: QuantOptions, seed: int, x2: torch.Tensor, offset: in
 
 def block_stage(fmt: Format, xb: torch.Tensor, amax: torch.Tensor, tensor_amax: torch.Tensor | None,
                 u: torch.Tensor | None, opts: QuantOptions) -> torch.Tensor:
-    """``fmt.block_values(xb, amax, tensor_amax, u, opts)``; traced for a compiler, the op
-    ``fxquant::block_values`` (amaxes broadcast to ``xb``), which ``fxquant.pointwise_lowering`` makes one
-    pointwise computation."""
+    """``fmt.block_values(xb, amax, tensor_amax, u, opts)``. Traced for a compiler, two ops that
+    ``fxquant.pointwise_lowering`` makes one pointwise computation each: ``fxquant::block_scale`` per block (the
+    inverse scale and the scale, from the block amaxes and NVFP4's tensor amax; realised, so the per-block
+    arithmetic runs once per block, not once per element) and ``fxquant::block_values`` per element (the scaled,
+    rounded, rescaled values, scales broadcast to ``xb``)."""
     if not _tracing():
         return fmt.block_values(xb, amax, tensor_amax, u, opts)
     mode = None if opts.scale_mode is None else opts.scale_mode.value
-    return torch.ops.fxquant.block_values(xb, amax.expand(xb.shape),
-                                          None if tensor_amax is None else tensor_amax.expand(xb.shape), u,
-                                          fmt.name, opts.rounding.value, mode)
+    t = None if tensor_amax is None else tensor_amax.expand(amax.shape)
+    inv, scale = (torch.ops.fxquant.block_scale(amax, t, fmt.name, opts.rounding.value, mode, which).expand(xb.shape)
+                  for which in (0, 1))
+    return torch.ops.fxquant.block_values(xb, inv, scale, u, fmt.name, opts.rounding.value)
 
 
 def mx_scale_exponent(amax: torch.Tensor, elem: ElementSpec, mode: ScaleMode) -> torch.Tensor:
@@ -120,19 +123,31 @@ class MXFormat(Format):
         xb = blocks(x2, self.block_size)
         return xb, xb.abs().amax(dim=-1, keepdim=True).to(torch.float32)
 
-    def _elements(self, xb: torch.Tensor, s: torch.Tensor, u: torch.Tensor | None, opts: QuantOptions):
-        """Element values P (``s`` broadcast to ``xb``). Non-finite blocks give garbage here; callers mask them."""
-        # 2**-s as one exact float32 per block (2**-127, for s = 127 where emax = 0, is a subnormal): the product
-        # is the correctly rounded x / 2**s, the same as two multiplications by normal powers.
-        inv = pow2_wide(-s, subnormal=self.element.emax == 0)
+    def _elements(self, xb: torch.Tensor, inv: torch.Tensor, u: torch.Tensor | None, opts: QuantOptions):
+        """Element values P (``inv`` = 2**-s broadcast to ``xb``). Non-finite blocks give garbage here; callers
+        mask them."""
         return self.element.quantize(xb * inv, opts.rounding.value, True, u, finite=True)
+
+    def _inverse(self, s: torch.Tensor) -> torch.Tensor:
+        """2**-s as one exact float32 per block (2**-127, for s = 127 where emax = 0, is a subnormal): the product
+        ``x * 2**-s`` is the correctly rounded x / 2**s, the same as two multiplications by normal powers."""
+        return pow2_wide(-s, subnormal=self.element.emax == 0)
+
+    def block_scales(self, amax: torch.Tensor, tensor_amax: None, opts: QuantOptions):
+        """(2**-s, 2**s or NaN for a NaN-scale block), float32, per block from its amax (MX has no tensor amax)."""
+        s, bad = self._exponents(amax, opts)
+        return self._inverse(s), torch.where(bad, float("nan"), pow2_wide(s))
+
+    def scaled_values(self, xb: torch.Tensor, inv: torch.Tensor, scale: torch.Tensor, u: torch.Tensor | None,
+                      opts: QuantOptions) -> torch.Tensor:
+        """The quantized values (float32) of blocked ``xb`` given ``block_scales`` broadcast to it."""
+        return self._elements(xb, inv, u, opts) * scale
 
     def block_values(self, xb: torch.Tensor, amax: torch.Tensor, tensor_amax: None, u: torch.Tensor | None,
                      opts: QuantOptions) -> torch.Tensor:
-        """The quantized values (float32) of blocked ``xb`` given its block amaxes ``amax`` (broadcast to ``xb``):
-        the per-element stage of ``quantize``, after the reduction. (MX has no tensor amax.)"""
-        s, bad = self._exponents(amax, opts)
-        return self._elements(xb, s, u, opts) * torch.where(bad, float("nan"), pow2_wide(s))
+        """The quantized values (float32) of blocked ``xb`` given its block amaxes ``amax`` (broadcastable to
+        ``xb``): the per-block and per-element stages of ``quantize``, after the reduction."""
+        return self.scaled_values(xb, *self.block_scales(amax, tensor_amax, opts), u, opts)
 
     def _quantize_canonical(self, x2, opts, seed, *, ctx=None, offset=0, out_dtype=torch.float32):
         xb, amax = self._amax(x2)
@@ -142,7 +157,7 @@ class MXFormat(Format):
     def _encode_canonical(self, x2, opts, seed):
         xb, amax = self._amax(x2)
         s, bad = self._exponents(amax, opts)
-        p = self._elements(xb, s, blocked_uniforms(opts, seed, x2, 0, self.block_size), opts)
+        p = self._elements(xb, self._inverse(s), blocked_uniforms(opts, seed, x2, 0, self.block_size), opts)
         p = torch.where(bad, 0.0, p)
         codes = unblock(self.element.encode(p), x2.shape[1])
         scales = torch.where(bad, E8M0_NAN, s + E8M0_BIAS).to(torch.uint8).squeeze(-1)

@@ -68,12 +68,22 @@ class NVFP4Format(Format):
         v = torch.clamp(xb * inv, -6.0, 6.0)
         return E2M1.quantize(v, opts.rounding.value, True, u, finite=True)
 
+    def block_scales(self, amax, tensor_amax, opts):
+        """(inv = (1/g)/b, g * b) per block from its amax and the tensor's (broadcastable), float32; the scale is 0
+        where the tensor quantizes to zeros and NaN where it has a NaN or Inf (g * b > 0 otherwise: g >= 2**-128,
+        b >= 2**-9)."""
+        g, b, inv, zero, bad = self._scale_values(amax, tensor_amax)
+        return inv, torch.where(zero, 0.0, torch.where(bad, float("nan"), g * b))
+
+    def scaled_values(self, xb, inv, scale, u, opts):
+        """The quantized values (float32) of blocked ``xb`` given ``block_scales`` broadcast to it."""
+        y = self._elements(xb, inv, u, opts) * scale
+        return torch.where(scale == 0, 0.0, torch.where(scale != scale, float("nan"), y))
+
     def block_values(self, xb, amax, tensor_amax, u, opts):
         """The quantized values (float32) of blocked ``xb`` given its block amaxes and the tensor's amax (both
-        broadcast to ``xb``): the per-element stage of ``quantize``, after the reductions."""
-        g, b, inv, zero, bad = self._scale_values(amax, tensor_amax)
-        y = self._elements(xb, inv, u, opts) * (g * b)
-        return torch.where(zero, 0.0, torch.where(bad, float("nan"), y))
+        broadcastable to ``xb``): the per-block and per-element stages of ``quantize``, after the reductions."""
+        return self.scaled_values(xb, *self.block_scales(amax, tensor_amax, opts), u, opts)
 
     def _quantize_canonical(self, x2, opts, seed, *, ctx=None, offset=0, out_dtype=torch.float32):
         xb, amax_b, amax_t = self._amax(x2, ctx)

@@ -3,14 +3,16 @@ stage of the reference arithmetic instead of its few dozen ATen ops:
 
 ``fxquant::round_elements(Tensor v, Tensor? u, str element, str rounding, bool saturate, bool finite)``
     ``ELEMENTS[element].quantize_steps(v, rounding, saturate, u, finite=finite)``: an element format's rounding.
-``fxquant::block_values(Tensor xb, Tensor amax, Tensor? tensor_amax, Tensor? u, str fmt, str rounding,
-str? scale_mode)``
-    ``formats.get(fmt).block_values(xb, amax, tensor_amax, u, options)``: a block format's values (MX, NVFP4)
-    from the blocked input and its block amaxes (and NVFP4's tensor amax), broadcast to ``xb``, after the
-    reductions.
+``fxquant::block_scale(Tensor amax, Tensor? tensor_amax, str fmt, str rounding, str? scale_mode, int which)``
+    ``formats.get(fmt).block_scales(amax, tensor_amax, options)[which]``: a block format's inverse scale
+    (``which=0``) or scale (``which=1``) per block, from its block amaxes (and NVFP4's tensor amax, broadcast
+    to them), after the reductions.
+``fxquant::block_values(Tensor xb, Tensor inv, Tensor scale, Tensor? u, str fmt, str rounding)``
+    ``formats.get(fmt).scaled_values(xb, inv, scale, u, options)``: a block format's values (MX, NVFP4) from
+    the blocked input and its scales broadcast to it.
 
-Each implementation is the reference itself (any device). ``fxquant.pointwise_lowering`` lowers both for Inductor
-into one pointwise computation per op; the fake implementations install those lowerings when Inductor is loaded
+Each implementation is the reference itself (any device). ``fxquant.pointwise_lowering`` lowers each for Inductor
+into one pointwise computation; the fake implementations install those lowerings when Inductor is loaded
 (a compile on its way to Inductor traces them first). ``flexible_layout``: no stride constraint, also where
 Inductor met an op before the lowering was installed (its fallback would otherwise leave a constraint behind
 that the lowering cannot meet).
@@ -46,18 +48,37 @@ def _round_elements_fake(v, u, element, rounding, saturate, finite):
     return torch.empty_like(v, dtype=torch.float32)
 
 
+@torch.library.custom_op("fxquant::block_scale", mutates_args=(), tags=_TAGS)
+def block_scale(
+    amax: torch.Tensor, tensor_amax: torch.Tensor | None, fmt: str, rounding: str, scale_mode: str | None, which: int
+) -> torch.Tensor:
+    f = _block_format(fmt)
+    return f.block_scales(amax, tensor_amax, f.resolve(rounding=rounding, scale_mode=scale_mode))[which]
+
+
+@block_scale.register_fake
+def _block_scale_fake(amax, tensor_amax, fmt, rounding, scale_mode, which):
+    _install_lowerings()
+    if which not in (0, 1):
+        raise ValueError(f"fxquant::block_scale: which={which!r}, expected 0 (inverse scale) or 1 (scale)")
+    return torch.empty(amax.shape, dtype=torch.float32, device=amax.device)
+
+
 @torch.library.custom_op("fxquant::block_values", mutates_args=(), tags=_TAGS)
 def block_values(
-    xb: torch.Tensor, amax: torch.Tensor, tensor_amax: torch.Tensor | None, u: torch.Tensor | None, fmt: str,
-    rounding: str, scale_mode: str | None
+    xb: torch.Tensor, inv: torch.Tensor, scale: torch.Tensor, u: torch.Tensor | None, fmt: str, rounding: str
 ) -> torch.Tensor:
-    from fxquant import formats
-
-    f = formats.get(fmt)
-    return f.block_values(xb, amax, tensor_amax, u, f.resolve(rounding=rounding, scale_mode=scale_mode))
+    f = _block_format(fmt)
+    return f.scaled_values(xb, inv, scale, u, f.resolve(rounding=rounding))
 
 
 @block_values.register_fake
-def _block_values_fake(xb, amax, tensor_amax, u, fmt, rounding, scale_mode):
+def _block_values_fake(xb, inv, scale, u, fmt, rounding):
     _install_lowerings()
     return torch.empty(xb.shape, dtype=torch.float32, device=xb.device)
+
+
+def _block_format(name: str):
+    from fxquant import formats
+
+    return formats.get(name)
