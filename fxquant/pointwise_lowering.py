@@ -13,8 +13,9 @@ arithmetic, with fake tensors, as a compiler sees it) into an ATen graph once pe
 inside a single ``Pointwise`` inner function, each ATen op mapped to the Inductor op of the same semantics:
 every intermediate is a variable computed once, the generated code is the same arithmetic in the same order, and
 the result equals the reference bit for bit (tests/test_formats_lowering.py, tests/test_formats_steps.py). A
-nested ``round_elements`` (in ``block_scale`` and ``block_values``) is interpreted in place. A graph with an ATen op outside the
-table, or with inputs of different sizes, is lowered by Inductor's own lowerings instead (the same values).
+nested ``round_elements`` (in ``block_scale`` and ``block_values``) is interpreted in place. A graph with an ATen
+op outside the table, or with inputs of different sizes, is lowered by Inductor's own lowerings instead (the
+same values).
 
 ``register()`` installs all three (idempotent); ``fxquant.lowering`` calls it before Inductor compiles a graph, and
 the ops' fake implementations call it when Inductor is loaded.

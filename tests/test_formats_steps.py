@@ -172,13 +172,14 @@ def test_traced_stage_ops_pass_opcheck():
     t = amax.amax().expand(amax.shape)
     op = torch.ops.fxquant.block_scale.default
     for which in (0, 1):
-        for args in ((amax, None, "mxfp8_e4m3", "rne", "floor", which), (amax, None, "mxfp4_e2m1", "sr", "rceil", which),
-                     (amax, t, "nvfp4", "rne", None, which)):
+        for args in ((amax, None, "mxfp8_e4m3", "rne", "floor", which),
+                     (amax, None, "mxfp4_e2m1", "sr", "rceil", which), (amax, t, "nvfp4", "rne", None, which)):
             torch.library.opcheck(op, args)
     inv = torch.exp2(-torch.floor(torch.log2(amax))).expand(xb.shape)
     scale = (1 / inv).expand(xb.shape)
     op = torch.ops.fxquant.block_values.default
-    for args in ((xb, inv, scale, None, "mxfp8_e4m3", "rne"), (xb.float(), inv, scale, u.reshape(6, 5, 8), "mxfp4_e2m1", "sr"),
+    for args in ((xb, inv, scale, None, "mxfp8_e4m3", "rne"),
+                 (xb.float(), inv, scale, u.reshape(6, 5, 8), "mxfp4_e2m1", "sr"),
                  (xb.float(), inv, scale, None, "nvfp4", "rne")):
         torch.library.opcheck(op, args)
 
