@@ -1,8 +1,8 @@
 """Inductor lowerings of the ops a traced quantize records, ``fxquant::round_elements`` (an element format's
-rounding), ``fxquant::block_scale`` (a block format's inverse scale or scale per block, from its amaxes) and
-``fxquant::block_values`` (a block format's values from x and its scales): each becomes one pointwise
-computation that evaluates every step of the reference arithmetic once per element. NVFP4's ``block_scale`` is
-realised as a buffer (a per-block loop of its own); MX's is inlined into the per-element loop.
+rounding), ``fxquant::block_scales`` (a block format's inverse scale and scale per block, from its amaxes) and
+``fxquant::block_values`` (a block format's values from x and its scales): each output becomes one pointwise
+computation that evaluates every step of the reference arithmetic once per element. NVFP4's scales are
+realised as buffers (a per-block loop of their own); MX's are inlined into the per-element loop.
 
 Inductor lowers an ATen graph node by node, and the code of a node that is inlined into its consumers is
 generated again for every use: an operand shared at several depths (the binade of ``ufp``, used three times, from
@@ -13,7 +13,7 @@ arithmetic, with fake tensors, as a compiler sees it) into an ATen graph once pe
 inside a single ``Pointwise`` inner function, each ATen op mapped to the Inductor op of the same semantics:
 every intermediate is a variable computed once, the generated code is the same arithmetic in the same order, and
 the result equals the reference bit for bit (tests/test_formats_lowering.py, tests/test_formats_steps.py). A
-nested ``round_elements`` (in ``block_scale`` and ``block_values``) is interpreted in place. A graph with an ATen
+nested ``round_elements`` (in ``block_scales`` and ``block_values``) is interpreted in place. A graph with an ATen
 op outside the table, or with inputs of different sizes, is lowered by Inductor's own lowerings instead (the
 same values).
 
@@ -104,15 +104,15 @@ def elements_graph(element: str, rounding: str, saturate: bool, finite: bool, wi
 
 
 @functools.lru_cache(maxsize=None)
-def scale_graph(fmt: str, rounding: str, scale_mode: str | None, amax_dtype: torch.dtype, with_tensor_amax: bool,
-                which: int) -> torch.fx.GraphModule:
-    """The traced ``block_scales(...)[which]`` of a block format for one option set: placeholders amax (,
-    tensor_amax)."""
+def scale_graph(fmt: str, rounding: str, scale_mode: str | None, amax_dtype: torch.dtype,
+                with_tensor_amax: bool) -> torch.fx.GraphModule:
+    """The traced ``block_scales`` of a block format for one option set: placeholders amax (, tensor_amax);
+    outputs the inverse scale and the scale."""
     from fxquant import formats
 
     f = formats.get(fmt)
     opts = f.resolve(rounding=rounding, scale_mode=scale_mode)
-    return _trace(lambda amax, t: f.block_scales(amax, t, opts)[which],
+    return _trace(lambda amax, t: f.block_scales(amax, t, opts),
                   [(amax_dtype, True), (torch.float32, with_tensor_amax)])
 
 
@@ -147,15 +147,14 @@ def _nested_graph(node: torch.fx.Node) -> torch.fx.GraphModule:
 
 def _run(gm: torch.fx.GraphModule, inputs: list, call: Callable[[torch.fx.Node, dict], object]) -> object:
     """Walk ``gm`` once: placeholders take ``inputs`` in order, every other node ``call(node, env)``; the output's
-    value."""
+    value (a tuple for a graph of several outputs)."""
     env: dict = {}
     inputs_left = iter(inputs)
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             env[node] = next(inputs_left)
         elif node.op == "output":
-            (out,) = node.args[0] if isinstance(node.args[0], (tuple, list)) else (node.args[0],)
-            return env[out]
+            return torch.fx.node.map_arg(node.args[0], env.__getitem__)
         else:
             env[node] = call(node, env)
     raise AssertionError("traced graph without an output")  # pragma: no cover
@@ -228,7 +227,8 @@ def _lower_op_by_op(gm: torch.fx.GraphModule, inputs: list) -> object:
 
 
 def _lower_graph(gm: torch.fx.GraphModule, inputs: list) -> object:
-    """One Pointwise over the first input's shape running ``gm``, or Inductor's op-by-op lowering of it."""
+    """One Pointwise over the first input's shape running ``gm`` (a tuple of them, one per output, for a graph of
+    several outputs), or Inductor's op-by-op lowering of it."""
     from torch._inductor import ir
 
     first = inputs[0]
@@ -236,8 +236,15 @@ def _lower_graph(gm: torch.fx.GraphModule, inputs: list) -> object:
         log.debug("fxquant: %s lowered op by op", gm)
         return _lower_op_by_op(gm, inputs)
     loaders = [t.make_loader() for t in inputs]
-    return ir.Pointwise.create(device=first.get_device(), dtype=torch.float32, ranges=list(first.get_size()),
-                               inner_fn=lambda index: _interpret(gm, [load(index) for load in loaders]))
+
+    def pointwise(pick: Callable[[object], object]) -> object:
+        return ir.Pointwise.create(device=first.get_device(), dtype=torch.float32, ranges=list(first.get_size()),
+                                   inner_fn=lambda index: pick(_interpret(gm, [load(index) for load in loaders])))
+
+    outputs = next(iter(reversed(gm.graph.nodes))).args[0]
+    if not isinstance(outputs, (tuple, list)):
+        return pointwise(lambda out: out)
+    return tuple(pointwise(lambda out, i=i: out[i]) for i in range(len(outputs)))
 
 
 def _lower_round_elements(v, u, element: str, rounding: str, saturate: bool, finite: bool):
@@ -245,15 +252,16 @@ def _lower_round_elements(v, u, element: str, rounding: str, saturate: bool, fin
     return _lower_graph(gm, [v] if u is None else [v, u])
 
 
-def _lower_block_scale(amax, tensor_amax, fmt: str, rounding: str, scale_mode: str | None, which: int):
-    gm = scale_graph(fmt, rounding, scale_mode, amax.get_dtype(), tensor_amax is not None, which)
+def _lower_block_scales(amax, tensor_amax, fmt: str, rounding: str, scale_mode: str | None):
+    gm = scale_graph(fmt, rounding, scale_mode, amax.get_dtype(), tensor_amax is not None)
     out = _lower_graph(gm, [t for t in (amax, tensor_amax) if t is not None])
     if tensor_amax is not None:
         # NVFP4: the tensor amax already puts the block amaxes and the per-element pass in separate loops over
         # x, so a buffer of scales costs no pass over x, and its per-block arithmetic (three divisions and an
         # E4M3 rounding) runs vectorised over blocks instead of as scalar code at the head of each block. MX
         # keeps its scale inline: there the block amax and the element pass share one loop over x.
-        out.realize()
+        for t in out:
+            t.realize()
     return out
 
 
@@ -270,5 +278,5 @@ def register() -> None:
     import fxquant.formats  # noqa: F401  (defines the ops)
 
     register_lowering(torch.ops.fxquant.round_elements.default, type_promotion_kind=None)(_lower_round_elements)
-    register_lowering(torch.ops.fxquant.block_scale.default, type_promotion_kind=None)(_lower_block_scale)
+    register_lowering(torch.ops.fxquant.block_scales.default, type_promotion_kind=None)(_lower_block_scales)
     register_lowering(torch.ops.fxquant.block_values.default, type_promotion_kind=None)(_lower_block_values)

@@ -130,7 +130,7 @@ def test_compiled_element_quantize_equals_eager(spec):
 def test_lowered_element_rounding_reads_no_bits(name):
     """What makes the lowered quantize fast on CPU: no per-element float/int reinterpretation and no float8
     conversion, which Inductor's vectorised C++ does element by element through a buffer (``tmpbuf``). A block
-    format's per-block stage (``fxquant::block_scale``, one value per block) may read the exponent of its amax;
+    format's per-block stage (``fxquant::block_scales``, one value per block) may read the exponent of its amax;
     its per-element stage (``fxquant::block_values``, compiled alone here) does not."""
     from torch._inductor.utils import run_and_get_code
 
@@ -170,11 +170,10 @@ def test_traced_stage_ops_pass_opcheck():
     xb = v.reshape(6, 5, 8).to(torch.bfloat16)
     amax = xb.abs().amax(-1, keepdim=True).float()
     t = amax.amax().expand(amax.shape)
-    op = torch.ops.fxquant.block_scale.default
-    for which in (0, 1):
-        for args in ((amax, None, "mxfp8_e4m3", "rne", "floor", which),
-                     (amax, None, "mxfp4_e2m1", "sr", "rceil", which), (amax, t, "nvfp4", "rne", None, which)):
-            torch.library.opcheck(op, args)
+    op = torch.ops.fxquant.block_scales.default
+    for args in ((amax, None, "mxfp8_e4m3", "rne", "floor"), (amax, None, "mxfp4_e2m1", "sr", "rceil"),
+                 (amax, t, "nvfp4", "rne", None)):
+        torch.library.opcheck(op, args)
     inv = torch.exp2(-torch.floor(torch.log2(amax))).expand(xb.shape)
     scale = (1 / inv).expand(xb.shape)
     op = torch.ops.fxquant.block_values.default
@@ -185,7 +184,7 @@ def test_traced_stage_ops_pass_opcheck():
 
 
 def test_block_stage_ops_equal_quantize():
-    """``fxquant::block_scale`` then ``fxquant::block_values`` (scales broadcast, as a traced quantize records
+    """``fxquant::block_scales`` then ``fxquant::block_values`` (scales broadcast, as a traced quantize records
     them) give ``Format.quantize`` bit for bit: normal, subnormal, NaN- and Inf-carrying, all-zero blocks, and
     NVFP4 tensors too small for its scale arithmetic (all zeros) or carrying a NaN (all NaN)."""
     from fxquant import formats
@@ -201,7 +200,7 @@ def test_block_stage_ops_equal_quantize():
             xb = rows.reshape(rows.shape[0], -1, fmt.block_size)
             amax = xb.abs().amax(-1, keepdim=True)
             t = amax.amax().expand(amax.shape) if name == "nvfp4" else None
-            inv, scale = (torch.ops.fxquant.block_scale(amax, t, name, "rne", mode, w).expand(xb.shape) for w in (0, 1))
+            inv, scale = (s.expand(xb.shape) for s in torch.ops.fxquant.block_scales(amax, t, name, "rne", mode))
             got = torch.ops.fxquant.block_values(xb, inv, scale, None, name, "rne").reshape(rows.shape)
             assert_bitwise_equal(got, fmt.quantize(rows), name)
 
@@ -225,9 +224,8 @@ def test_every_stage_lowers_as_one_pointwise():
         modes = [None] if name == "nvfp4" else ["floor", "ceil", "rceil", "even"]
         for rounding in ROUNDINGS:
             for mode in modes:
-                for which in (0, 1):
-                    gm = pointwise_lowering.scale_graph(name, rounding, mode, f32, name == "nvfp4", which)
-                    assert pointwise_lowering.supported(gm), (name, rounding, mode, which)
+                gm = pointwise_lowering.scale_graph(name, rounding, mode, f32, name == "nvfp4")
+                assert pointwise_lowering.supported(gm), (name, rounding, mode)
             for x_dtype in (f32, bf16):
                 gm = pointwise_lowering.block_graph(name, rounding, x_dtype, rounding == "sr")
                 assert pointwise_lowering.supported(gm), (name, rounding, x_dtype)

@@ -55,17 +55,16 @@ def blocked_uniforms(opts: QuantOptions, seed: int, x2: torch.Tensor, offset: in
 def block_stage(fmt: Format, xb: torch.Tensor, amax: torch.Tensor, tensor_amax: torch.Tensor | None,
                 u: torch.Tensor | None, opts: QuantOptions) -> torch.Tensor:
     """``fmt.block_values(xb, amax, tensor_amax, u, opts)``. Traced for a compiler, two ops that
-    ``fxquant.pointwise_lowering`` makes one pointwise computation each: ``fxquant::block_scale`` per block (the
-    inverse scale and the scale, from the block amaxes and NVFP4's tensor amax; realised, so the per-block
-    arithmetic runs once per block, not once per element) and ``fxquant::block_values`` per element (the scaled,
-    rounded, rescaled values, scales broadcast to ``xb``)."""
+    ``fxquant.pointwise_lowering`` lowers into pointwise computations: ``fxquant::block_scales`` per block (the
+    inverse scale and the scale, from the block amaxes and NVFP4's tensor amax) and ``fxquant::block_values`` per
+    element (the scaled, rounded, rescaled values, scales broadcast to ``xb``)."""
     if not _tracing():
         return fmt.block_values(xb, amax, tensor_amax, u, opts)
     mode = None if opts.scale_mode is None else opts.scale_mode.value
     t = None if tensor_amax is None else tensor_amax.expand(amax.shape)
-    inv, scale = (torch.ops.fxquant.block_scale(amax, t, fmt.name, opts.rounding.value, mode, which).expand(xb.shape)
-                  for which in (0, 1))
-    return torch.ops.fxquant.block_values(xb, inv, scale, u, fmt.name, opts.rounding.value)
+    inv, scale = torch.ops.fxquant.block_scales(amax, t, fmt.name, opts.rounding.value, mode)
+    return torch.ops.fxquant.block_values(xb, inv.expand(xb.shape), scale.expand(xb.shape), u, fmt.name,
+                                          opts.rounding.value)
 
 
 def mx_scale_exponent(amax: torch.Tensor, elem: ElementSpec, mode: ScaleMode) -> torch.Tensor:

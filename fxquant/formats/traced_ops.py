@@ -3,10 +3,9 @@ stage of the reference arithmetic instead of its few dozen ATen ops:
 
 ``fxquant::round_elements(Tensor v, Tensor? u, str element, str rounding, bool saturate, bool finite)``
     ``ELEMENTS[element].quantize_steps(v, rounding, saturate, u, finite=finite)``: an element format's rounding.
-``fxquant::block_scale(Tensor amax, Tensor? tensor_amax, str fmt, str rounding, str? scale_mode, int which)``
-    ``formats.get(fmt).block_scales(amax, tensor_amax, options)[which]``: a block format's inverse scale
-    (``which=0``) or scale (``which=1``) per block, from its block amaxes (and NVFP4's tensor amax, broadcast
-    to them), after the reductions.
+``fxquant::block_scales(Tensor amax, Tensor? tensor_amax, str fmt, str rounding, str? scale_mode) -> (Tensor, Tensor)``
+    ``formats.get(fmt).block_scales(amax, tensor_amax, options)``: a block format's inverse scale and scale per
+    block, from its block amaxes (and NVFP4's tensor amax, broadcast to them), after the reductions.
 ``fxquant::block_values(Tensor xb, Tensor inv, Tensor scale, Tensor? u, str fmt, str rounding)``
     ``formats.get(fmt).scaled_values(xb, inv, scale, u, options)``: a block format's values (MX, NVFP4) from
     the blocked input and its scales broadcast to it.
@@ -48,20 +47,18 @@ def _round_elements_fake(v, u, element, rounding, saturate, finite):
     return torch.empty_like(v, dtype=torch.float32)
 
 
-@torch.library.custom_op("fxquant::block_scale", mutates_args=(), tags=_TAGS)
-def block_scale(
-    amax: torch.Tensor, tensor_amax: torch.Tensor | None, fmt: str, rounding: str, scale_mode: str | None, which: int
-) -> torch.Tensor:
+@torch.library.custom_op("fxquant::block_scales", mutates_args=(), tags=_TAGS)
+def block_scales(
+    amax: torch.Tensor, tensor_amax: torch.Tensor | None, fmt: str, rounding: str, scale_mode: str | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     f = _block_format(fmt)
-    return f.block_scales(amax, tensor_amax, f.resolve(rounding=rounding, scale_mode=scale_mode))[which]
+    return f.block_scales(amax, tensor_amax, f.resolve(rounding=rounding, scale_mode=scale_mode))
 
 
-@block_scale.register_fake
-def _block_scale_fake(amax, tensor_amax, fmt, rounding, scale_mode, which):
+@block_scales.register_fake
+def _block_scales_fake(amax, tensor_amax, fmt, rounding, scale_mode):
     _install_lowerings()
-    if which not in (0, 1):
-        raise ValueError(f"fxquant::block_scale: which={which!r}, expected 0 (inverse scale) or 1 (scale)")
-    return torch.empty(amax.shape, dtype=torch.float32, device=amax.device)
+    return tuple(torch.empty(amax.shape, dtype=torch.float32, device=amax.device) for _ in range(2))
 
 
 @torch.library.custom_op("fxquant::block_values", mutates_args=(), tags=_TAGS)
