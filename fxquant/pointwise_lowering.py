@@ -241,7 +241,7 @@ def _lower_graph(gm: torch.fx.GraphModule, inputs: list) -> object:
         return ir.Pointwise.create(device=first.get_device(), dtype=torch.float32, ranges=list(first.get_size()),
                                    inner_fn=lambda index: pick(_interpret(gm, [load(index) for load in loaders])))
 
-    outputs = next(iter(reversed(gm.graph.nodes))).args[0]
+    outputs = gm.graph.output_node().args[0]
     if not isinstance(outputs, (tuple, list)):
         return pointwise(lambda out: out)
     return tuple(pointwise(lambda out, i=i: out[i]) for i in range(len(outputs)))

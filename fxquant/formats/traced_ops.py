@@ -11,7 +11,7 @@ stage of the reference arithmetic instead of its few dozen ATen ops:
     the blocked input and its scales broadcast to it.
 
 Each implementation is the reference itself (any device). ``fxquant.pointwise_lowering`` lowers each for Inductor
-into one pointwise computation; the fake implementations install those lowerings when Inductor is loaded
+into one pointwise computation per output; the fake implementations install those lowerings when Inductor is loaded
 (a compile on its way to Inductor traces them first). ``flexible_layout``: no stride constraint, also where
 Inductor met an op before the lowering was installed (its fallback would otherwise leave a constraint behind
 that the lowering cannot meet).
