@@ -41,9 +41,12 @@ def parse_enum(cls: type[E], value: object, argument: str) -> E:
     """Turn ``value`` (a member or its string value) into a member of ``cls``, or raise ValueError."""
     if isinstance(value, cls):
         return value
+    # A lookup, not a loop over the members: Dynamo on torch 2.11 cannot iterate an Enum class, and formats
+    # are called from code that torch.compile traces with fullgraph=True.
+    member = cls._value2member_map_.get(value.lower()) if isinstance(value, str) else None
+    if member is not None:
+        return member
     allowed = [m.value for m in cls]
-    if isinstance(value, str) and value.lower() in allowed:
-        return cls(value.lower())
     raise ValueError(
         f"{argument}={value!r} is not allowed; choose one of {allowed}{did_you_mean(str(value), allowed)}"
     )
