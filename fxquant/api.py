@@ -193,8 +193,10 @@ def compile(
     kernels: what the quantize ops run (``fxquant.lowering``): "inductor" (the reference's arithmetic as ATen
         ops that Inductor fuses with their neighbours), "triton" (the standalone Triton kernels), "reference"
         (the pure-torch reference as an opaque op), or "auto" (default): "inductor" with the Inductor backend
-        on CPU, else the Triton kernels where registered (CUDA), else the reference. Every choice gives the
-        same values bit for bit; ``compile_state(m).kernels()`` says what each graph uses.
+        on CPU and on CUDA (there except for a graph that quantizes in NVFP4, whose lowering is not bit-exact
+        on CUDA, and where "inductor" is refused), else the Triton kernels where registered (CUDA), else the
+        reference. Every choice gives the same values bit for bit; ``compile_state(m).kernels()`` says what
+        each graph uses.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -257,7 +259,10 @@ def explain(model: nn.Module, *example_args: object, scheme: str | Path | Scheme
     graphs = len(fx_backend.reports)
     requested = parse_kernels(kernels)
     device = lowering.graph_device([*example_args, *example_kwargs.values(), *model.parameters()])
-    used = lowering.resolve(requested, inductor=_inner(backend) is Inner.INDUCTOR, device=device)
+    inexact = lowering.inexact_formats([s.config for s in sites], device)
+    used = lowering.resolve(requested, inductor=_inner(backend) is Inner.INDUCTOR, device=device, inexact=inexact)
     how = f"{used.value} (kernels={requested.value}, backend {_inner(backend).value}, {device})"
+    if inexact and requested is lowering.Kernels.AUTO and _inner(backend) is Inner.INDUCTOR:
+        how += f"; not inductor: its code is not bit-exact for {', '.join(inexact)} on {device}"
     return Explanation(resolved, copy.copy(sites), unmatched, graphs, resolved.unmatched_rules([s.site for s in sites]),
                        kernels=how)

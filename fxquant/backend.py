@@ -104,10 +104,12 @@ class FxquantBackend:
     def _resolve_kernels(self, example_inputs: list, index: int) -> Kernels:
         """What this graph's quantize ops run; ValueError where the choice cannot run (TRITON without kernels)."""
         device = lowering.graph_device(example_inputs)
-        used = lowering.resolve(self.kernels, inductor=self.inner is Inner.INDUCTOR, device=device)
+        configs = [s.config for r in self.reports if r.index == index for s in r.sites]
+        inexact = lowering.inexact_formats(configs, device)
+        used = lowering.resolve(self.kernels, inductor=self.inner is Inner.INDUCTOR, device=device, inexact=inexact)
         self.kernels_used[index] = used
-        log.info("fxquant: graph %d: quantize kernels %s (kernels=%s, %s)", index, used.value, self.kernels.value,
-                 device)
+        log.info("fxquant: graph %d: quantize kernels %s (kernels=%s, %s%s)", index, used.value, self.kernels.value,
+                 device, f"; Inductor's lowering is not exact there for {', '.join(inexact)}" if inexact else "")
         return used
 
     def unmatched_rules(self) -> ValueError | None:

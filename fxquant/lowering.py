@@ -27,10 +27,20 @@ Stochastic rounding with ``seed=None`` draws its seed inside the graph (``torch.
 indexes the same counter-based uniforms as the reference; with an explicit seed it draws the reference's
 numbers exactly.
 
+On CUDA that holds for every format but NVFP4 (measured on an H200, torch 2.11, triton 3.6): there Inductor's
+code for NVFP4's scales gives 1 / g as if the per-tensor scale g = amax / 2688 had not been rounded to float32
+first, so a few elements per tensor (those whose scaled value lies within an ulp of a rounding boundary) and
+every dequantized value's scale g * b can differ from the reference. ``lowers_exactly`` says so; the op then
+stays in the graph and its registered kernel runs (``LowerQuantize`` and the AOT-time decomposition skip it),
+and ``resolve`` keeps a graph that quantizes in NVFP4 on CUDA off ``Kernels.INDUCTOR`` (``inexact_formats``).
+
 Kernels:
-    AUTO       INDUCTOR when the inner backend is Inductor and the graph runs on CPU; otherwise the op as
-               registered (the Triton kernels on CUDA, the reference elsewhere)
-    INDUCTOR   the traceable arithmetic, fused by Inductor (under aot_eager it runs op by op)
+    AUTO       INDUCTOR when the inner backend is Inductor and the lowering is exact for the graph's formats on
+               its device (CPU: all; CUDA: all but NVFP4, measured faster than the Triton kernels in
+               benchmarks/RESULTS.md); otherwise the op as registered (the Triton kernels on CUDA, the
+               reference elsewhere)
+    INDUCTOR   the traceable arithmetic, fused by Inductor (under aot_eager it runs op by op); refused under
+               Inductor for a graph with a format in ``inexact_formats``
     TRITON     the op with the standalone Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1 after
                ``fxquant.kernels.register("cpu")``)
     REFERENCE  the op with the pure-torch reference on every device (CPU slab loop; the oracle)
@@ -39,6 +49,7 @@ from __future__ import annotations
 
 import enum
 import functools
+from typing import Iterable
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -93,10 +104,22 @@ def _aot_time_decomposition(x: torch.Tensor, qspec: str, dim: int, seed: int | N
     """AOT-time decomposition under Inductor only where the post-grad pass cannot do it: a SymInt ``dim``, ``seed``
     or shape (dynamic shapes: the block layout specialises on them here, with guards, which a post-grad pass
     cannot add), or an element format (``_post_grad``). Every other call stays one node for ``LowerQuantize``."""
+    if not lowers_exactly(qspec, x.device.type):
+        return NotImplemented  # stays the op: its registered kernel runs
     symbolic = isinstance(dim, torch.SymInt) or isinstance(seed, torch.SymInt)
     if symbolic or any(isinstance(n, torch.SymInt) for n in x.shape) or not _post_grad(qspec):
         return quantize_traceable(x, qspec, dim, seed)
     return NotImplemented
+
+
+def lowers_exactly(qspec: str, device: str) -> bool:
+    """Whether Inductor's code for this spec's lowering equals the reference on ``device``: everywhere but
+    NVFP4 off CPU (module docstring). Where it does not, ``LowerQuantize`` and the AOT-time decomposition
+    leave the op in the graph, and its registered kernel runs (the Triton kernel on CUDA)."""
+    from fxquant.formats.nvfp4 import NVFP4Format
+    from fxquant.ops import parse_qspec
+
+    return device == "cpu" or not isinstance(parse_qspec(qspec).fmt, NVFP4Format)
 
 
 @functools.lru_cache(maxsize=None)
@@ -129,7 +152,8 @@ class LowerQuantize(CustomGraphPass):
             self.inner(graph)
         traced: dict[tuple, torch.fx.GraphModule] = {}
         for node in list(graph.nodes):
-            if node.op == "call_function" and node.target is torch.ops.fxquant.quantize.default:
+            if (node.op == "call_function" and node.target is torch.ops.fxquant.quantize.default
+                    and lowers_exactly(node.args[1], node.args[0].meta["val"].device.type)):
                 _expand(graph, node, traced)
 
     def uuid(self) -> object:
@@ -213,14 +237,42 @@ def graph_device(example_inputs: list) -> str:
     return "cpu"
 
 
-def resolve(kernels: Kernels, *, inductor: bool, device: str) -> Kernels:
-    """The implementation ``kernels`` stands for in a graph compiled by Inductor (or not) on ``device``.
+def inexact_formats(configs: Iterable[object], device: str) -> list[str]:
+    """The formats among the site configs ``configs`` (LinearQuant / AttentionQuant / None) that do not lower
+    exactly on ``device`` (``lowers_exactly``)."""
+    from fxquant.schemes.model import AttentionQuant, LinearQuant, attention_operands, linear_operands
 
-    Raises ValueError for TRITON where the Triton kernels cannot run."""
+    found = set()
+    for cfg in configs:
+        if isinstance(cfg, LinearQuant):
+            table = linear_operands(cfg)
+        elif isinstance(cfg, AttentionQuant):
+            table = attention_operands(cfg)
+        else:
+            continue
+        for operands in table.values():
+            found.update(tq.format for tq in operands.values()
+                         if tq is not None and not lowers_exactly(tq.spec(), device))
+    return sorted(found)
+
+
+def resolve(kernels: Kernels, *, inductor: bool, device: str, inexact: Iterable[str] = ()) -> Kernels:
+    """The implementation ``kernels`` stands for in a graph compiled by Inductor (or not) on ``device`` whose
+    formats include ``inexact`` (``inexact_formats``: those the lowering does not reproduce bit for bit there).
+
+    Raises ValueError for TRITON where the Triton kernels cannot run, and for INDUCTOR under Inductor with an
+    inexact format."""
+    inexact = list(inexact)
     if kernels is Kernels.AUTO:
-        if inductor and device == "cpu":
+        if inductor and device in ("cpu", "cuda") and not inexact:
             return Kernels.INDUCTOR
         return Kernels.TRITON if _triton_registered(device) else Kernels.REFERENCE
+    if kernels is Kernels.INDUCTOR and inductor and inexact:
+        raise ValueError(
+            f"kernels='inductor': Inductor's code on {device!r} does not reproduce the reference bit for bit for "
+            f"{', '.join(inexact)} (docs/kernels.md); allowed here: 'auto' (which then uses "
+            f"{'the Triton kernels' if _triton_registered(device) else 'the reference'}), 'triton', 'reference'"
+        )
     if kernels is Kernels.TRITON and not _triton_registered(device):
         raise ValueError(
             f"kernels='triton' needs the Triton kernels registered for {device!r}: a CUDA device with Triton "

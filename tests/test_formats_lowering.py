@@ -264,3 +264,88 @@ def test_compiled_attention_site_quantizes_in_generated_code():
     assert "torch.ops.fxquant.quantize" not in outs["inductor"][1]
     assert "torch.ops.fxquant.quantize_reference" in outs["reference"][1]
     assert_bitwise_equal(outs["inductor"][0], outs["reference"][0], "attention site:")
+
+
+# -- CUDA: the same lowering through Inductor's Triton code generation -------------------------------------
+def _check_cuda(specs: list[str], dim: int, *inputs: torch.Tensor) -> None:
+    """Each input (CPU) quantized on the GPU by one compiled graph, compared with the CPU reference."""
+    fn = _lowered(specs, dim)
+    for x in inputs:
+        got = tuple(y.cpu() for y in fn(x.cuda()))
+        _check(specs, got, x, dim)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("source", ["bfloat16", "float16"])
+def test_cuda_every_option_on_every_pattern(source):
+    """Inductor on CUDA emits Triton (its own division and reciprocal rules, FMA contraction by ptxas):
+    the lowered op still equals the CPU reference for every option and every 16-bit pattern."""
+    x = patterns(getattr(torch, source))
+    _check_cuda(all_specs(), -1, x, finite(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_half_precision_inputs_and_other_dims(dtype):
+    x = patterns(dtype).to(dtype)
+    _check_cuda(DEFAULT_SPECS, -1, x, finite(x))
+    specs = [TensorQuant(f).spec() for f in MX + ["nvfp4"]] + [TensorQuant("mxfp8_e4m3", rounding="sr").spec()]
+    g = torch.Generator().manual_seed(3)
+    y = torch.randn(37, 37, 8, generator=g) * torch.pow(10.0, torch.empty(37, 37, 8).uniform_(-6, 6, generator=g))
+    for dim in (0, 1):
+        torch._dynamo.reset()
+        _check_cuda(specs, dim, y)
+
+
+@pytest.mark.gpu
+def test_cuda_nvfp4_stays_the_op_and_other_formats_are_lowered():
+    """On CUDA, NVFP4's quantize is left to its registered kernel (its lowering is not exact there); an MX
+    quantize becomes generated code."""
+    from torch._inductor.utils import run_and_get_code
+
+    x = torch.randn(64, 96, device="cuda")
+    for name, kept in (("nvfp4", True), ("mxfp8_e4m3", False)):
+        torch._dynamo.reset()
+        spec = TensorQuant(name).spec()
+        fn = torch.compile(lambda t, spec=spec: torch.ops.fxquant.quantize(torch.relu(t), spec, -1, None),
+                           backend=lowering.inductor_backend)
+        out, codes = run_and_get_code(fn, x)
+        assert ("torch.ops.fxquant.quantize" in "\n".join(codes)) is kept, name
+        assert_bitwise_equal(out.cpu(), TensorQuant(name).quantize(torch.relu(x).cpu(), -1), f"{name}:")
+
+
+def test_lowering_choice_per_device_and_format():
+    """lowers_exactly / inexact_formats / resolve: NVFP4 lowers exactly on CPU only; "auto" under Inductor
+    lowers on CPU and on CUDA unless the graph has an inexact format; "inductor" is then refused."""
+    from fxquant import schemes
+    from fxquant.lowering import Kernels, inexact_formats, lowers_exactly, resolve
+    from fxquant.schemes import Site, SiteKind
+
+    assert lowers_exactly(TensorQuant("nvfp4").spec(), "cpu")
+    assert not lowers_exactly(TensorQuant("nvfp4", rounding="sr").spec(), "cuda")
+    assert all(lowers_exactly(TensorQuant(f).spec(), "cuda") for f in formats.names() if f != "nvfp4")
+    linear = Site.from_path("layers.0.mlp.fc1", SiteKind.LINEAR)
+    nv, mx = (schemes.get(f"linear_{f}").linear_for(linear) for f in ("nvfp4", "mxfp8"))
+    attn = schemes.get("FA_QKPV_mxfp8").attention_for(Site.from_path("layers.0.self_attn", SiteKind.ATTENTION))
+    assert inexact_formats([mx, attn, None, nv], "cuda") == ["nvfp4"]
+    assert inexact_formats([mx, attn, nv], "cpu") == [] and inexact_formats([mx, attn], "cuda") == []
+    assert resolve(Kernels.AUTO, inductor=True, device="cuda") is Kernels.INDUCTOR
+    assert resolve(Kernels.AUTO, inductor=True, device="cpu", inexact=[]) is Kernels.INDUCTOR
+    fallback = resolve(Kernels.AUTO, inductor=True, device="cuda", inexact=["nvfp4"])
+    assert fallback in (Kernels.TRITON, Kernels.REFERENCE) and fallback is not Kernels.INDUCTOR
+    assert resolve(Kernels.AUTO, inductor=False, device="cpu") in (Kernels.TRITON, Kernels.REFERENCE)
+    assert resolve(Kernels.INDUCTOR, inductor=False, device="cuda", inexact=["nvfp4"]) is Kernels.INDUCTOR  # eager ops
+    with pytest.raises(ValueError, match=r"kernels='inductor'.*nvfp4.*allowed here: 'auto'"):
+        resolve(Kernels.INDUCTOR, inductor=True, device="cuda", inexact=["nvfp4"])
+
+
+@pytest.mark.gpu
+def test_cuda_fdiv_is_float32_division():
+    """fdiv compiled by Inductor for CUDA (Triton) == IEEE float32 division, constant and tensor divisors."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(0, 0x7F800000, (1 << 20,), generator=g, dtype=torch.int32).view(torch.float32)
+    b = torch.randint(1, 0x7F800000, (1 << 20,), generator=g, dtype=torch.int32).view(torch.float32)
+    compiled = torch.compile(lambda t, c: fdiv(t, c), backend="inductor", dynamic=False)
+    for c in DIVISORS:
+        assert_bitwise_equal(compiled(a.cuda(), c).cpu(), a / torch.tensor(c, dtype=torch.float32), f"by {c}:")
+    assert_bitwise_equal(compiled(a.cuda(), b.cuda()).cpu(), a / b, "tensor divisor:")
