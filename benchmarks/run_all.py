@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import os
 import statistics
 import sys
@@ -59,13 +60,14 @@ import bench_formats  # noqa: E402
 import bench_fused  # noqa: E402
 
 import fxquant  # noqa: E402
-from fxquant import kernels, schemes  # noqa: E402
+from fxquant import kernels, lowering, schemes  # noqa: E402
 from fxquant.formats.tensor_quant import TensorQuant  # noqa: E402
 from fxquant.passes.rewrite_sdpa import ENV as ATTENTION_ENV  # noqa: E402
 from fxquant.qfunctions import quantized_linear, quantized_sdpa  # noqa: E402
 from fxquant.schemes import Site, SiteKind  # noqa: E402
 from tests.models import make_llama, make_tokens, next_token_loss  # noqa: E402
 
+logger = logging.getLogger("fxquant.benchmarks.run_all")
 SECTIONS = ("ceilings", "quantize", "fused", "linear", "attention", "model", "capture", "compile")
 # Seconds per section on a GPU (the sum, plus start-up, stays under a 10-minute device call).
 SECTION_BUDGET_S = {"ceilings": 10, "quantize": 50, "fused": 40, "linear": 80, "attention": 90, "model": 150,
@@ -80,11 +82,14 @@ TARGETS = {"linear_mxfp8": 1.15, "FA_linear_mxfp8": 1.35, "FA_linear_hifp8": 1.5
            "linear_hifp8": 1.5, "linear_mxfp4": 1.5}
 
 
-def kernel_choices(dev: torch.device, backend: str) -> tuple[str, ...]:
+def kernel_choices(dev: torch.device, backend: str, preset: str) -> tuple[str, ...]:
     """The quantize implementations to compare (fxquant.lowering): on CUDA with Inductor both the standalone
-    Triton kernels (today's default there) and the Inductor lowering; elsewhere what "auto" picks."""
+    Triton kernels and the Inductor lowering ("auto" there), the lowering only for a preset whose formats it
+    reproduces exactly on CUDA (not NVFP4: "inductor" is refused for it); elsewhere what "auto" picks."""
     if dev.type == "cuda" and backend == "inductor":
-        return ("triton", "inductor")
+        scheme = schemes.get(preset)
+        configs = [r.linear for r in scheme.rules] + [r.attention for r in scheme.rules]
+        return ("triton",) if lowering.inexact_formats(configs, "cuda") else ("triton", "inductor")
     return ("auto",)
 
 
@@ -113,13 +118,29 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else a / b
 
 
-def _attempt(fn: Callable[[], float]) -> tuple[float | None, str]:
-    """Run a measurement; out-of-memory becomes a note instead of ending the run."""
+ERRORS: list[str] = []  # every measurement or section that raised, in order: main's exit status is 1 if any
+
+
+def _error(where: str, exc: BaseException) -> str:
+    """Log ``exc`` with its traceback, remember it, and return the note a table shows for it."""
+    logger.error("%s failed", where, exc_info=exc)
+    note = f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+    ERRORS.append(f"{where}: {note}")
+    return note
+
+
+def _attempt(fn: Callable[[], float], where: str = "measurement") -> tuple[float | None, str]:
+    """Run a measurement. Out-of-memory becomes a note "OOM"; any other exception a note "error: ..." (logged
+    with its traceback, and main then exits 1), so one failing variant does not end the run."""
     try:
         return fn(), ""
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
         return None, "OOM"
+    except Exception as exc:  # noqa: BLE001  (a benchmark run keeps what the other variants measure)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return None, _error(where, exc)
 
 
 # -- (a) ceilings -------------------------------------------------------------------------------------------
@@ -231,16 +252,17 @@ def linear(args, dev: torch.device, timer: Timer) -> list[dict]:
             if _out_of_time(args):
                 rows.append({"shape": f"{label} M={m}", "impl": f"fxquant {preset}", "note": SKIPPED})
                 continue
-            for k in kernel_choices(dev, backend):
+            for k in kernel_choices(dev, backend, preset):
                 torch._dynamo.reset()
                 compiled = fxquant.compile(base, preset, backend=backend, kernels=k)
-                s, note = _attempt(lambda: timer(step(compiled)))
+                s, note = _attempt(lambda: timer(step(compiled)), f"linear {label} {preset} kernels={k}")
                 rows.append({"shape": f"{label} M={m}", "impl": f"fxquant {preset} ({backend}, kernels={k})",
                              "ms": s and s * 1e3, "x bf16": _ratio(s, bf16_s), "target": TARGETS.get(preset),
                              "note": note})
             lq = _lq(preset)
             with _reference_ops(dev):
-                s, note = _attempt(lambda: timer(step(lambda t: quantized_linear(t, base.proj.weight, None, lq))))
+                s, note = _attempt(lambda: timer(step(lambda t: quantized_linear(t, base.proj.weight, None, lq))),
+                                   f"linear {label} {preset} predecessor")
             rows.append({"shape": f"{label} M={m}", "impl": f"predecessor approach {preset} (eager torch ops)",
                          "ms": s and s * 1e3, "x bf16": _ratio(s, bf16_s), "note": note})
             _log(f"  linear {label} {preset} done")
@@ -293,7 +315,7 @@ def attention(args, dev: torch.device, timer: Timer) -> list[dict]:
                 if on_gpu:
                     blocks = FlashBlocks(128, 64, 64, 64)
                     s, note = _attempt(lambda: timer(step(lambda: flash_quantized_attention(
-                        q, k, v, is_causal=True, aq=aq, blocks=blocks))))
+                        q, k, v, is_causal=True, aq=aq, blocks=blocks))), f"attention {label} flash {preset}")
                     rows.append({"shape": label, "impl": f"flash kernel {preset}", "ms": s and s * 1e3,
                                  "x sdpa": _ratio(s, sdpa_s), "TFLOP/s": s and flops / s / 1e12, "note": note})
                 else:
@@ -302,7 +324,8 @@ def attention(args, dev: torch.device, timer: Timer) -> list[dict]:
                     rows.append({"shape": label, "impl": f"torch reference quantized_sdpa {preset} (eager)",
                                  "note": f"not run above L={REFERENCE_MAX_SEQ} ([L, L] float32 matrices)"})
                 elif preset != "bf16":
-                    s, note = _attempt(lambda: timer(step(lambda: quantized_sdpa(q, k, v, is_causal=True, enable_gqa=True, aq=aq))))
+                    s, note = _attempt(lambda: timer(step(lambda: quantized_sdpa(q, k, v, is_causal=True, enable_gqa=True, aq=aq))),
+                                       f"attention {label} reference {preset}")
                     rows.append({"shape": label, "impl": f"torch reference quantized_sdpa {preset} (eager)",
                                  "ms": s and s * 1e3, "x sdpa": _ratio(s, sdpa_s), "note": note})
             _log(f"  attention {label} done")
@@ -340,7 +363,7 @@ def model_step(args, dev: torch.device, timer: Timer) -> list[dict]:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         with _reference_ops(dev) if eager_ops else _nullctx():
-            s, note = _attempt(lambda: timer(step))
+            s, note = _attempt(lambda: timer(step), f"model {label}")
         peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
         rows.append({"model": f"{cfg['n_layers']} layers, dim {cfg['dim']}, {batch}x{seq} tokens, {dtype}".replace("torch.", ""),
                      "impl": label, "ms": s and s * 1e3, "x bf16": _ratio(s, ref), "peak GiB": peak,
@@ -353,7 +376,7 @@ def model_step(args, dev: torch.device, timer: Timer) -> list[dict]:
     bf16_s = measure(f"{str(dtype)[6:]} torch.compile ({backend})", lambda m: torch.compile(m, backend=backend))
     rows[0]["x bf16"] = 1.0
     for preset in MODEL_PRESETS:
-        for k in kernel_choices(dev, backend):
+        for k in kernel_choices(dev, backend, preset):
             measure(f"fxquant {preset} ({backend}, kernels={k})",
                     lambda m: fxquant.compile(m, preset, backend=backend, kernels=k), bf16_s)
             rows[-1]["target"] = TARGETS.get(preset)
@@ -469,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="benchmarks/results/run_all.json")
     p.add_argument("--markdown", default=None, help="also write the tables to this file")
     args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     sections = SECTIONS if args.sections == "all" else tuple(s.strip() for s in args.sections.split(","))
     bad = [s for s in sections if s not in SECTIONS]
     if bad:
@@ -489,15 +513,21 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         budget = SECTION_BUDGET_S[name] * args.budget_scale
         args.deadline = t0 + budget if budget > 0 and not args.quick else float("inf")
-        rows = RUNNERS[name](args, dev, timer)
+        try:
+            rows = RUNNERS[name](args, dev, timer)
+        except Exception as exc:  # noqa: BLE001  (the other sections still run; main exits 1)
+            rows = [{"section": name, "note": _error(f"section {name}", exc)}]
         result["sections"][name] = {"rows": rows, "wall_s": time.perf_counter() - t0}
+        result["errors"] = list(ERRORS)
         out.append(render(name, rows))
         print(out[-1], flush=True)
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))  # after every section: a killed
         if args.markdown:  # run keeps what it measured
             Path(args.markdown).write_text("\n".join(out))
     _log(f"wrote {args.json}")
-    return 0
+    for e in ERRORS:
+        _log(f"ERROR {e}")
+    return 1 if ERRORS else 0
 
 
 if __name__ == "__main__":
