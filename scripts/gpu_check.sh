@@ -31,6 +31,8 @@ status=0
 if [ "$tests_s" -gt 0 ]; then
     kernels_tests="tests/test_kernels.py tests/test_kernels_op.py tests/test_flash_attention.py tests/test_flash_op.py tests/test_qgemm.py tests/test_capture_fastpath.py"
     lowering_tests="tests/test_formats_lowering.py tests/test_compile_inductor.py"
+    # 12 pytest workers share the 16 cores: two Inductor compile workers each, not one per core each
+    export TORCHINDUCTOR_COMPILE_THREADS=2
     # shellcheck disable=SC2086
     timeout "$tests_s" "$py" -m pytest -v -p no:cacheprovider -m "triton or gpu" -n 8 $kernels_tests \
         --junitxml="$out/tests_kernels.xml" > "$out/tests_kernels.log" 2>&1 &
@@ -47,6 +49,7 @@ if [ "$tests_s" -gt 0 ]; then
     done
     echo "== pytest exit: kernels $rk, lowering $rl (124 = cut at ${tests_s} s)"
     [ "$rk" -ne 0 ] || [ "$rl" -ne 0 ] && status=1
+    unset TORCHINDUCTOR_COMPILE_THREADS
 fi
 
 if [ "$bench_s" -gt 0 ]; then
