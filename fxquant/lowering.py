@@ -29,8 +29,8 @@ numbers exactly.
 
 On CUDA that holds for every format but NVFP4 (measured on an H200, torch 2.11, triton 3.6): there Inductor's
 code for NVFP4's scales gives 1 / g as if the per-tensor scale g = amax / 2688 had not been rounded to float32
-first, so a few elements per tensor (those whose scaled value lies within an ulp of a rounding boundary) and
-every dequantized value's scale g * b can differ from the reference. ``lowers_exactly`` says so; the op then
+first, so a few elements per tensor (those whose scaled value lies within an ulp of a rounding boundary)
+differ from the reference, and so did a linear site's output in its last bits. ``lowers_exactly`` says so; the op then
 stays in the graph and its registered kernel runs (``LowerQuantize`` and the AOT-time decomposition skip it),
 and ``resolve`` keeps a graph that quantizes in NVFP4 on CUDA off ``Kernels.INDUCTOR`` (``inexact_formats``).
 
