@@ -147,7 +147,6 @@ class FxquantBackend:
             kernels = self._resolve_kernels(example_inputs, index)
         except ValueError as exc:
             return self.refusal(exc)
-        decompositions = lowering.decompositions(kernels, inductor=self.inner is Inner.INDUCTOR)
         if self.inner is Inner.AOT_EAGER:
             from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 
@@ -157,17 +156,17 @@ class FxquantBackend:
                 direct_capture_calls(g)
                 return boxed_nop(g, inputs)
 
-            return aot_eager(gm, example_inputs, fw_compiler=nop, bw_compiler=nop, decompositions=decompositions)
+            return aot_eager(gm, example_inputs, fw_compiler=nop, bw_compiler=nop,
+                             decompositions=lowering.decompositions(kernels))
         from torch._inductor.compile_fx import compile_fx
-        from torch._inductor.decomposition import select_decomp_table
 
         from fxquant.passes.cache_key import inductor_config_patches
 
-        patches = inductor_config_patches(f"{self._scheme_text}\nkernels: {kernels.value}")
+        patches = inductor_config_patches(f"{self._scheme_text}\nkernels: {kernels.value}", gm)
         if kernels is Kernels.INDUCTOR:
             patches.update(lowering.inductor_config_patches())
         return compile_fx(gm, example_inputs, config_patches=patches,
-                          decompositions={**select_decomp_table(), **decompositions})
+                          decompositions=lowering.decomposition_table(kernels, inductor=True))
 
     # -- what was seen, across graphs (recompiles replace earlier graphs of the same sites) ----------------
     def current_sites(self) -> list:

@@ -100,6 +100,46 @@ def decompositions(kernels: Kernels, *, inductor: bool = False) -> dict:
     return {}
 
 
+class DecompositionTable(dict):
+    """AOT autograd's decomposition table under Inductor: Inductor's (``select_decomp_table``) plus fxquant's
+    entries for ``kernels``. It pickles as the call that builds it, ``decomposition_table(kernels, inductor)``:
+    Inductor's FX-graph and AOT-autograd caches put the table in their keys, and pickled entry by entry it
+    holds a function with no stable pickle, for which both caches bypass the graph (a rerun would redo all of
+    Inductor's code generation). The entries' code is keyed by ``passes.cache_key`` (fxquant's sources) and
+    torch's version, which both caches key on."""
+
+    def __init__(self, kernels: Kernels, inductor: bool) -> None:
+        from torch._inductor.decomposition import select_decomp_table
+
+        super().__init__({**select_decomp_table(), **decompositions(kernels, inductor=inductor)})
+        self.kernels, self.inductor = kernels, inductor
+
+    def __reduce__(self) -> tuple:
+        return decomposition_table, (self.kernels.value, self.inductor)
+
+
+def decomposition_table(kernels: Kernels | str, inductor: bool = True) -> DecompositionTable:
+    """The table ``compile_fx`` gets for a graph whose quantizes run ``kernels`` (resolved, not AUTO)."""
+    return DecompositionTable(parse_kernels(kernels), inductor)
+
+
+def register_fallback() -> None:
+    """Give ``fxquant::quantize`` an Inductor fallback (its registered kernel, called as an extern op) before a
+    graph that may keep it is lowered. Under ``Kernels.INDUCTOR`` the op is in the decomposition table (the
+    AOT-time entry) and yet stays in the graph where it does not lower exactly (``lowers_exactly``); Inductor
+    (torch >= 2.13) refuses to create an implicit fallback for an op that has a decomposition ("both a
+    fallback and a decomp for same op"). The layout constraint is the one an implicit fallback would get."""
+    import fxquant.ops  # noqa: F401  (defines the op)
+    from torch._inductor import lowering as inductor_lowering
+    from torch._library.utils import get_layout_constraint_tag
+
+    op = torch.ops.fxquant.quantize.default
+    if op in inductor_lowering.lowerings:
+        return
+    constraint = inductor_lowering.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+    inductor_lowering.make_fallback(op, layout_constraint=constraint, override_decomp=True)
+
+
 def _aot_time_decomposition(x: torch.Tensor, qspec: str, dim: int, seed: int | None = None) -> object:
     """AOT-time decomposition under Inductor only where the post-grad pass cannot do it: a SymInt ``dim``, ``seed``
     or shape (dynamic shapes: the block layout specialises on them here, with guards, which a post-grad pass
@@ -209,6 +249,7 @@ def inductor_config_patches() -> dict[str, object]:
     from fxquant import pointwise_lowering
 
     pointwise_lowering.register()
+    register_fallback()
     existing = config.post_grad_custom_pre_pass
     patches: dict[str, object] = {
         "post_grad_custom_pre_pass": existing if isinstance(existing, LowerQuantize) else LowerQuantize(existing)
@@ -223,10 +264,9 @@ def inductor_backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
     """A ``torch.compile`` backend: Inductor with ``fxquant::quantize`` lowered (no fxquant passes), for a
     function that calls the op itself (``torch.compile(fn, backend=lowering.inductor_backend)``)."""
     from torch._inductor.compile_fx import compile_fx
-    from torch._inductor.decomposition import select_decomp_table
 
-    table = {**select_decomp_table(), **decompositions(Kernels.INDUCTOR, inductor=True)}
-    return compile_fx(gm, example_inputs, config_patches=inductor_config_patches(), decompositions=table)
+    return compile_fx(gm, example_inputs, config_patches=inductor_config_patches(),
+                      decompositions=decomposition_table(Kernels.INDUCTOR))
 
 
 def graph_device(example_inputs: list) -> str:

@@ -314,6 +314,27 @@ def test_cuda_nvfp4_stays_the_op_and_other_formats_are_lowered():
         assert_bitwise_equal(out.cpu(), TensorQuant(name).quantize(torch.relu(x).cpu(), -1), f"{name}:")
 
 
+def test_a_quantize_kept_as_the_op_gets_a_fallback_beside_its_decomposition(monkeypatch):
+    """CUDA keeps an NVFP4 quantize the op while the op is in the decomposition table (its AOT-time entry);
+    Inductor must still lower it, to its registered kernel (torch >= 2.13 refuses an implicit fallback for an
+    op with a decomposition). Exercised on CPU with CUDA's verdict (``lowers_exactly`` False for NVFP4) and
+    no fallback registered beforehand."""
+    from torch._inductor import lowering as inductor_lowering
+    from torch._inductor.utils import run_and_get_code
+
+    monkeypatch.setattr(lowering, "lowers_exactly", lambda qspec, device: "nvfp4" not in qspec)
+    monkeypatch.delitem(inductor_lowering.lowerings, torch.ops.fxquant.quantize.default, raising=False)
+    torch._dynamo.reset()
+    x = torch.randn(64, 96)
+    spec = TensorQuant("nvfp4").spec()
+    fn = torch.compile(lambda t: torch.ops.fxquant.quantize(torch.relu(t), spec, -1, None),
+                       backend=lowering.inductor_backend)
+    out, codes = run_and_get_code(fn, x)
+    torch._dynamo.reset()
+    assert "torch.ops.fxquant.quantize" in "\n".join(codes)
+    assert_bitwise_equal(out, TensorQuant("nvfp4").quantize(torch.relu(x), -1), "nvfp4 kept as the op:")
+
+
 def test_lowering_choice_per_device_and_format():
     """lowers_exactly / inexact_formats / resolve: NVFP4 lowers exactly on CPU only; "auto" under Inductor
     lowers on CPU and on CUDA unless the graph has an inexact format; "inductor" is then refused."""

@@ -6,7 +6,10 @@ backward would silently load stale compiled code. ``FxquantCacheKey`` is an Indu
 that changes nothing in the graph; its ``uuid()`` hashes every source file of the ``fxquant`` package
 (``.py`` and preset ``.yaml``) plus the resolved scheme's YAML, so either changing invalidates the
 entries. ``inductor_config_patches`` installs it as ``post_grad_custom_post_pass`` (keeping, and
-calling, a pass the user set there already).
+calling, a pass the user set there already), and marks the fxquant functions a rewritten graph calls
+cacheable for AOT autograd's cache under the same uuid. The decomposition table pickles by how it is built
+(``lowering.DecompositionTable``), so that both caches can key a graph: a rerun loads the compiled graphs
+(``tests/test_compile_cache.py``; a graph with capture taps excepted, docs/compile.md).
 """
 from __future__ import annotations
 
@@ -52,9 +55,28 @@ class FxquantCacheKey(CustomGraphPass):
         return h.hexdigest()
 
 
-def inductor_config_patches(scheme_text: str) -> dict[str, object]:
-    """``config_patches`` for ``compile_fx`` that key the caches on fxquant (see module docstring)."""
+def fxquant_targets(gm: torch.fx.GraphModule) -> list[str]:
+    """Qualified names of the fxquant functions ``gm`` calls (the rewrite passes' module-level wrappers, the
+    capture taps' ``capture_grad``), sorted."""
+    names = set()
+    for node in gm.graph.nodes:
+        module = getattr(node.target, "__module__", None) or ""
+        if node.op == "call_function" and (module == "fxquant" or module.startswith("fxquant.")):
+            names.add(f"{module}.{node.target.__name__}")
+    return sorted(names)
+
+
+def inductor_config_patches(scheme_text: str, gm: torch.fx.GraphModule | None = None) -> dict[str, object]:
+    """``config_patches`` for ``compile_fx`` that key the caches on fxquant (see module docstring). With ``gm``
+    (the rewritten Dynamo graph) its fxquant functions are marked cacheable for AOT autograd's cache, keyed by
+    ``FxquantCacheKey``'s uuid: that cache bypasses a graph calling a function it cannot vouch for, and these
+    are fxquant's own code, which the uuid hashes."""
     from torch._inductor import config
 
-    existing = config.post_grad_custom_post_pass
-    return {"post_grad_custom_post_pass": FxquantCacheKey(scheme_text, existing)}
+    key = FxquantCacheKey(scheme_text, config.post_grad_custom_post_pass)
+    patches: dict[str, object] = {"post_grad_custom_post_pass": key}
+    uuid = key.uuid()
+    marked = getattr(config, "unsafe_marked_cacheable_functions", None)
+    if gm is not None and uuid is not None and isinstance(marked, dict):
+        patches["unsafe_marked_cacheable_functions"] = {**marked, **dict.fromkeys(fxquant_targets(gm), uuid)}
+    return patches

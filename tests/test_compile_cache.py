@@ -1,0 +1,148 @@
+"""Inductor's compile caches under fxquant.compile (ARCHITECTURE.md trap 5).
+
+A second compile of the same model and scheme loads its forward and backward graphs from the FX-graph and
+AOT-autograd caches and gives the same results bit for bit (a graph with capture taps is compiled again:
+torch does not cache effectful ops); a change that the graph does not show (fxquant's sources, the quantize
+implementation) misses; the decomposition table, which both caches put in their keys, pickles as the call
+that builds it.
+"""
+from __future__ import annotations
+
+import copy
+import pickle
+import uuid
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import fxquant
+from fxquant import capture, lowering
+from fxquant.lowering import Kernels
+from fxquant.passes import cache_key
+from tests.models import make_llama, make_tokens, next_token_loss
+
+pytestmark = pytest.mark.slow
+
+CFG = dict(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=96, vocab_size=128, max_seq_len=16)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _cache_counts() -> dict[str, int]:
+    inductor, aot = counters["inductor"], counters["aot_autograd"]
+    return {"fx_hit": inductor["fxgraph_cache_hit"], "fx_miss": inductor["fxgraph_cache_miss"],
+            "fx_bypass": inductor["fxgraph_cache_bypass"], "aot_hit": aot["autograd_cache_hit"],
+            "aot_miss": aot["autograd_cache_miss"], "aot_bypass": aot["autograd_cache_bypass"]}
+
+
+def _step(base: torch.nn.Module, scheme: str, **options) -> tuple[dict[str, int], torch.Tensor, dict]:
+    """One forward + backward of a fresh copy of ``base`` compiled anew; the cache counters' increments."""
+    torch._dynamo.reset()
+    model = copy.deepcopy(base)
+    tokens = make_tokens(model.cfg, seed=3)
+    before = _cache_counts()
+    loss = next_token_loss(fxquant.compile(model, scheme, strict=True, **options)(tokens), tokens)
+    loss.backward()
+    after = _cache_counts()
+    return ({k: after[k] - before[k] for k in after}, loss.detach(),
+            {n: p.grad.clone() for n, p in model.named_parameters()})
+
+
+def _assert_same(a: tuple, b: tuple) -> None:
+    torch.testing.assert_close(a[1], b[1], rtol=0, atol=0)
+    assert a[2].keys() == b[2].keys()
+    for name in a[2]:
+        torch.testing.assert_close(a[2][name], b[2][name], rtol=0, atol=0, msg=name)
+
+
+def test_second_compile_loads_both_graphs_from_the_caches_with_the_same_results():
+    base = make_llama(**CFG)
+    first = _step(base, "FA_linear_mxfp8")
+    assert first[0]["fx_bypass"] == first[0]["aot_bypass"] == 0, first[0]
+    second = _step(base, "FA_linear_mxfp8")
+    assert second[0] == {"fx_hit": 2, "fx_miss": 0, "fx_bypass": 0, "aot_hit": 1, "aot_miss": 0, "aot_bypass": 0}
+    _assert_same(first, second)
+
+
+def test_changed_sources_or_quantize_implementation_miss(monkeypatch):
+    """The graph Dynamo hands over is the same; fxquant's code or the quantize implementation is not. (The
+    sources' hash is salted first, so that no entry of an earlier run in the same cache directory matches.)"""
+    salted = f"{cache_key.sources_hash()}-{uuid.uuid4()}"
+    monkeypatch.setattr(cache_key, "sources_hash", lambda: salted)
+    base = make_llama(**CFG)
+    auto = _step(base, "linear_hifp8")
+    assert (auto[0]["aot_miss"], auto[0]["fx_miss"]) == (1, 2), auto[0]
+    assert _step(base, "linear_hifp8")[0]["aot_hit"] == 1
+
+    reference = _step(base, "linear_hifp8", kernels="reference")
+    assert (reference[0]["aot_hit"], reference[0]["fx_hit"]) == (0, 0), reference[0]
+    assert reference[0]["aot_miss"] == 1
+
+    monkeypatch.setattr(cache_key, "sources_hash", lambda: salted + "-edited")
+    edited = _step(base, "linear_hifp8")
+    assert (edited[0]["aot_hit"], edited[0]["fx_hit"]) == (0, 0), edited[0]
+    assert edited[0]["aot_miss"] == 1 and edited[0]["fx_miss"] == 2
+    _assert_same(auto, edited)  # the same code, compiled again
+
+
+def test_capture_graphs_compile_again_to_the_same_records(tmp_path):
+    """A graph with capture taps holds effectful ops (``with_effects``), which Inductor's FX-graph cache does
+    not store (torch 2.13 bypasses it: docs/compile.md); a second compile writes the same records, and
+    compiling with capture leaves the caches of the graphs without it alone."""
+    base = make_llama(**CFG)
+    stores = []
+    for run in range(2):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        tokens = make_tokens(model.cfg, seed=3)
+        compiled = fxquant.compile(model, "linear_mxfp8", capture="linear_io")
+        with capture.start(capture.load_spec("linear_io"), tmp_path / str(run), scheme="linear_mxfp8"):
+            next_token_loss(compiled(tokens), tokens).backward()
+        stores.append(capture.open(tmp_path / str(run)))
+    first, second = stores
+
+    def key(r) -> tuple:
+        return tuple(str(r.fields.get(f)) for f in ("module", "role", "iteration", "copy", "gemm", "qspec"))
+
+    records = [sorted(s, key=key) for s in stores]
+    assert len(records[0]) == len(records[1]) > 0
+    for a, b in zip(*records):
+        assert key(a) == key(b)
+        torch.testing.assert_close(first.load(a), second.load(b), rtol=0, atol=0)
+    plain = _step(base, "linear_mxfp8")  # no capture: its own entries, cached as ever
+    assert plain[0]["fx_bypass"] == plain[0]["aot_bypass"] == 0, plain[0]
+
+
+@pytest.mark.parametrize("kernels", [Kernels.INDUCTOR, Kernels.TRITON, Kernels.REFERENCE])
+def test_decomposition_table_pickles_as_its_construction(kernels):
+    table = lowering.decomposition_table(kernels)
+    blob = pickle.dumps(table)
+    assert len(blob) < 500  # the call, not a few thousand entries
+    again = pickle.loads(blob)
+    assert again == table and (again.kernels, again.inductor) == (kernels, True)
+    op = torch.ops.fxquant.quantize.default
+    assert (op in table) is (kernels is not Kernels.TRITON)
+
+
+def test_fxquant_functions_of_a_rewritten_graph_are_marked_with_the_key():
+    from torch._inductor import config
+
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(4, 4))
+    assert cache_key.fxquant_targets(gm) == []
+    from fxquant.passes.wrappers import fxquant_linear
+
+    node = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    with gm.graph.inserting_after(node):
+        gm.graph.call_function(fxquant_linear, (node, node, None, (None,) * 6))
+    assert cache_key.fxquant_targets(gm) == ["fxquant.passes.wrappers.fxquant_linear"]
+    patches = cache_key.inductor_config_patches("scheme text", gm)
+    uuid = patches["post_grad_custom_post_pass"].uuid()
+    assert patches["unsafe_marked_cacheable_functions"] == {
+        **config.unsafe_marked_cacheable_functions, "fxquant.passes.wrappers.fxquant_linear": uuid}
+    assert cache_key.inductor_config_patches("other scheme", gm)["post_grad_custom_post_pass"].uuid() != uuid
