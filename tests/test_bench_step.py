@@ -1,5 +1,6 @@
 """benchmarks/bench_step.py end to end at a tiny size: the round-robin rows, the eager baseline,
-and the --cold-compile children (a fresh process each, an empty Inductor cache of its own)."""
+and the --cold-compile children (a fresh process each, an empty Inductor cache of its own, then one more on
+the cache it filled)."""
 from __future__ import annotations
 
 import json
@@ -37,6 +38,10 @@ def test_bench_step_reports_every_variant_and_where_the_cold_compile_went(tmp_pa
         assert cold["first_step_s"] > 0 and cold["codegen_s"] > 0 and cold["gcc_s"] > 0
         assert cold["kernel_libraries"] >= 1 and cold["cpp_kb"] > 0
         assert rows[label]["cold_compile_s"] == cold["first_step_s"]
+        # warm: another fresh process on the filled cache loads the forward and backward graphs from it
+        assert (cold["fx_graph_cache_hits"], cold["aot_autograd_cache_hits"]) == (0, 0)
+        assert (cold["warm_fx_graph_cache_hits"], cold["warm_aot_autograd_cache_hits"]) == (2, 1)
+        assert rows[label]["warm_compile_s"] == cold["warm_s"] > 0
     assert rows["linear_mxfp8 [eager]"]["cold_compile"] is None  # plain and the presets only
     # the quantizes add kernels: the preset's cold compile writes more C++ than plain's
     assert preset["cold_compile"]["cpp_kb"] > plain["cold_compile"]["cpp_kb"]
