@@ -11,6 +11,9 @@ from pathlib import Path
 # without an NVIDIA driver the kernels run in Triton's interpreter on CPU (ARCHITECTURE.md trap 7).
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The caller's Inductor cache directory, read before torch is imported: an import may set the variable to
+# Inductor's default (a directory shared by every run), which must not count as the caller's choice.
+_CALLER_INDUCTOR_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -45,7 +48,8 @@ def wikitext_dir() -> Path:
 @pytest.fixture(scope="session", autouse=True)
 def _inductor_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     """One Inductor cache per test session unless the caller chose one (scripts/run_tests.sh does)."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor-cache")))
+    chosen = _CALLER_INDUCTOR_CACHE or str(tmp_path_factory.mktemp("inductor-cache"))
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = chosen
 
 
 @pytest.fixture(autouse=True)
