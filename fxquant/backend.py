@@ -166,7 +166,7 @@ class FxquantBackend:
         if kernels is Kernels.INDUCTOR:
             patches.update(lowering.inductor_config_patches())
         return compile_fx(gm, example_inputs, config_patches=patches,
-                          decompositions=lowering.decomposition_table(kernels, inductor=True))
+                          decompositions=lowering.decomposition_table(kernels))
 
     # -- what was seen, across graphs (recompiles replace earlier graphs of the same sites) ----------------
     def current_sites(self) -> list:

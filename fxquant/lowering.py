@@ -102,25 +102,25 @@ def decompositions(kernels: Kernels, *, inductor: bool = False) -> dict:
 
 class DecompositionTable(dict):
     """AOT autograd's decomposition table under Inductor: Inductor's (``select_decomp_table``) plus fxquant's
-    entries for ``kernels``. It pickles as the call that builds it, ``decomposition_table(kernels, inductor)``:
+    entries for ``kernels``. It pickles as the call that builds it, ``decomposition_table(kernels)``:
     Inductor's FX-graph and AOT-autograd caches put the table in their keys, and pickled entry by entry it
     holds a function with no stable pickle, for which both caches bypass the graph (a rerun would redo all of
     Inductor's code generation). The entries' code is keyed by ``passes.cache_key`` (fxquant's sources) and
     torch's version, which both caches key on."""
 
-    def __init__(self, kernels: Kernels, inductor: bool) -> None:
+    def __init__(self, kernels: Kernels) -> None:
         from torch._inductor.decomposition import select_decomp_table
 
-        super().__init__({**select_decomp_table(), **decompositions(kernels, inductor=inductor)})
-        self.kernels, self.inductor = kernels, inductor
+        super().__init__({**select_decomp_table(), **decompositions(kernels, inductor=True)})
+        self.kernels = kernels
 
     def __reduce__(self) -> tuple:
-        return decomposition_table, (self.kernels.value, self.inductor)
+        return decomposition_table, (self.kernels.value,)
 
 
-def decomposition_table(kernels: Kernels | str, inductor: bool = True) -> DecompositionTable:
+def decomposition_table(kernels: Kernels | str) -> DecompositionTable:
     """The table ``compile_fx`` gets for a graph whose quantizes run ``kernels`` (resolved, not AUTO)."""
-    return DecompositionTable(parse_kernels(kernels), inductor)
+    return DecompositionTable(parse_kernels(kernels))
 
 
 def register_fallback() -> None:

@@ -66,9 +66,9 @@ def fxquant_targets(gm: torch.fx.GraphModule) -> list[str]:
     return sorted(names)
 
 
-def inductor_config_patches(scheme_text: str, gm: torch.fx.GraphModule | None = None) -> dict[str, object]:
-    """``config_patches`` for ``compile_fx`` that key the caches on fxquant (see module docstring). With ``gm``
-    (the rewritten Dynamo graph) its fxquant functions are marked cacheable for AOT autograd's cache, keyed by
+def inductor_config_patches(scheme_text: str, gm: torch.fx.GraphModule) -> dict[str, object]:
+    """``config_patches`` for ``compile_fx`` that key the caches on fxquant (see module docstring). The fxquant
+    functions ``gm`` (the rewritten Dynamo graph) calls are marked cacheable for AOT autograd's cache, keyed by
     ``FxquantCacheKey``'s uuid: that cache bypasses a graph calling a function it cannot vouch for, and these
     are fxquant's own code, which the uuid hashes."""
     from torch._inductor import config
@@ -77,6 +77,6 @@ def inductor_config_patches(scheme_text: str, gm: torch.fx.GraphModule | None = 
     patches: dict[str, object] = {"post_grad_custom_post_pass": key}
     uuid = key.uuid()
     marked = getattr(config, "unsafe_marked_cacheable_functions", None)
-    if gm is not None and uuid is not None and isinstance(marked, dict):
+    if uuid is not None and isinstance(marked, dict):
         patches["unsafe_marked_cacheable_functions"] = {**marked, **dict.fromkeys(fxquant_targets(gm), uuid)}
     return patches
