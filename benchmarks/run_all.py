@@ -17,8 +17,10 @@ Sections (``--sections``, default all):
              L = 2048: its [L, L] float32 matrices)
   model      a Llama-3.2-1B-shaped model with fewer layers, fwd+bwd step: compiled bf16 vs fxquant.compile per
              preset and quantize implementation (KERNELS), with peak memory, and the predecessor's eager approach
-  capture    capture writer throughput vs raw writes, step overhead (benchmarks/bench_capture.py)
-  compile    first-step (compile) time, fxquant.compile vs torch.compile (benchmarks/bench_compile.py)
+  capture    capture writer throughput vs raw writes, step overhead (benchmarks/bench_capture.py); the
+             model runs on the CPU, on a GPU machine too (its host CPU)
+  compile    first-step (compile) time, fxquant.compile vs torch.compile (benchmarks/bench_compile.py); the
+             model runs on the CPU, on a GPU machine too (its host CPU)
 Timing: CUDA events around each call after warm-up, median of ``--repeat`` (CPU: perf_counter). Anything
 that needs a GPU reads "n/a (no GPU)" on a machine without one. ``--quick`` shrinks every size for a
 smoke run (minutes on a 2-core CPU).

@@ -195,16 +195,14 @@ from fxquant.formats.tensor_quant import TensorQuant
 from fxquant.kernels import flash_attention_kernels as fk
 from fxquant.kernels.flash_attention_spec import operand_code
 
-mx, hf = operand_code(TensorQuant("mxfp8_e4m3")), operand_code(TensorQuant("hifp8"))
-m4 = operand_code(TensorQuant("mxfp4", scale_mode="rceil"))
+mx = operand_code(TensorQuant("mxfp8_e4m3"))
 scal = {n: "i32" for n in ("n_heads", "len_q", "len_k", "head_d", "head_dv")} | {"sm_scale": "fp32"}
 base = dict(GROUP=2, CAUSAL=True, IO=1, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, BLOCK_DV=128)
 cases = [
-    (fk._flash_fwd_kernel, "q k v o", dict(BLOCK_M=128, QK_Q=mx, QK_K=mx, PV_P=mx, PV_V=mx, QK_BF16=True, PV_BF16=True)),
-    (fk._flash_bwd_dkdv_kernel, "q k v do delta dk dv", dict(QK_Q=hf, QK_K=hf, DP_DO=m4, DP_V=m4, DV_P=mx, DV_DO=mx,
-     DK_Q=mx, DK_DS=mx, QK_BF16=True, DP_BF16=True, DV_BF16=True, DK_BF16=True)),
-    (fk._flash_bwd_dq_kernel, "q k v do delta dq", dict(QK_Q=mx, QK_K=mx, DP_DO=0, DP_V=0, DQ_DS=mx, DQ_K=mx,
-     QK_BF16=True, DP_BF16=True, DQ_BF16=False)),
+    (fk._flash_fwd_kernel, "q k v o", dict(BLOCK_M=128, PV_P=mx, QK_BF16=True, PV_BF16=True)),
+    (fk._flash_bwd_dkdv_kernel, "q q2 k v do do2 delta dk dv", dict(DV_P=mx, DK_DS=mx, SAME_Q=False, SAME_DO=False,
+     QK_BF16=True, DP_BF16=True, DV_BF16=True, DK_BF16=True)),
+    (fk._flash_bwd_dq_kernel, "q k k2 v do delta dq", dict(DQ_DS=mx, SAME_K=False, QK_BF16=True, DP_BF16=True, DQ_BF16=False)),
 ]
 report = []
 for fn, ptrs, consts in cases:

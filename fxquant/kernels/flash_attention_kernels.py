@@ -1,8 +1,11 @@
 """The quantized flash-attention kernels: forward, backward dK/dV, backward dQ (FlashAttention-2 structure).
 
 Tensors are contiguous ``[B, H, L, d]``; query head ``h`` reads key/value head ``h // GROUP`` (GQA, as
-``repeat_interleave``). Every GEMM operand is quantized inside the kernel per its operand code
-(``flash_attention_spec``), along the axis FORMATS.md names; docs/flash_attention.md states the semantics:
+``repeat_interleave``). The operands that are input tensors (Q, K, V, dO) arrive quantized: the launch
+(``flash_attention_launch``) quantizes each once per role along the axis FORMATS.md names, which gives the
+bits a per-tile quantization would (MX blocks never straddle a tile), and passes one tensor per role where
+two roles differ. The computed operands, P and dS, are quantized here per tile and operand code
+(``flash_attention_spec``). docs/flash_attention.md states the semantics:
 
 forward, per query tile and per BLOCK_N key tile j in order (online softmax, natural exp):
     S = q(Q) q(K_j)^T * scale  (masked: -inf)          m' = max(m, rowmax S)
@@ -22,7 +25,7 @@ import triton
 import triton.language as tl
 
 from fxquant.kernels._primitives import load_f32, store_from_f32
-from fxquant.kernels.flash_attention_tiles import mm, operand, quant_tile
+from fxquant.kernels.flash_attention_tiles import mm, operand
 
 
 @triton.jit
@@ -48,8 +51,7 @@ def _flash_fwd_kernel(
     sm_scale, n_heads, len_q, len_k, head_d, head_dv,
     GROUP: tl.constexpr, CAUSAL: tl.constexpr, IO: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    QK_Q: tl.constexpr, QK_K: tl.constexpr, PV_P: tl.constexpr, PV_V: tl.constexpr,
-    QK_BF16: tl.constexpr, PV_BF16: tl.constexpr,
+    PV_P: tl.constexpr, QK_BF16: tl.constexpr, PV_BF16: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -63,14 +65,14 @@ def _flash_fwd_kernel(
     v_base = v_ptr + bk * len_k * head_dv
 
     ptrs, mask = _tile_ptrs(q_base, offs_m, offs_d, len_q, head_d, head_d)
-    qq = quant_tile(load_f32(ptrs, mask), 1, QK_Q)
+    qq = load_f32(ptrs, mask)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     for start_n in range(0, _key_stop(len_k, pid_m, BLOCK_M, CAUSAL), BLOCK_N):
         offs_n = start_n + offs_n0
         k_ptrs, k_mask = _tile_ptrs(k_base, offs_n, offs_d, len_k, head_d, head_d)
-        kq = quant_tile(load_f32(k_ptrs, k_mask), 1, QK_K)
+        kq = load_f32(k_ptrs, k_mask)
         s = mm(qq, tl.trans(kq), QK_BF16) * sm_scale
         valid = offs_n[None, :] < len_k
         if CAUSAL:
@@ -81,8 +83,7 @@ def _flash_fwd_kernel(
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_ptrs, v_mask = _tile_ptrs(v_base, offs_n, offs_dv, len_k, head_dv, head_dv)
-        vq = quant_tile(load_f32(v_ptrs, v_mask), 0, PV_V)
-        acc = acc * alpha[:, None] + mm(operand(p, 1, PV_P, IO), vq, PV_BF16)
+        acc = acc * alpha[:, None] + mm(operand(p, 1, PV_P, IO), load_f32(v_ptrs, v_mask), PV_BF16)
         m_i = m_new
     o = tl.math.div_rn(acc, l_i[:, None])
     ptrs, mask = _tile_ptrs(o_ptr + bh * len_q * head_dv, offs_m, offs_dv, len_q, head_dv, head_dv)
@@ -102,14 +103,15 @@ def _probs(qq, kq, lse, offs_m, offs_n, sm_scale, len_q, len_k, QK_BF16: tl.cons
 
 @triton.jit
 def _flash_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    q_ptr, q2_ptr, k_ptr, v_ptr, do_ptr, do2_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
     sm_scale, n_heads, len_q, len_k, head_d, head_dv,
     GROUP: tl.constexpr, CAUSAL: tl.constexpr, IO: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    QK_Q: tl.constexpr, QK_K: tl.constexpr, DP_DO: tl.constexpr, DP_V: tl.constexpr,
-    DV_P: tl.constexpr, DV_DO: tl.constexpr, DK_Q: tl.constexpr, DK_DS: tl.constexpr,
+    DV_P: tl.constexpr, DK_DS: tl.constexpr, SAME_Q: tl.constexpr, SAME_DO: tl.constexpr,
     QK_BF16: tl.constexpr, DP_BF16: tl.constexpr, DV_BF16: tl.constexpr, DK_BF16: tl.constexpr,
 ):
+    """q: Q as S = Q K^T reads it, q2: as dK = dS^T Q reads it; do: dO as dP = dO V^T reads it, do2: as
+    dV = P^T dO reads it. ``SAME_Q`` / ``SAME_DO``: one tensor serves both roles (loaded once)."""
     pid_n = tl.program_id(0)
     bk = tl.program_id(1).to(tl.int64)  # b * n_kv_heads + kv head
     n_kv = n_heads // GROUP
@@ -119,9 +121,9 @@ def _flash_bwd_dkdv_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
 
     ptrs, mask = _tile_ptrs(k_ptr + bk * len_k * head_d, offs_n, offs_d, len_k, head_d, head_d)
-    kq = quant_tile(load_f32(ptrs, mask), 1, QK_K)
+    kq = load_f32(ptrs, mask)
     ptrs, mask = _tile_ptrs(v_ptr + bk * len_k * head_dv, offs_n, offs_dv, len_k, head_dv, head_dv)
-    vq = quant_tile(load_f32(ptrs, mask), 1, DP_V)
+    vq = load_f32(ptrs, mask)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     lo = 0
@@ -129,21 +131,27 @@ def _flash_bwd_dkdv_kernel(
         lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M  # the first query tile with a row >= this key tile
     for g in range(GROUP):
         bh = (bk // n_kv) * n_heads + (bk % n_kv) * GROUP + g
-        q_base = q_ptr + bh * len_q * head_d
-        do_base = do_ptr + bh * len_q * head_dv
         for start_m in range(lo, len_q, BLOCK_M):
             offs_m = start_m + offs_m0
-            q_ptrs, q_mask = _tile_ptrs(q_base, offs_m, offs_d, len_q, head_d, head_d)
+            q_ptrs, q_mask = _tile_ptrs(q_ptr + bh * len_q * head_d, offs_m, offs_d, len_q, head_d, head_d)
             q = load_f32(q_ptrs, q_mask)
-            do_ptrs, do_mask = _tile_ptrs(do_base, offs_m, offs_dv, len_q, head_dv, head_dv)
+            q2 = q
+            if not SAME_Q:
+                q2_ptrs, _ = _tile_ptrs(q2_ptr + bh * len_q * head_d, offs_m, offs_d, len_q, head_d, head_d)
+                q2 = load_f32(q2_ptrs, q_mask)
+            do_ptrs, do_mask = _tile_ptrs(do_ptr + bh * len_q * head_dv, offs_m, offs_dv, len_q, head_dv, head_dv)
             do = load_f32(do_ptrs, do_mask)
+            do2 = do
+            if not SAME_DO:
+                do2_ptrs, _ = _tile_ptrs(do2_ptr + bh * len_q * head_dv, offs_m, offs_dv, len_q, head_dv, head_dv)
+                do2 = load_f32(do2_ptrs, do_mask)
             lse = tl.load(lse_ptr + bh * len_q + offs_m, mask=offs_m < len_q, other=0.0)
             delta = tl.load(delta_ptr + bh * len_q + offs_m, mask=offs_m < len_q, other=0.0)
-            p = _probs(quant_tile(q, 1, QK_Q), kq, lse, offs_m, offs_n, sm_scale, len_q, len_k, QK_BF16, CAUSAL)
-            dv += mm(tl.trans(operand(p, 0, DV_P, IO)), quant_tile(do, 0, DV_DO), DV_BF16)
-            dp = mm(quant_tile(do, 1, DP_DO), tl.trans(vq), DP_BF16)
+            p = _probs(q, kq, lse, offs_m, offs_n, sm_scale, len_q, len_k, QK_BF16, CAUSAL)
+            dv += mm(tl.trans(operand(p, 0, DV_P, IO)), do2, DV_BF16)
+            dp = mm(do, tl.trans(vq), DP_BF16)
             ds = sm_scale * (p * (dp - delta[:, None]))
-            dk += mm(tl.trans(operand(ds, 0, DK_DS, IO)), quant_tile(q, 0, DK_Q), DK_BF16)
+            dk += mm(tl.trans(operand(ds, 0, DK_DS, IO)), q2, DK_BF16)
     ptrs, mask = _tile_ptrs(dk_ptr + bk * len_k * head_d, offs_n, offs_d, len_k, head_d, head_d)
     store_from_f32(ptrs, dk, mask)
     ptrs, mask = _tile_ptrs(dv_ptr + bk * len_k * head_dv, offs_n, offs_dv, len_k, head_dv, head_dv)
@@ -152,14 +160,14 @@ def _flash_bwd_dkdv_kernel(
 
 @triton.jit
 def _flash_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    q_ptr, k_ptr, k2_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
     sm_scale, n_heads, len_q, len_k, head_d, head_dv,
     GROUP: tl.constexpr, CAUSAL: tl.constexpr, IO: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    QK_Q: tl.constexpr, QK_K: tl.constexpr, DP_DO: tl.constexpr, DP_V: tl.constexpr,
-    DQ_DS: tl.constexpr, DQ_K: tl.constexpr,
+    DQ_DS: tl.constexpr, SAME_K: tl.constexpr,
     QK_BF16: tl.constexpr, DP_BF16: tl.constexpr, DQ_BF16: tl.constexpr,
 ):
+    """k: K as S = Q K^T reads it, k2: as dQ = dS K reads it (``SAME_K``: one tensor, loaded once)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     bk = (bh // n_heads) * (n_heads // GROUP) + (bh % n_heads) // GROUP
@@ -171,9 +179,9 @@ def _flash_bwd_dq_kernel(
     v_base = v_ptr + bk * len_k * head_dv
 
     ptrs, mask = _tile_ptrs(q_ptr + bh * len_q * head_d, offs_m, offs_d, len_q, head_d, head_d)
-    qq = quant_tile(load_f32(ptrs, mask), 1, QK_Q)
+    qq = load_f32(ptrs, mask)
     ptrs, mask = _tile_ptrs(do_ptr + bh * len_q * head_dv, offs_m, offs_dv, len_q, head_dv, head_dv)
-    doq = quant_tile(load_f32(ptrs, mask), 1, DP_DO)
+    doq = load_f32(ptrs, mask)
     lse = tl.load(lse_ptr + bh * len_q + offs_m, mask=offs_m < len_q, other=0.0)
     delta = tl.load(delta_ptr + bh * len_q + offs_m, mask=offs_m < len_q, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -181,11 +189,14 @@ def _flash_bwd_dq_kernel(
         offs_n = start_n + offs_n0
         k_ptrs, k_mask = _tile_ptrs(k_base, offs_n, offs_d, len_k, head_d, head_d)
         k = load_f32(k_ptrs, k_mask)
+        k2 = k
+        if not SAME_K:
+            k2_ptrs, _ = _tile_ptrs(k2_ptr + bk * len_k * head_d, offs_n, offs_d, len_k, head_d, head_d)
+            k2 = load_f32(k2_ptrs, k_mask)
         v_ptrs, v_mask = _tile_ptrs(v_base, offs_n, offs_dv, len_k, head_dv, head_dv)
-        vq = quant_tile(load_f32(v_ptrs, v_mask), 1, DP_V)
-        p = _probs(qq, quant_tile(k, 1, QK_K), lse, offs_m, offs_n, sm_scale, len_q, len_k, QK_BF16, CAUSAL)
-        dp = mm(doq, tl.trans(vq), DP_BF16)
+        p = _probs(qq, k, lse, offs_m, offs_n, sm_scale, len_q, len_k, QK_BF16, CAUSAL)
+        dp = mm(doq, tl.trans(load_f32(v_ptrs, v_mask)), DP_BF16)
         ds = sm_scale * (p * (dp - delta[:, None]))
-        dq += mm(operand(ds, 1, DQ_DS, IO), quant_tile(k, 0, DQ_K), DQ_BF16)
+        dq += mm(operand(ds, 1, DQ_DS, IO), k2, DQ_BF16)
     ptrs, mask = _tile_ptrs(dq_ptr + bh * len_q * head_d, offs_m, offs_d, len_q, head_d, head_d)
     store_from_f32(ptrs, dq, mask)

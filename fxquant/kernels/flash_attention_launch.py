@@ -3,6 +3,14 @@
 ``forward`` returns (O, LSE); ``backward`` computes D = rowsum(dO * O) in float32 (torch), then launches
 the dK/dV kernel (one program per key tile and key/value head) and the dQ kernel (one per query tile and
 query head). Inputs are contiguous ``[B, H, L, d]`` of one dtype (float32, bfloat16, float16).
+
+The operands that are input tensors (Q, K, V, dO: eight roles) are quantized here, once per role, with the
+quantize kernels (``fxquant.kernels.quantize``, the reference's bits) along the role's axis; the kernels
+quantize only P and dS, per tile. Quantizing a whole tensor gives the bits the per-tile quantization of the
+reference (``flash_reference``) gives: a tile spans the whole head dimension, and along Lq / Lk the tiles
+are multiples of 32 (``FlashBlocks.check``), so no MX block straddles a tile, and a partial last block is
+zero-padded either way. Roles quantized alike share one tensor. A quantized role is float32 (every value
+exact), or bf16 where its GEMM feeds bf16 tensor cores (``gemm_bf16``: the values are bf16 values).
 Under ``TRITON_INTERPRET=1`` (fixed when the kernels were first imported) the kernels run on CPU tensors,
 every GEMM as an IEEE float32 dot; compiled for the GPU, a GEMM whose operands are bf16-exact runs on
 bf16 tensor cores (``gemm_bf16``), the others as IEEE float32 dots.
@@ -15,7 +23,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from fxquant.kernels.flash_attention import IO_CODES, gemm_bf16
 from fxquant.kernels.flash_attention_kernels import _flash_bwd_dkdv_kernel, _flash_bwd_dq_kernel, _flash_fwd_kernel
-from fxquant.kernels.flash_attention_spec import FlashBlocks, FlashQuant, Operand
+from fxquant.kernels.flash_attention_spec import Axis, FlashBlocks, FlashQuant, Kind, Operand
 
 _INTERPRETED = isinstance(_flash_fwd_kernel, InterpretedFunction)
 
@@ -55,6 +63,32 @@ def _check_device(q: torch.Tensor) -> None:
         )
 
 
+class _Roles:
+    """The input-tensor operands of one launch, quantized once per (tensor, TensorQuant, axis, dtype)."""
+
+    def __init__(self, fq: FlashQuant) -> None:
+        self.fq = fq
+        self._made: dict[tuple[int, str, int, torch.dtype], torch.Tensor] = {}
+
+    def get(self, x: torch.Tensor, op: Operand, bf16: bool) -> torch.Tensor:
+        """``x`` as operand ``op`` reads it: quantized along ``op``'s axis (bf16 when ``bf16``), or ``x``."""
+        tq = self.fq.tq(op)
+        if tq is None:
+            return x
+        dim = -1 if op.axis is Axis.D else -2
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        key = (id(x), tq.spec(), dim if self.fq.code(op) & 3 == Kind.MX else 0, dtype)
+        if key not in self._made:
+            from fxquant import kernels
+
+            if bf16 and x.dtype == torch.bfloat16:  # quantize(x) is quantize(x.float()).to(x.dtype)
+                y = kernels.quantize(x, tq, dim)
+            else:
+                y = kernels.quantize(x.float(), tq, dim).to(dtype)
+            self._made[key] = y
+        return self._made[key]
+
+
 def forward(q, k, v, causal: bool, scale: float, group: int, fq: FlashQuant, blocks: FlashBlocks):
     """(O [B, Hq, Lq, dv] in q's dtype, LSE [B, Hq, Lq] float32)."""
     _check_device(q)
@@ -62,11 +96,13 @@ def forward(q, k, v, causal: bool, scale: float, group: int, fq: FlashQuant, blo
     o = torch.empty(b, h, lq, v.shape[3], dtype=q.dtype, device=q.device)
     lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
     bm, bn = blocks.block_m, blocks.block_n
+    qk_bf16 = _bf16(fq, Operand.QK_Q, Operand.QK_K, q.dtype)
+    pv_bf16 = _bf16(fq, Operand.PV_P, Operand.PV_V, q.dtype)
+    roles = _Roles(fq)
     _flash_fwd_kernel[(triton.cdiv(lq, bm), b * h)](
-        q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=o, lse_ptr=lse, **_common(q, v, causal, scale, group),
-        BLOCK_M=bm, BLOCK_N=bn,
-        QK_Q=fq.code(Operand.QK_Q), QK_K=fq.code(Operand.QK_K), PV_P=fq.code(Operand.PV_P), PV_V=fq.code(Operand.PV_V),
-        QK_BF16=_bf16(fq, Operand.QK_Q, Operand.QK_K, q.dtype), PV_BF16=_bf16(fq, Operand.PV_P, Operand.PV_V, q.dtype),
+        q_ptr=roles.get(q, Operand.QK_Q, qk_bf16), k_ptr=roles.get(k, Operand.QK_K, qk_bf16),
+        v_ptr=roles.get(v, Operand.PV_V, pv_bf16), o_ptr=o, lse_ptr=lse, **_common(q, v, causal, scale, group),
+        BLOCK_M=bm, BLOCK_N=bn, PV_P=fq.code(Operand.PV_P), QK_BF16=qk_bf16, PV_BF16=pv_bf16,
         **_opts(bm, bn, d),
     )
     return o, lse
@@ -81,22 +117,25 @@ def backward(q, k, v, o, lse, do, causal: bool, scale: float, group: int, fq: Fl
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     bm, bn = blocks.bwd_m, blocks.bwd_n
     common = _common(q, v, causal, scale, group)
-    codes = dict(
-        QK_Q=fq.code(Operand.QK_Q), QK_K=fq.code(Operand.QK_K), DP_DO=fq.code(Operand.DP_DO), DP_V=fq.code(Operand.DP_V),
+    flags = dict(
         QK_BF16=_bf16(fq, Operand.QK_Q, Operand.QK_K, q.dtype), DP_BF16=_bf16(fq, Operand.DP_DO, Operand.DP_V, q.dtype),
     )
+    dv_bf16, dk_bf16 = _bf16(fq, Operand.DV_P, Operand.DV_DO, q.dtype), _bf16(fq, Operand.DK_DS, Operand.DK_Q, q.dtype)
+    dq_bf16 = _bf16(fq, Operand.DQ_DS, Operand.DQ_K, q.dtype)
+    roles = _Roles(fq)
+    q_qk, k_qk = roles.get(q, Operand.QK_Q, flags["QK_BF16"]), roles.get(k, Operand.QK_K, flags["QK_BF16"])
+    do_dp, v_dp = roles.get(do, Operand.DP_DO, flags["DP_BF16"]), roles.get(v, Operand.DP_V, flags["DP_BF16"])
+    q_dk, do_dv = roles.get(q, Operand.DK_Q, dk_bf16), roles.get(do, Operand.DV_DO, dv_bf16)
+    k_dq = roles.get(k, Operand.DQ_K, dq_bf16)
     _flash_bwd_dkdv_kernel[(triton.cdiv(lk, bn), b * hk)](
-        q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=do, lse_ptr=lse, delta_ptr=delta, dk_ptr=dk, dv_ptr=dv, **common,
-        BLOCK_M=bm, BLOCK_N=bn, **codes,
-        DV_P=fq.code(Operand.DV_P), DV_DO=fq.code(Operand.DV_DO), DK_Q=fq.code(Operand.DK_Q), DK_DS=fq.code(Operand.DK_DS),
-        DV_BF16=_bf16(fq, Operand.DV_P, Operand.DV_DO, q.dtype), DK_BF16=_bf16(fq, Operand.DK_DS, Operand.DK_Q, q.dtype),
-        **_opts(bm, bn, d),
+        q_ptr=q_qk, q2_ptr=q_dk, k_ptr=k_qk, v_ptr=v_dp, do_ptr=do_dp, do2_ptr=do_dv, lse_ptr=lse, delta_ptr=delta,
+        dk_ptr=dk, dv_ptr=dv, **common, BLOCK_M=bm, BLOCK_N=bn, **flags,
+        DV_P=fq.code(Operand.DV_P), DK_DS=fq.code(Operand.DK_DS), SAME_Q=q_dk is q_qk, SAME_DO=do_dv is do_dp,
+        DV_BF16=dv_bf16, DK_BF16=dk_bf16, **_opts(bm, bn, d),
     )
     _flash_bwd_dq_kernel[(triton.cdiv(lq, bm), b * h)](
-        q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=do, lse_ptr=lse, delta_ptr=delta, dq_ptr=dq, **common,
-        BLOCK_M=bm, BLOCK_N=bn, **codes,
-        DQ_DS=fq.code(Operand.DQ_DS), DQ_K=fq.code(Operand.DQ_K),
-        DQ_BF16=_bf16(fq, Operand.DQ_DS, Operand.DQ_K, q.dtype),
-        **_opts(bm, bn, d),
+        q_ptr=q_qk, k_ptr=k_qk, k2_ptr=k_dq, v_ptr=v_dp, do_ptr=do_dp, lse_ptr=lse, delta_ptr=delta, dq_ptr=dq,
+        **common, BLOCK_M=bm, BLOCK_N=bn, **flags, DQ_DS=fq.code(Operand.DQ_DS), SAME_K=k_dq is k_qk,
+        DQ_BF16=dq_bf16, **_opts(bm, bn, d),
     )
     return dq, dk, dv
