@@ -1,8 +1,8 @@
 """Inductor's compile caches under fxquant.compile (ARCHITECTURE.md trap 5).
 
 A second compile of the same model and scheme loads its forward and backward graphs from the FX-graph and
-AOT-autograd caches and gives the same results bit for bit (a graph with capture taps is compiled again:
-torch does not cache effectful ops); a change that the graph does not show (fxquant's sources, the quantize
+AOT-autograd caches and gives the same results bit for bit (a graph with capture taps too, its records
+the same); a change that the graph does not show (fxquant's sources, the quantize
 implementation) misses; the decomposition table, which both caches put in their keys, pickles as the call
 that builds it.
 """
@@ -91,20 +91,24 @@ def test_changed_sources_or_quantize_implementation_miss(monkeypatch):
     _assert_same(auto, edited)  # the same code, compiled again
 
 
-def test_capture_graphs_compile_again_to_the_same_records(tmp_path):
-    """A graph with capture taps holds effectful ops (``with_effects``), which Inductor's FX-graph cache does
-    not store (torch 2.13 bypasses it: docs/compile.md); a second compile writes the same records, and
-    compiling with capture leaves the caches of the graphs without it alone."""
+def test_capture_graphs_load_from_the_caches_and_write_the_same_records(tmp_path):
+    """A graph with capture taps holds effectful ops (``with_effects``), which torch leaves out of its caches
+    unless marked (``cache_key.effects_cacheable``); marked, a second compile loads both graphs, and its run
+    writes the same records (values bit for bit) as the first."""
     base = make_llama(**CFG)
-    stores = []
+    stores, counts = [], []
     for run in range(2):
         torch._dynamo.reset()
         model = copy.deepcopy(base)
         tokens = make_tokens(model.cfg, seed=3)
+        before = _cache_counts()
         compiled = fxquant.compile(model, "linear_mxfp8", capture="linear_io")
         with capture.start(capture.load_spec("linear_io"), tmp_path / str(run), scheme="linear_mxfp8"):
             next_token_loss(compiled(tokens), tokens).backward()
+        counts.append({k: v - before[k] for k, v in _cache_counts().items()})
         stores.append(capture.open(tmp_path / str(run)))
+    assert counts[0]["fx_bypass"] == counts[0]["aot_bypass"] == 0, counts[0]
+    assert (counts[1]["fx_hit"], counts[1]["aot_hit"]) == (2, 1), counts[1]
     first, second = stores
 
     def key(r) -> tuple:
@@ -112,11 +116,41 @@ def test_capture_graphs_compile_again_to_the_same_records(tmp_path):
 
     records = [sorted(s, key=key) for s in stores]
     assert len(records[0]) == len(records[1]) > 0
+    assert {r.fields.get("role") for r in records[0]} == {"input", "grad_output"}  # forward and backward taps
     for a, b in zip(*records):
         assert key(a) == key(b)
         torch.testing.assert_close(first.load(a), second.load(b), rtol=0, atol=0)
-    plain = _step(base, "linear_mxfp8")  # no capture: its own entries, cached as ever
-    assert plain[0]["fx_bypass"] == plain[0]["aot_bypass"] == 0, plain[0]
+
+
+def test_effects_stay_uncached_beside_a_higher_order_op_or_a_script_object():
+    """``effects_cacheable`` keeps torch's default where the graph calls a higher-order op other than those with
+    traced bodies (one may run Python the key does not hash) or holds a script object; a graph of plain calls,
+    or with a custom autograd.Function traced by Dynamo (Megatron's tensor-parallel mappings), is cacheable."""
+    def f(x):
+        return torch.sin(x) + 1
+
+    gm = torch.fx.symbolic_trace(f)
+    assert cache_key.effects_cacheable(gm)
+    marked = cache_key.inductor_config_patches("scheme", gm)["unsafe_marked_cacheable_functions"]
+    assert cache_key.WITH_EFFECTS in marked
+
+    def with_hop(op) -> torch.fx.GraphModule:
+        g = torch.fx.symbolic_trace(f)
+        x = next(n for n in g.graph.nodes if n.op == "placeholder")
+        with g.graph.inserting_after(x):
+            g.graph.call_function(op, (x,))  # the check reads targets only: the node is never run
+        return g
+
+    assert cache_key.effects_cacheable(with_hop(torch.ops.higher_order.autograd_function_apply))  # traced bodies
+    hop = with_hop(torch.ops.higher_order.with_effects)
+    assert not cache_key.effects_cacheable(hop)
+    assert cache_key.WITH_EFFECTS not in cache_key.inductor_config_patches("scheme", hop)["unsafe_marked_cacheable_functions"]
+
+    scripted = torch.fx.symbolic_trace(f)
+    scripted.obj = torch.jit.script(torch.nn.Identity())._c  # a torch.ScriptObject, as a torchbind object is
+    with scripted.graph.inserting_before(next(iter(scripted.graph.nodes))):
+        scripted.graph.get_attr("obj")
+    assert not cache_key.effects_cacheable(scripted)
 
 
 @pytest.mark.parametrize("kernels", [Kernels.INDUCTOR, Kernels.TRITON, Kernels.REFERENCE])
@@ -146,5 +180,6 @@ def test_fxquant_functions_of_a_rewritten_graph_are_marked_with_the_key():
     patches = cache_key.inductor_config_patches("scheme text", gm)
     uuid = patches["post_grad_custom_post_pass"].uuid()
     assert patches["unsafe_marked_cacheable_functions"] == {
-        **config.unsafe_marked_cacheable_functions, "fxquant.passes.wrappers.fxquant_linear": uuid}
+        **config.unsafe_marked_cacheable_functions, "fxquant.passes.wrappers.fxquant_linear": uuid,
+        cache_key.WITH_EFFECTS: uuid}
     assert cache_key.inductor_config_patches("other scheme", gm)["post_grad_custom_post_pass"].uuid() != uuid

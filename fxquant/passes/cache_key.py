@@ -8,8 +8,8 @@ that changes nothing in the graph; its ``uuid()`` hashes every source file of th
 entries. ``inductor_config_patches`` installs it as ``post_grad_custom_post_pass`` (keeping, and
 calling, a pass the user set there already), and marks the fxquant functions a rewritten graph calls
 cacheable for AOT autograd's cache under the same uuid. The decomposition table pickles by how it is built
-(``lowering.DecompositionTable``), so that both caches can key a graph: a rerun loads the compiled graphs
-(``tests/test_compile_cache.py``; a graph with capture taps excepted, docs/compile.md).
+(``lowering.DecompositionTable``), so that both caches can key a graph: a rerun loads the compiled graphs,
+those with capture taps included (``tests/test_compile_cache.py``, docs/compile.md).
 """
 from __future__ import annotations
 
@@ -66,11 +66,41 @@ def fxquant_targets(gm: torch.fx.GraphModule) -> list[str]:
     return sorted(names)
 
 
+WITH_EFFECTS = "torch.ops.higher_order.with_effects"
+# Higher-order ops whose arguments are graphs Dynamo traced (Megatron's tensor-parallel mappings and other
+# custom autograd.Functions arrive as autograd_function_apply)
+TRACED_BODY_HOPS = frozenset({"autograd_function_apply", "wrap", "invoke_subgraph"})
+
+
+def effects_cacheable(gm: torch.fx.GraphModule) -> bool:
+    """Whether the compiled graphs of ``gm`` may be cached with the effect tokens AOT autograd threads through
+    its effectful ops (``with_effects``, which torch does not cache by default). True unless ``gm`` calls a
+    higher-order op other than those whose bodies are traced graphs (``TRACED_BODY_HOPS``: AOT autograd
+    inlines them, the key hashes them) or holds a script object: ``invoke_leaf_function`` runs Python the key
+    does not hash, and a torchbind object's methods act on state it does not see. The effectful ops left are
+    plain ops the compiled code calls again by name on every run, such as the capture taps'
+    ``fxquant::capture`` (its implementation looks up the active session at run time) and ATen's checks."""
+    from torch._library.fake_class_registry import FakeScriptObject
+
+    for node in gm.graph.nodes:
+        hop = node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator)
+        if hop and node.target.__name__ not in TRACED_BODY_HOPS:
+            return False
+        if node.op == "get_attr":
+            obj = gm
+            for name in node.target.split("."):
+                obj = getattr(obj, name, None)
+            if isinstance(obj, (torch.ScriptObject, FakeScriptObject)):
+                return False
+    return True
+
+
 def inductor_config_patches(scheme_text: str, gm: torch.fx.GraphModule) -> dict[str, object]:
     """``config_patches`` for ``compile_fx`` that key the caches on fxquant (see module docstring). The fxquant
     functions ``gm`` (the rewritten Dynamo graph) calls are marked cacheable for AOT autograd's cache, keyed by
     ``FxquantCacheKey``'s uuid: that cache bypasses a graph calling a function it cannot vouch for, and these
-    are fxquant's own code, which the uuid hashes."""
+    are fxquant's own code, which the uuid hashes. ``with_effects`` is marked too where ``effects_cacheable``
+    allows, so that a graph with capture taps is cached like one without."""
     from torch._inductor import config
 
     key = FxquantCacheKey(scheme_text, config.post_grad_custom_post_pass)
@@ -78,5 +108,6 @@ def inductor_config_patches(scheme_text: str, gm: torch.fx.GraphModule) -> dict[
     uuid = key.uuid()
     marked = getattr(config, "unsafe_marked_cacheable_functions", None)
     if uuid is not None and isinstance(marked, dict):
-        patches["unsafe_marked_cacheable_functions"] = {**marked, **dict.fromkeys(fxquant_targets(gm), uuid)}
+        targets = fxquant_targets(gm) + ([WITH_EFFECTS] if effects_cacheable(gm) else [])
+        patches["unsafe_marked_cacheable_functions"] = {**marked, **dict.fromkeys(targets, uuid)}
     return patches
