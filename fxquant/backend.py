@@ -165,8 +165,12 @@ class FxquantBackend:
         patches = inductor_config_patches(f"{self._scheme_text}\nkernels: {kernels.value}", gm)
         if kernels is Kernels.INDUCTOR:
             patches.update(lowering.inductor_config_patches())
-        return compile_fx(gm, example_inputs, config_patches=patches,
-                          decompositions=lowering.decomposition_table(kernels))
+        # AOT autograd's cache takes a graph with a custom autograd.Function (Dynamo's autograd_function_apply,
+        # whose traced forward and backward bodies the key hashes: Megatron's tensor-parallel mappings) only
+        # with this flag; scoped to fxquant's compiles (docs/compile.md, "Compile caches")
+        with torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=True):
+            return compile_fx(gm, example_inputs, config_patches=patches,
+                              decompositions=lowering.decomposition_table(kernels))
 
     # -- what was seen, across graphs (recompiles replace earlier graphs of the same sites) ----------------
     def current_sites(self) -> list:

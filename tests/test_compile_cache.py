@@ -70,6 +70,53 @@ def test_second_compile_loads_both_graphs_from_the_caches_with_the_same_results(
     _assert_same(first, second)
 
 
+class _Doubled(torch.autograd.Function):
+    """A custom autograd.Function, which Dynamo traces into ``autograd_function_apply`` (as it does Megatron's
+    tensor-parallel mappings)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+class _WithFunction(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(64, 96), torch.nn.Linear(96, 32)
+
+    def forward(self, x):
+        return self.fc2(_Doubled.apply(torch.relu(self.fc1(x))))
+
+
+def test_a_graph_with_a_custom_autograd_function_loads_from_the_aot_cache():
+    """AOT autograd's cache refuses ``autograd_function_apply`` unless torch's
+    ``autograd_cache_allow_custom_autograd_functions`` is set; fxquant's Inductor path sets it for its own
+    compiles (its traced forward and backward bodies are part of the hashed graph)."""
+    base = _WithFunction()
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
+
+    def run() -> tuple[dict[str, int], torch.Tensor, dict]:
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        before = _cache_counts()
+        out = fxquant.compile(model, "linear_mxfp8", strict=True)(x).square().sum()
+        out.backward()
+        after = _cache_counts()
+        return ({k: after[k] - before[k] for k in after}, out.detach(),
+                {n: p.grad.clone() for n, p in model.named_parameters()})
+
+    first = run()
+    assert first[0]["aot_bypass"] == 0 and first[0]["fx_bypass"] == 0, first[0]
+    second = run()
+    assert (second[0]["aot_hit"], second[0]["aot_bypass"]) == (1, 0), second[0]
+    _assert_same(first, second)
+    assert not torch._functorch.config.autograd_cache_allow_custom_autograd_functions  # scoped to the compile
+
+
 def test_changed_sources_or_quantize_implementation_miss(monkeypatch):
     """The graph Dynamo hands over is the same; fxquant's code or the quantize implementation is not. (The
     sources' hash is salted first, so that no entry of an earlier run in the same cache directory matches.)"""
