@@ -37,6 +37,18 @@ def _tile_ptrs(base, offs_l, offs_c, n_l, n_c, stride_l):
 
 
 @triton.jit
+def _second_role(x, ptr2, offs_l, offs_c, n_l, n_c, stride_l, SAME: tl.constexpr):
+    """The tile of a tensor's second role (``ptr2``, the same head and place as ``x``), or ``x`` itself when one
+    tensor serves both roles (``SAME``: loaded once)."""
+    if SAME:
+        y = x
+    else:
+        ptrs, mask = _tile_ptrs(ptr2, offs_l, offs_c, n_l, n_c, stride_l)
+        y = load_f32(ptrs, mask)
+    return y
+
+
+@triton.jit
 def _key_stop(len_k, pid_m, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
     """End of the key range query tile ``pid_m`` visits: under the causal mask, its last row + 1."""
     hi = len_k
@@ -135,16 +147,10 @@ def _flash_bwd_dkdv_kernel(
             offs_m = start_m + offs_m0
             q_ptrs, q_mask = _tile_ptrs(q_ptr + bh * len_q * head_d, offs_m, offs_d, len_q, head_d, head_d)
             q = load_f32(q_ptrs, q_mask)
-            q2 = q
-            if not SAME_Q:
-                q2_ptrs, _ = _tile_ptrs(q2_ptr + bh * len_q * head_d, offs_m, offs_d, len_q, head_d, head_d)
-                q2 = load_f32(q2_ptrs, q_mask)
+            q2 = _second_role(q, q2_ptr + bh * len_q * head_d, offs_m, offs_d, len_q, head_d, head_d, SAME_Q)
             do_ptrs, do_mask = _tile_ptrs(do_ptr + bh * len_q * head_dv, offs_m, offs_dv, len_q, head_dv, head_dv)
             do = load_f32(do_ptrs, do_mask)
-            do2 = do
-            if not SAME_DO:
-                do2_ptrs, _ = _tile_ptrs(do2_ptr + bh * len_q * head_dv, offs_m, offs_dv, len_q, head_dv, head_dv)
-                do2 = load_f32(do2_ptrs, do_mask)
+            do2 = _second_role(do, do2_ptr + bh * len_q * head_dv, offs_m, offs_dv, len_q, head_dv, head_dv, SAME_DO)
             lse = tl.load(lse_ptr + bh * len_q + offs_m, mask=offs_m < len_q, other=0.0)
             delta = tl.load(delta_ptr + bh * len_q + offs_m, mask=offs_m < len_q, other=0.0)
             p = _probs(q, kq, lse, offs_m, offs_n, sm_scale, len_q, len_k, QK_BF16, CAUSAL)
@@ -189,10 +195,7 @@ def _flash_bwd_dq_kernel(
         offs_n = start_n + offs_n0
         k_ptrs, k_mask = _tile_ptrs(k_base, offs_n, offs_d, len_k, head_d, head_d)
         k = load_f32(k_ptrs, k_mask)
-        k2 = k
-        if not SAME_K:
-            k2_ptrs, _ = _tile_ptrs(k2_ptr + bk * len_k * head_d, offs_n, offs_d, len_k, head_d, head_d)
-            k2 = load_f32(k2_ptrs, k_mask)
+        k2 = _second_role(k, k2_ptr + bk * len_k * head_d, offs_n, offs_d, len_k, head_d, head_d, SAME_K)
         v_ptrs, v_mask = _tile_ptrs(v_base, offs_n, offs_dv, len_k, head_dv, head_dv)
         p = _probs(qq, k, lse, offs_m, offs_n, sm_scale, len_q, len_k, QK_BF16, CAUSAL)
         dp = mm(doq, tl.trans(load_f32(v_ptrs, v_mask)), DP_BF16)

@@ -77,7 +77,7 @@ class _Roles:
             return x
         dim = -1 if op.axis is Axis.D else -2
         dtype = torch.bfloat16 if bf16 else torch.float32
-        key = (id(x), tq.spec(), dim if self.fq.code(op) & 3 == Kind.MX else 0, dtype)
+        key = (id(x), tq.spec(), dim if self.fq.kind(op) is Kind.MX else 0, dtype)  # element-wise: any dim
         if key not in self._made:
             from fxquant import kernels
 

@@ -141,9 +141,13 @@ class FlashQuant:
     def code(self, op: Operand) -> int:
         return operand_code(op.of(self.aq), op.label)
 
+    def kind(self, op: Operand) -> Kind:
+        """How ``op`` is quantized: not at all, element by element, or in MX blocks."""
+        return Kind(self.code(op) & 3)
+
     def blocked_along(self, axis: Axis) -> bool:
         """Whether an MX operand is blocked along ``axis`` (then that tile size must be a multiple of 32)."""
-        return any(op.axis is axis and self.code(op) & 3 == Kind.MX for op in Operand)
+        return any(op.axis is axis and self.kind(op) is Kind.MX for op in Operand)
 
 
 @dataclass(frozen=True)
