@@ -53,7 +53,7 @@ def check_inputs(q: object, k: object, v: object, scale: object) -> tuple[int, f
             raise ValueError(f"flash_quantized_attention: {name} has dtype {t.dtype}; allowed {list(IO_CODES)}")
     if not (q.dtype == k.dtype == v.dtype and q.device == k.device == v.device):
         raise ValueError("flash_quantized_attention: q, k, v need one dtype and one device")
-    (b, hq, lq, d), (bk, hk, lk, dk), (bv, hv, lv, _) = q.shape, k.shape, v.shape
+    (b, hq, _, d), (bk, hk, lk, dk), (bv, hv, lv, _) = q.shape, k.shape, v.shape
     if not (b == bk == bv and hk == hv and lk == lv and d == dk):
         raise ValueError(
             f"flash_quantized_attention: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not "
