@@ -3,7 +3,9 @@ eager fake-quant, round-robin in one process; prints a table and writes JSON.
 
 Models (``--models``): ``torch`` is a Llama-style ``nn.Module`` (tests.models: RMSNorm, RoPE, GQA SDPA,
 SwiGLU; nn.Linear + F.scaled_dot_product_attention); ``megatron`` is a Megatron-core GPTModel (single
-process, local gloo group; Column/RowParallelLinear, SDPA core attention). Both: ``--dim`` 512, 2 layers,
+process, local gloo group; Column/RowParallelLinear, SDPA core attention); ``hf`` is Hugging Face
+transformers' ``LlamaForCausalLM`` built from a ``LlamaConfig`` (SDPA attention, its own loss), the model
+issue 12 was measured on (transformers is not a dependency: install it to run this one). All: ``--dim`` 512, 2 layers,
 8 heads, SwiGLU hidden ``--ffn`` 1376, vocabulary ``--vocab`` 8192, batch x seq = 2 x 256 tokens, float32,
 forward + backward (the gradient zeroing and the loss included), Inductor.
 
@@ -56,7 +58,7 @@ from tests.models import make_llama, next_token_loss  # noqa: E402
 
 PRESETS = ("linear_mxfp8", "linear_hifp8", "FA_linear_mxfp8", "linear_mxfp4", "linear_nvfp4")
 TARGETS = {"linear_mxfp8": 1.3, "linear_hifp8": 1.4, "FA_linear_mxfp8": 1.6, "linear_mxfp4": 1.5, "linear_nvfp4": 1.5}
-MODELS = ("torch", "megatron")
+MODELS = ("torch", "megatron", "hf")
 PLAIN = "plain torch.compile"
 
 
@@ -123,6 +125,33 @@ def megatron_model(args):
     return lambda: build_gpt_model(cfg, attention="sdpa", seed=7), step_of  # same seed: same weights
 
 
+def hf_model(args):
+    """(make_model, step_of(module)) for transformers' LlamaForCausalLM, randomly initialised from a config."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as e:
+        raise SystemExit("bench_step: --models hf needs Hugging Face transformers (pip install transformers); "
+                         f"importing it failed: {e}") from e
+    cfg = LlamaConfig(hidden_size=args.dim, intermediate_size=args.ffn, num_hidden_layers=args.layers,
+                      num_attention_heads=args.heads, num_key_value_heads=args.heads, vocab_size=args.vocab,
+                      max_position_embeddings=args.seq)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(7)
+    base = LlamaForCausalLM(cfg)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+
+    def step_of(module, model):
+        def step():
+            module(input_ids=ids, labels=ids).loss.backward()
+            model.zero_grad(set_to_none=True)
+        return step
+
+    return lambda: copy.deepcopy(base), step_of
+
+
+MODEL_BUILDERS = {"torch": torch_model, "megatron": megatron_model, "hf": hf_model}
+
+
 def variants(args, make_model, step_of) -> list[Variant]:
     out = []
 
@@ -149,7 +178,7 @@ def compile_only(name: str, label: str, args) -> dict[str, float]:
     Inductor's FX-graph and AOT-autograd caches."""
     from torch._dynamo.utils import compile_times, counters
 
-    make_model, step_of = (torch_model if name == "torch" else megatron_model)(args)
+    make_model, step_of = MODEL_BUILDERS[name](args)
     model = make_model()
     t0 = time.perf_counter()
     compiled = torch.compile(model) if label == PLAIN else fxquant.compile(model, label)
@@ -198,7 +227,7 @@ def cold_compiles(name: str, args, argv: list[str]) -> dict[str, dict[str, float
 
 def run_model(name: str, args, argv: list[str]) -> list[dict]:
     cold = cold_compiles(name, args, argv) if args.cold_compile else {}
-    make_model, step_of = (torch_model if name == "torch" else megatron_model)(args)
+    make_model, step_of = MODEL_BUILDERS[name](args)
     vs = variants(args, make_model, step_of)
     for v in vs:
         v.warm_up()
@@ -280,6 +309,10 @@ def main(argv: list[str] | None = None) -> int:
         env = {"device": device_name(torch.device("cpu")), "torch": torch.__version__,
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "argv": sys.argv[1:], "load_average": os.getloadavg()}
+        if "hf" in models:
+            import transformers
+
+            env["transformers"] = transformers.__version__
         Path(args.json).write_text(json.dumps({"environment": env, "args": vars(args), "rows": rows}, indent=1))
     return 0
 

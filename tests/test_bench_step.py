@@ -47,3 +47,24 @@ def test_bench_step_reports_every_variant_and_where_the_cold_compile_went(tmp_pa
     assert preset["cold_compile"]["cpp_kb"] > plain["cold_compile"]["cpp_kb"]
     assert preset["cold_compile_x_plain"] == pytest.approx(preset["cold_compile_s"] / plain["cold_compile_s"])
     assert result["environment"]["torch"] and "--cold-compile" in result["environment"]["argv"]
+
+
+def test_bench_step_hf_model_runs_where_transformers_is_installed_and_says_what_is_missing_where_not(tmp_path):
+    """``--models hf`` (transformers' LlamaForCausalLM, not a dependency): with transformers importable, the
+    tiny round-robin gives the plain, preset and eager rows; without it, a one-line error naming the package."""
+    import importlib.util
+
+    out = tmp_path / "hf.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_step.py"), "--models", "hf", "--presets", "linear_mxfp8",
+           "--reference", "", "--eager", "linear_mxfp8", "--dim", "64", "--heads", "2", "--ffn", "128",
+           "--vocab", "256", "--layers", "1", "--batch", "1", "--seq", "32", "--rounds", "1", "--json", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, check=False)
+    if importlib.util.find_spec("transformers") is None:
+        assert done.returncode != 0 and not out.exists()
+        assert "--models hf needs Hugging Face transformers (pip install transformers)" in done.stderr
+        assert "Traceback" not in done.stderr
+        return
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["plain torch.compile", "linear_mxfp8", "linear_mxfp8 [eager]"]
+    assert all(r["model"] == "hf" and r["step_ms"] > 0 for r in rows.values())
