@@ -5,8 +5,8 @@ Models (``--models``): ``torch`` is a Llama-style ``nn.Module`` (tests.models: R
 SwiGLU; nn.Linear + F.scaled_dot_product_attention); ``megatron`` is a Megatron-core GPTModel (single
 process, local gloo group; Column/RowParallelLinear, SDPA core attention); ``hf`` is Hugging Face
 transformers' ``LlamaForCausalLM`` built from a ``LlamaConfig`` (SDPA attention, its own loss), the model
-issue 12 was measured on (transformers is not a dependency: install it to run this one). All: ``--dim`` 512, 2 layers,
-8 heads, SwiGLU hidden ``--ffn`` 1376, vocabulary ``--vocab`` 8192, batch x seq = 2 x 256 tokens, float32,
+issue 12 was measured on (transformers is not a dependency: install it to run this one). All: ``--dim`` 512,
+2 layers, 8 heads, SwiGLU hidden ``--ffn`` 1376, vocabulary ``--vocab`` 8192, batch x seq = 2 x 256 tokens, float32,
 forward + backward (the gradient zeroing and the loss included), Inductor.
 
 Variants per model, each on its own copy of the same weights:
@@ -134,8 +134,7 @@ def hf_model(args):
                          f"importing it failed: {e}") from e
     cfg = LlamaConfig(hidden_size=args.dim, intermediate_size=args.ffn, num_hidden_layers=args.layers,
                       num_attention_heads=args.heads, num_key_value_heads=args.heads, vocab_size=args.vocab,
-                      max_position_embeddings=args.seq)
-    cfg._attn_implementation = "sdpa"
+                      max_position_embeddings=args.seq, attn_implementation="sdpa")
     torch.manual_seed(7)
     base = LlamaForCausalLM(cfg)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
