@@ -58,7 +58,6 @@ from tests.models import make_llama, next_token_loss  # noqa: E402
 
 PRESETS = ("linear_mxfp8", "linear_hifp8", "FA_linear_mxfp8", "linear_mxfp4", "linear_nvfp4")
 TARGETS = {"linear_mxfp8": 1.3, "linear_hifp8": 1.4, "FA_linear_mxfp8": 1.6, "linear_mxfp4": 1.5, "linear_nvfp4": 1.5}
-MODELS = ("torch", "megatron", "hf")
 PLAIN = "plain torch.compile"
 
 
@@ -148,7 +147,7 @@ def hf_model(args):
     return lambda: copy.deepcopy(base), step_of
 
 
-MODEL_BUILDERS = {"torch": torch_model, "megatron": megatron_model, "hf": hf_model}
+MODELS = {"torch": torch_model, "megatron": megatron_model, "hf": hf_model}
 
 
 def variants(args, make_model, step_of) -> list[Variant]:
@@ -177,7 +176,7 @@ def compile_only(name: str, label: str, args) -> dict[str, float]:
     Inductor's FX-graph and AOT-autograd caches."""
     from torch._dynamo.utils import compile_times, counters
 
-    make_model, step_of = MODEL_BUILDERS[name](args)
+    make_model, step_of = MODELS[name](args)
     model = make_model()
     t0 = time.perf_counter()
     compiled = torch.compile(model) if label == PLAIN else fxquant.compile(model, label)
@@ -226,7 +225,7 @@ def cold_compiles(name: str, args, argv: list[str]) -> dict[str, dict[str, float
 
 def run_model(name: str, args, argv: list[str]) -> list[dict]:
     cold = cold_compiles(name, args, argv) if args.cold_compile else {}
-    make_model, step_of = MODEL_BUILDERS[name](args)
+    make_model, step_of = MODELS[name](args)
     vs = variants(args, make_model, step_of)
     for v in vs:
         v.warm_up()
