@@ -242,8 +242,12 @@ def _expand(graph: torch.fx.Graph, node: torch.fx.Node, traced: dict) -> None:
 
 def inductor_config_patches() -> dict[str, object]:
     """Inductor settings under INDUCTOR kernels: the ``LowerQuantize`` post-grad pass (chaining a pass the user
-    set there), and float32 subnormals kept in generated Triton code (an MX scale of 2**-127 is one; Inductor's
-    C++ code never flushes them). Only settings this torch has are set."""
+    set there), float32 subnormals kept in generated Triton code (an MX scale of 2**-127 is one; Inductor's
+    C++ code never flushes them), and no masked vector kernel for the remainder of a C++ loop
+    (``cpp.enable_loop_tail_vec``): the scalar kernel, which Inductor generates for every loop anyway, runs
+    the remainder instead. Inductor generates the masked kernel even for a loop with no remainder, the
+    quantize arithmetic included, so this cuts the code generation of a compile (docs/compile.md, "Compile
+    time"). Only settings this torch has are set."""
     from torch._inductor import config
 
     from fxquant import pointwise_lowering
@@ -257,6 +261,8 @@ def inductor_config_patches() -> dict[str, object]:
     numerics = getattr(config, "eager_numerics", None)
     if hasattr(numerics, "disable_ftz"):
         patches["eager_numerics.disable_ftz"] = True
+    if hasattr(config.cpp, "enable_loop_tail_vec"):
+        patches["cpp.enable_loop_tail_vec"] = False
     return patches
 
 

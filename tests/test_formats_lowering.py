@@ -239,6 +239,38 @@ def test_block_quantizes_reach_the_partitioner_as_one_node_each_and_a_users_pass
     assert isinstance(lowering.LowerQuantize().uuid(), str)
 
 
+class _TailSetting:
+    """A user's post-grad pass: records Inductor's ``cpp.enable_loop_tail_vec`` in effect while a graph compiles."""
+
+    def __init__(self) -> None:
+        self.seen: list[bool] = []
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        from torch._inductor import config
+
+        self.seen.append(config.cpp.enable_loop_tail_vec)
+
+
+def test_compiles_run_loop_remainders_scalar_and_leave_the_users_setting_alone():
+    """fxquant's Inductor compiles turn off the masked vector kernel for a loop's remainder (docs/compile.md,
+    "Compile time"), so the setting must exist in this torch, be in effect while fxquant's graph compiles, and be
+    the user's again afterwards; rows of 40 (MX blocks of 32 and 8, 16-lane vectors and a remainder of 8) and 3
+    rows of NVFP4 blocks still give the reference's bits."""
+    from torch._inductor import config
+
+    assert hasattr(config.cpp, "enable_loop_tail_vec"), "Inductor renamed cpp.enable_loop_tail_vec: follow it"
+    specs = [TensorQuant(f).spec() for f in ("mxfp8_e4m3", "mxfp4_e2m1", "nvfp4", "hifp8")]
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 40, generator=g) * torch.pow(10.0, torch.empty(3, 40).uniform_(-4, 4, generator=g))
+    user = _TailSetting()
+    torch._dynamo.reset()
+    with config.patch(post_grad_custom_pre_pass=user):
+        got = _lowered(specs)(x)
+        assert config.cpp.enable_loop_tail_vec is True, "the user's setting is back after the compile"
+    assert user.seen and not any(user.seen), f"tail vectorisation in effect while compiling: {user.seen}"
+    _check(specs, got, x)
+
+
 def test_compiled_attention_site_quantizes_in_generated_code():
     """quantized_sdpa under fxquant.compile (Inductor, CPU): no quantize op call is left in the generated code
     (Q, K, V, P and the gradients are quantized inside Inductor's kernels), compile_state says "inductor",
