@@ -196,14 +196,26 @@ def test_lowered_graph_has_no_quantize_call_and_fuses_each_operand():
     assert_bitwise_equal(out, want, "lowered linear:")
 
 
-class _SeenQuantizes:
-    """A user's post-grad pass: records how many quantize nodes each graph holds when it runs."""
+class _UserPass:
+    """A user's post-grad pass: records ``probe(graph)`` for each graph it runs on."""
 
-    def __init__(self) -> None:
-        self.counts: list[int] = []
+    def __init__(self, probe) -> None:
+        self.probe = probe
+        self.seen: list = []
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        self.counts.append(sum(n.target is torch.ops.fxquant.quantize.default for n in graph.nodes))
+        self.seen.append(self.probe(graph))
+
+
+def _quantize_nodes(graph: torch.fx.Graph) -> int:
+    return sum(n.target is torch.ops.fxquant.quantize.default for n in graph.nodes)
+
+
+def _tail_vectorised(graph: torch.fx.Graph) -> bool:
+    """Inductor's ``cpp.enable_loop_tail_vec`` in effect while ``graph`` compiles."""
+    from torch._inductor import config
+
+    return config.cpp.enable_loop_tail_vec
 
 
 def test_block_quantizes_reach_the_partitioner_as_one_node_each_and_a_users_pass_still_runs():
@@ -216,7 +228,7 @@ def test_block_quantizes_reach_the_partitioner_as_one_node_each_and_a_users_pass
 
     for name, spec, want_nodes in (("mxfp8", TensorQuant("mxfp8_e4m3").spec(), 2),
                                    ("hifp8", TensorQuant("hifp8").spec(), 0)):
-        seen = _SeenQuantizes()
+        seen = _UserPass(_quantize_nodes)
 
         def f(x, w, spec=spec):
             xq = torch.ops.fxquant.quantize(torch.relu(x), spec, -1, None)
@@ -229,26 +241,14 @@ def test_block_quantizes_reach_the_partitioner_as_one_node_each_and_a_users_pass
             out, codes = run_and_get_code(lambda: fn(x, w))
             out.sum().backward()
         assert "torch.ops.fxquant" not in "\n".join(codes), name
-        assert seen.counts[0] == want_nodes, f"{name}: quantize nodes seen after partitioning {seen.counts}"
+        assert seen.seen[0] == want_nodes, f"{name}: quantize nodes seen after partitioning {seen.seen}"
         tq = TensorQuant.from_spec(spec)
         assert_bitwise_equal(out, torch.mm(tq.quantize(torch.relu(x.detach()), -1), tq.quantize(w.detach(), 0)),
                              f"{name}:")
         assert x.grad is not None and w.grad is not None
-    inner = lowering.LowerQuantize(_SeenQuantizes())
+    inner = lowering.LowerQuantize(_UserPass(_quantize_nodes))
     assert inner.uuid() is None, "a user's pass without a uuid opts the graph out of caching"
     assert isinstance(lowering.LowerQuantize().uuid(), str)
-
-
-class _TailSetting:
-    """A user's post-grad pass: records Inductor's ``cpp.enable_loop_tail_vec`` in effect while a graph compiles."""
-
-    def __init__(self) -> None:
-        self.seen: list[bool] = []
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        from torch._inductor import config
-
-        self.seen.append(config.cpp.enable_loop_tail_vec)
 
 
 def test_compiles_run_loop_remainders_scalar_and_leave_the_users_setting_alone():
@@ -262,9 +262,9 @@ def test_compiles_run_loop_remainders_scalar_and_leave_the_users_setting_alone()
     specs = [TensorQuant(f).spec() for f in ("mxfp8_e4m3", "mxfp4_e2m1", "nvfp4", "hifp8")]
     g = torch.Generator().manual_seed(3)
     x = torch.randn(3, 40, generator=g) * torch.pow(10.0, torch.empty(3, 40).uniform_(-4, 4, generator=g))
-    user = _TailSetting()
+    user = _UserPass(_tail_vectorised)
     torch._dynamo.reset()
-    with config.patch(post_grad_custom_pre_pass=user):
+    with config.patch({"post_grad_custom_pre_pass": user, "cpp.enable_loop_tail_vec": True}):  # the user's choice
         got = _lowered(specs)(x)
         assert config.cpp.enable_loop_tail_vec is True, "the user's setting is back after the compile"
     assert user.seen and not any(user.seen), f"tail vectorisation in effect while compiling: {user.seen}"
