@@ -10,6 +10,8 @@
 #
 #   bash scripts/gpu_check.sh                                   # everything, about 9 minutes
 #   SECTIONS=attention,fused,compile TESTS_S=0 bash scripts/gpu_check.sh   # benchmarks only
+#   KERNEL_TESTS="tests/test_flash_attention.py tests/test_flash_op.py" LOWERING_TESTS=tests/test_formats_lowering.py \
+#       SECTIONS=model,attention BENCH_ARGS="--seq 2048" bash scripts/gpu_check.sh      # a subset of each
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${OUT:-gpu-out}
@@ -19,6 +21,9 @@ tests_s=${TESTS_S:-240}        # cap on the test step (both runs in parallel); 0
 bench_s=${BENCH_S:-300}        # cap on the benchmark step; 0 skips it
 sections=${SECTIONS:-ceilings,quantize,linear,model}
 budget_scale=${BUDGET_SCALE:-1}
+bench_args=${BENCH_ARGS:-}    # more run_all.py arguments, e.g. "--seq 2048"
+kernels_tests=${KERNEL_TESTS:-tests/test_kernels.py tests/test_kernels_op.py tests/test_flash_attention.py tests/test_flash_op.py tests/test_qgemm.py tests/test_capture_fastpath.py}
+lowering_tests=${LOWERING_TESTS:-tests/test_formats_lowering.py tests/test_compile_inductor.py}
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/fxquant-inductor}
 status=0
 
@@ -29,8 +34,6 @@ status=0
 } 2>&1 | tee "$out/env.txt"
 
 if [ "$tests_s" -gt 0 ]; then
-    kernels_tests="tests/test_kernels.py tests/test_kernels_op.py tests/test_flash_attention.py tests/test_flash_op.py tests/test_qgemm.py tests/test_capture_fastpath.py"
-    lowering_tests="tests/test_formats_lowering.py tests/test_compile_inductor.py"
     # 12 pytest workers share the 16 cores: two Inductor compile workers each, not one per core each
     export TORCHINDUCTOR_COMPILE_THREADS=2
     # shellcheck disable=SC2086
@@ -53,7 +56,8 @@ if [ "$tests_s" -gt 0 ]; then
 fi
 
 if [ "$bench_s" -gt 0 ]; then
-    timeout "$bench_s" "$py" benchmarks/run_all.py --sections "$sections" --budget-scale "$budget_scale" \
+    # shellcheck disable=SC2086
+    timeout "$bench_s" "$py" benchmarks/run_all.py --sections "$sections" --budget-scale "$budget_scale" $bench_args \
         --json "$out/run_all.json" --markdown "$out/run_all.md" > "$out/bench.log" 2>&1
     rb=$?
     echo "== run_all exit $rb (124 = cut at ${bench_s} s; what it measured is in run_all.json)"
