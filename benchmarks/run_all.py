@@ -316,7 +316,7 @@ def attention(args, dev: torch.device, timer: Timer) -> list[dict]:
                     continue
                 aq = schemes.AttentionQuant() if preset == "bf16" else _aq(preset)
                 if on_gpu:
-                    blocks = FlashBlocks(128, 64, 64, 64)
+                    blocks = FlashBlocks()  # the default tiles, as fxquant.compile runs them
                     s, note = _attempt(lambda: timer(step(lambda: flash_quantized_attention(
                         q, k, v, is_causal=True, aq=aq, blocks=blocks))), f"attention {label} flash {preset}")
                     rows.append({"shape": label, "impl": f"flash kernel {preset}", "ms": s and s * 1e3,

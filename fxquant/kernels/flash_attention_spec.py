@@ -150,23 +150,52 @@ class FlashQuant:
         return any(op.axis is axis and self.kind(op) is Kind.MX for op in Operand)
 
 
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 @dataclass(frozen=True)
 class FlashBlocks:
     """Tile sizes: forward (``block_m`` query rows x ``block_n`` key columns) and backward (``bwd_m`` x
     ``bwd_n``). Powers of two >= 16; multiples of 32 where an MX operand is blocked along that axis.
     ``block_n`` is part of the forward's semantics (P is quantized per BLOCK_N tile of the online softmax);
-    the other three only change fp32 accumulation order."""
+    the other three only change fp32 accumulation order. The defaults measured fastest on an H100 at
+    Llama-3.2-1B's attention shape (``benchmarks/bench_flash_tiles.py``; docs/flash_attention.md).
+
+    Launch settings, speed only: ``fwd_warps`` / ``bwd_warps`` warps per program (a power of two <= 16;
+    0: 4 for tiles of at most 64 x 64 with head dims <= 64, else 8) and ``fwd_stages`` / ``bwd_stages``
+    Triton's software-pipelining depth (>= 1)."""
 
     block_m: int = 64
     block_n: int = 64
     bwd_m: int = 64
-    bwd_n: int = 64
+    bwd_n: int = 32
+    fwd_warps: int = 0
+    bwd_warps: int = 0
+    fwd_stages: int = 2
+    bwd_stages: int = 2
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "bwd_m", "bwd_n"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 16 or v & (v - 1):
+            if not _is_int(v) or v < 16 or v & (v - 1):
                 raise ValueError(f"FlashBlocks.{name}={v!r} must be a power of two >= 16")
+        for name in ("fwd_warps", "bwd_warps"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 0 or v > 16 or v & (v - 1):
+                raise ValueError(f"FlashBlocks.{name}={v!r} must be 0 (chosen by tile size) or a power of two <= 16")
+        for name in ("fwd_stages", "bwd_stages"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 1:
+                raise ValueError(f"FlashBlocks.{name}={v!r} must be an int >= 1")
+
+    def launch(self, backward: bool, d: int) -> dict[str, int]:
+        """Triton's launch options for the forward or the backward kernels at head dimension ``d``."""
+        bm, bn = (self.bwd_m, self.bwd_n) if backward else (self.block_m, self.block_n)
+        warps = self.bwd_warps if backward else self.fwd_warps
+        if not warps:
+            warps = 4 if bm * bn <= 64 * 64 and d <= 64 else 8
+        return dict(num_warps=warps, num_stages=self.bwd_stages if backward else self.fwd_stages)
 
     def check(self, fq: FlashQuant) -> None:
         """MX blocks must lie inside one tile: 32 | tile size along every blocked axis."""
