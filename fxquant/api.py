@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from fxquant import isa_probe
 from fxquant.backend import FxquantBackend, Inner
 from fxquant.formats.options import did_you_mean
 from fxquant.lowering import Kernels, parse_kernels
@@ -50,6 +51,12 @@ def _inner(backend: object) -> Inner:
         hint = did_you_mean(backend, allowed) if isinstance(backend, str) else ""
         raise ValueError(f"backend={backend!r}{hint}; allowed: {', '.join(allowed)}")
     return Inner(backend)
+
+
+def _on_cpu(model: nn.Module) -> bool:
+    """Whether the model's parameters and buffers (if any) include CPU tensors."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return not tensors or any(t.device.type == "cpu" for t in tensors)
 
 
 def _graph_break_counts() -> dict[str, int]:
@@ -213,6 +220,8 @@ def compile(
     layers = LayerNumbering.of_model(model, layer_offset=layer_offset, num_layers=num_layers)
     fx_backend = FxquantBackend(resolved, inner=_inner(backend), strict=strict, root=model, capture=spec,
                                 layers=layers, attention=attention, kernels=parse_kernels(kernels))
+    if fx_backend.inner is Inner.INDUCTOR and _on_cpu(model):
+        isa_probe.start()  # Inductor's one-time C++ toolchain probe, overlapped with the first call's tracing
     compiled = torch.compile(model, backend=fx_backend, dynamic=dynamic)
     session = None
     if capture_dir is not None:
