@@ -4,7 +4,7 @@ Before the first C++ kernel of a process, Inductor checks which vector instructi
 AVX2 on x86) it can build for: per candidate it compiles a test program against ATen's vector headers and
 loads it in a child Python (``torch._inductor.cpu_vec_isa``, ``VecISA.check_build``), one candidate after the
 other, the first time code generation asks. Compiled results land in Inductor's cache directory; with an
-empty one the probe took 6-8 s of plain ``torch.compile``'s 19-22 s cold compile of the torch test model on the
+empty one the probe took 6.0-8.4 s of plain ``torch.compile``'s 19.3-21.6 s cold compile of the torch test model on the
 2-core box (docs/compile.md, "Compile time").
 
 ``start`` runs the same checks, one background thread per candidate, when ``fxquant.compile`` is called for a
