@@ -160,7 +160,11 @@ class FxquantBackend:
                              decompositions=lowering.decompositions(kernels))
         from torch._inductor.compile_fx import compile_fx
 
+        from fxquant import cpp_prebuild, isa_probe
         from fxquant.passes.cache_key import inductor_config_patches
+
+        cpp_prebuild.install()  # C++ kernels built a few to a library, from code generation on
+        isa_probe.wait()  # Inductor's ISA flags settled before anything reads them
 
         patches = inductor_config_patches(f"{self._scheme_text}\nkernels: {kernels.value}", gm)
         if kernels is Kernels.INDUCTOR:

@@ -60,3 +60,15 @@ def start() -> list[threading.Thread]:
                 t.start()
                 _started.append(t)
         return list(_started)
+
+
+def wait() -> None:
+    """Join the probes started (none: returns at once). Inductor's ``VecAVX512.__bool__`` adds
+    ``-mavx512bf16`` to the instance's flags for the length of its bf16 check build, so a command line built
+    while a probe runs could carry it: a compile that reads the ISA (code generation, the kernels of a graph
+    loaded from the FX-graph cache) waits for them first, and its command lines, hence its kernel cache keys,
+    are the same in every process."""
+    with _lock:
+        threads = list(_started)
+    for t in threads:
+        t.join()
