@@ -48,6 +48,7 @@ _EXTERN_C = re.compile(r'extern\s+"C"\s+(?=[^;{()]*\bkernel\s*\()')
 _lock = threading.Lock()
 _installed: list[bool] = []
 _known: dict[tuple, tuple[_Bundle, int]] = {}  # (arg types, source) -> (bundle, member index)
+_stored: dict[str, _Bundle] = {}  # digest of a bundle read back from the store -> its one _Bundle
 _open: list[_Bundle] = []
 _counts = {"kernels": 0, "bundles": 0, "fallbacks": 0}
 
@@ -238,12 +239,14 @@ def _requested(argtypes: list[str], source: str) -> tuple[_Bundle, int] | None:
     store = _store()
     try:
         digest, index = (store / "kernels" / _kernel_key(argtypes, source)).read_text().split()
-        code = (store / "bundles" / f"{digest}.cpp").read_text()
+        with _lock:
+            bundle = _stored.get(digest)
+        if bundle is None:  # read, keyed and loaded once for all the kernels it holds
+            bundle = _Bundle((store / "bundles" / f"{digest}.cpp").read_text())
     except (OSError, ValueError):
         return None
-    found = (_Bundle(code), int(index))
     with _lock:
-        return _known.setdefault(key, found)
+        return _known.setdefault(key, (_stored.setdefault(digest, bundle), int(index)))
 
 
 def install() -> bool:

@@ -48,6 +48,8 @@ _CHILD = textwrap.dedent("""
     if {warm}:  # graphs from the FX-graph cache: their kernels' bundles found in the store, nothing built
         assert c["kernels"] == 0 and c["bundles"] == 0 and libraries() == libs, (c, libraries(), libs)
         assert built > 0 and c["fallbacks"] == 0, (built, c)
+        stored = len(list(Path({cache!r}, cpp_prebuild.STORE, "bundles").iterdir()))
+        assert len(cpp_prebuild._stored) == stored, (cpp_prebuild._stored, stored)  # each bundle read back once
     else:  # several kernels a library, every library a bundle (none built alone)
         assert 0 < c["bundles"] < c["kernels"] and built == c["bundles"] and c["fallbacks"] == 0, (c, built)
         before = len(Cache.cache)
