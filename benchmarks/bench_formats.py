@@ -10,6 +10,11 @@ below for comparison only. GPU timing uses CUDA events after a synchronize; CPU 
     python benchmarks/bench_formats.py --size 2^20 --dtype bf16 --json bench.json          # CPU
     python benchmarks/bench_formats.py --size 2^28 --dtype bf16 --device cuda --json h100.json
 
+``--floor`` adds rows (format "(floor)") of Inductor kernels that do part of a quantize's work on the same
+tensor, for the share of each part: the dtype round trip alone (``x`` to float32, a multiply by 2, back), the
+block structure of an MX format without its rounding (per ``--floor-blocks`` elements: the block amax, a multiply
+of the block by it), and an element format's rounding alone comes from its own row (``fp8_e4m3``).
+
 GPU targets (issue 2): Triton at >= 0.85x copy for mxfp8_e4m3 and hifp8, >= 0.75x for mxfp4_e2m1 and
 nvfp4 (2^28-element bf16). NVFP4 needs the tensor amax before any element is scaled, i.e. a second read
 of x, which bounds it near 2/3 of copy bandwidth.
@@ -151,6 +156,9 @@ def bench(args: argparse.Namespace) -> dict:
     if "inductor" in impls:
         rows.append({"format": "(copy)", "impl": "x * 1 (Inductor)", "ms": copy_cs * 1e3, "GB/s": gbs(copy_cs),
                      "x copy": copy_s / copy_cs})
+    if args.floor:
+        for impl, fn in _floor_kernels(x, args.floor_blocks):
+            add("(floor)", impl, fn)
     for name in names:
         tq = TensorQuant(name)
         if "eager" in impls:
@@ -208,6 +216,29 @@ def _inductor_quantize(tq: TensorQuant, x: torch.Tensor) -> tuple:
     return "fxquant::quantize (Inductor)", lambda: compiled(x), f"first call {compile_s:.1f} s", {"compile_s": compile_s}
 
 
+def _floor_kernels(x: torch.Tensor, blocks: list[int]) -> list[tuple[str, Callable[[], object]]]:
+    """(impl, fn) of the ``--floor`` kernels on ``x``, each compiled by Inductor (and run once)."""
+    out = []
+
+    def compiled(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], object]:
+        torch._dynamo.reset()
+        c = torch.compile(fn, dynamic=False)
+        c(x)
+        return lambda: c(x)
+
+    out.append(("float32 round trip, x * 2 (Inductor)", compiled(lambda t: (t.float() * 2).to(t.dtype))))
+    for b in blocks:
+        if x.numel() % b:
+            raise ValueError(f"--floor-blocks: {b} does not divide {x.numel()} elements")
+
+        def block_scale(t: torch.Tensor, b: int = b) -> torch.Tensor:
+            tb = t.view(-1, b).float()
+            return (tb * tb.abs().amax(-1, keepdim=True)).to(t.dtype).view(t.shape)
+
+        out.append((f"block amax x block, {b} (Inductor)", compiled(block_scale)))
+    return out
+
+
 def _triton_version() -> str | None:
     if not kernels.available():
         return None
@@ -224,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--formats", default="all", help=f"comma-separated, or 'all': {','.join(formats.names())}")
     p.add_argument("--impls", default="all", help=f"comma-separated subset of {','.join(IMPLS)}, or 'all'")
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--floor", action="store_true", help="also time the parts of a quantize's work (Inductor)")
+    p.add_argument("--floor-blocks", type=lambda s: [int(b) for b in s.split(",")], default=[32, 512],
+                   help="block sizes of --floor's block-structure rows (default 32,512)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     args = p.parse_args(argv)
     unknown = set(args.impls.split(",")) - set(IMPLS) if args.impls != "all" else set()

@@ -163,7 +163,7 @@ def ceilings(args, dev: torch.device, timer: Timer) -> list[dict]:
 def quantize(args, dev: torch.device, timer: Timer) -> list[dict]:
     ns = argparse.Namespace(size="2^18" if args.quick else "2^28", dtype="bf16", device=str(dev), formats="all",
                             impls="eager,inductor,triton,peers" if args.quick else "inductor,triton,peers",
-                            repeat=args.repeat)
+                            repeat=args.repeat, floor=False)
     res = bench_formats.bench(ns)
     return [{k: r.get(k) for k in ("format", "impl", "ms", "GB/s", "x copy", "note")} for r in res["rows"]]
 

@@ -184,3 +184,41 @@ def test_kernel_compiles_for_sm90_with_the_launch_config():
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["cubin"] > 0 and r["wgmma"] > 0 and r["local"] == 0, r
+
+
+@pytest.mark.parametrize("triton_v, numpy_v, refused", [
+    ("3.6.0", "2.4.6", True), ("3.6.0+git1b2c3d", "2.4.0rc1", True), ("3.6.0", "2.3.5", False),
+    ("3.7.0", "2.4.6", False), ("3.9.0", "2.5.0", False), ("2.3.1", "1.26.4", False),
+])
+def test_interpreter_loop_problem_names_the_versions_and_the_fix(triton_v, numpy_v, refused):
+    from fxquant import kernels
+
+    problem = kernels.interpreter_loop_problem(triton_v, numpy_v)
+    if refused:
+        assert triton_v in problem and numpy_v in problem and "numpy<2.4 or triton>=3.7" in problem
+    else:
+        assert problem is None
+
+
+@pytest.mark.triton
+def test_interpreted_launch_refuses_an_incompatible_triton_numpy_pair(qgemm_mod, monkeypatch):
+    """Under the interpreter, a GEMM or flash launch with Triton < 3.7 and numpy >= 2.4 raises the reason (Triton
+    itself would fail inside the kernel with "only 0-dimensional arrays can be converted to Python scalars")."""
+    if DEVICE != "cpu":
+        pytest.skip("the check applies to Triton's interpreter (CPU)")
+    from fxquant import kernels
+    from fxquant.kernels import flash_attention_launch
+
+    fake = {"triton": "3.6.0", "numpy": "2.4.6"}
+    monkeypatch.setattr(kernels.importlib.metadata, "version", lambda name: fake[name])
+    kernels.check_interpreter_loops.cache_clear()
+    try:
+        a = values((8, 32), 0)
+        with pytest.raises(RuntimeError, match="Triton 3.6.0's interpreter cannot run"):
+            qgemm_mod.qgemm(a, a.t(), TensorQuant("mxfp8_e4m3"), None)
+        with pytest.raises(RuntimeError, match="install numpy<2.4 or triton>=3.7"):
+            flash_attention_launch._check_device(a)
+    finally:
+        monkeypatch.undo()
+        kernels.check_interpreter_loops.cache_clear()
+    kernels.check_interpreter_loops()  # the installed pair passes (this suite runs the interpreter)

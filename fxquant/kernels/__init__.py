@@ -13,6 +13,8 @@ their device functions: ``_primitives.py``; the wrappers: ``launch.py``. Contrac
 """
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import importlib.util
 import logging
 import os
@@ -21,7 +23,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["available", "has_kernel", "quantize", "register", "registered", "restore_reference"]
+__all__ = ["available", "check_interpreter_loops", "has_kernel", "interpreter_loop_problem", "quantize", "register",
+           "registered", "restore_reference"]
 
 DEVICES = ("cuda", "cpu")
 _TRITON_DEVICES: set[str] = set()  # devices whose fxquant::quantize implementation is the Triton kernels
@@ -30,6 +33,31 @@ _TRITON_DEVICES: set[str] = set()  # devices whose fxquant::quantize implementat
 def available() -> bool:
     """Whether Triton is importable (the kernels also need a CUDA device, or TRITON_INTERPRET=1 on CPU)."""
     return importlib.util.find_spec("triton") is not None
+
+
+def _release(version: str) -> tuple[int, int]:
+    major, minor = (version.split("+")[0].split(".") + ["0"])[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+def interpreter_loop_problem(triton_version: str, numpy_version: str) -> str | None:
+    """Why Triton's interpreter cannot run a kernel whose loop bound is a kernel argument (the flash-attention and
+    GEMM kernels) with these versions, or None. Triton before 3.7 reads such a bound with ``int()`` of a
+    one-element numpy array, which numpy 2.4 refuses ("only 0-dimensional arrays can be converted to Python
+    scalars"); torch 2.11 pins Triton 3.6."""
+    if _release(triton_version) < (3, 7) and _release(numpy_version) >= (2, 4):
+        return (f"Triton {triton_version}'s interpreter cannot run fxquant's flash-attention and GEMM kernels with "
+                f"numpy {numpy_version}: it converts their loop bounds with int() of a one-element array, which numpy "
+                "2.4 refuses (fixed in Triton 3.7); install numpy<2.4 or triton>=3.7")
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def check_interpreter_loops() -> None:
+    """Raise ``RuntimeError`` with ``interpreter_loop_problem``'s reason for the installed Triton and numpy."""
+    problem = interpreter_loop_problem(importlib.metadata.version("triton"), importlib.metadata.version("numpy"))
+    if problem is not None:
+        raise RuntimeError(problem)
 
 
 def quantize(x: torch.Tensor, tq, dim: int = -1, seed: int | None = None) -> torch.Tensor:

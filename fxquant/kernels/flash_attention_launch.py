@@ -21,6 +21,7 @@ import torch
 import triton
 from triton.runtime.interpreter import InterpretedFunction
 
+from fxquant.kernels import check_interpreter_loops
 from fxquant.kernels.flash_attention import IO_CODES, gemm_bf16
 from fxquant.kernels.flash_attention_kernels import _flash_bwd_dkdv_kernel, _flash_bwd_dq_kernel, _flash_fwd_kernel
 from fxquant.kernels.flash_attention_spec import Axis, FlashBlocks, FlashQuant, Kind, Operand
@@ -60,6 +61,8 @@ def _check_device(q: torch.Tensor) -> None:
             f"the flash-attention kernels were built for {'the interpreter (CPU)' if _INTERPRETED else 'CUDA'}; "
             f"got tensors on {q.device}"
         )
+    if _INTERPRETED:
+        check_interpreter_loops()
 
 
 class _Roles:

@@ -28,6 +28,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from fxquant.formats.tensor_quant import TensorQuant
+from fxquant.kernels import check_interpreter_loops
 from fxquant.kernels._primitives import load_f32, store_from_f32
 from fxquant.kernels.flash_attention_spec import bf16_exact, operand_code
 from fxquant.kernels.flash_attention_tiles import mm, quant_tile
@@ -106,6 +107,8 @@ def qgemm(a: torch.Tensor, b: torch.Tensor, a_tq: TensorQuant | None, b_tq: Tens
     ok = a.device.type == "cpu" if INTERPRETED else a.device.type == "cuda"
     if not ok:
         raise ValueError(f"qgemm: the kernel was built for {'the interpreter (CPU)' if INTERPRETED else 'CUDA'}; got {a.device}")
+    if INTERPRETED:
+        check_interpreter_loops()
     codes = [operand_code(tq, f"qgemm operand {n}") for n, tq in (("a", a_tq), ("b", b_tq))]
     m, k = a.shape
     n = b.shape[1]
