@@ -113,13 +113,20 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     model = platform.processor() or platform.machine()
+    isa: list[str] = []
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return f"{model} ({torch.get_num_threads()} threads)"
+        lines = cpuinfo.read_text().splitlines()
+        model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), model)
+        flags = next((set(ln.split(":", 1)[1].split()) for ln in lines if ln.startswith("flags")), set())
+        # The vector ISA says more about a CPU kernel's speed than a virtual machine's model name does.
+        isa = [name for flag, name in CPU_ISA if flag in flags]
+        if "AVX-512" in isa and "AVX2" in isa:
+            isa.remove("AVX2")
+    return f"{model} ({', '.join([f'{torch.get_num_threads()} threads', *isa])})"
+
+
+CPU_ISA = (("avx2", "AVX2"), ("avx512f", "AVX-512"), ("avx512_bf16", "AVX512-BF16"), ("amx_tile", "AMX"))
 
 
 def bench(args: argparse.Namespace) -> dict:

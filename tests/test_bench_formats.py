@@ -1,5 +1,6 @@
 """benchmarks/bench_formats.py: its ``--floor`` rows (parts of a quantize's work compiled by Inductor) run on the
-same tensor as the formats' rows, and a block size that does not divide the tensor is refused."""
+same tensor as the formats' rows, a block size that does not divide the tensor is refused, and the CPU's name in
+every benchmark's JSON carries its vector ISA."""
 from __future__ import annotations
 
 import argparse
@@ -40,3 +41,20 @@ def test_floor_blocks_must_divide_the_tensor():
 def test_without_floor_no_floor_rows():
     result = bench_formats.bench(_args(floor=False, formats="fp8_e4m3"))
     assert not [r for r in result["rows"] if r["format"] == "(floor)"]
+
+
+def test_cpu_device_name_lists_the_vector_isa_from_cpuinfo():
+    import torch
+
+    name = bench_formats.device_name(torch.device("cpu"))
+    assert f"{torch.get_num_threads()} threads" in name
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo on this system")
+    flags = next((set(ln.split(":", 1)[1].split()) for ln in cpuinfo.read_text().splitlines()
+                  if ln.startswith("flags")), set())
+    for flag, label in bench_formats.CPU_ISA:
+        if flag == "avx2" and "avx512f" in flags:
+            assert "AVX2" not in name  # the wider ISA is named instead
+        else:
+            assert (label in name) == (flag in flags), (flag, name)
