@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import datetime
+import functools
 import json
 import sys
 import tempfile
@@ -36,10 +37,11 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_formats import device_name, make_timer  # noqa: E402
+from bench_formats import block_scale, device_name, make_timer  # noqa: E402
 
 BLOCK = 32
 KERNELS = ("inductor", "plain max", "two blocks", "reduction only", "multiply only")
+BLOCK_SCALE = functools.partial(block_scale, block=BLOCK)  # the computation, as bench_formats.py --floor compiles it
 
 SOURCE = r"""
 #include <torch/csrc/inductor/cpp_prefix.h>
@@ -115,12 +117,6 @@ extern "C" void multiply_only(const at::BFloat16* x, float* amax, at::BFloat16* 
 """
 
 
-def block_scale(t: torch.Tensor) -> torch.Tensor:
-    """The computation, as ``bench_formats.py --floor`` compiles it."""
-    tb = t.view(-1, BLOCK).float()
-    return (tb * tb.abs().amax(-1, keepdim=True)).to(t.dtype).view(t.shape)
-
-
 def build(workdir: Path) -> ctypes.CDLL:
     """The variants as one shared library, built with Inductor's flags for this machine's vector ISA."""
     from torch._inductor import cpp_builder, cpu_vec_isa
@@ -150,7 +146,7 @@ def kernels(lib: ctypes.CDLL) -> dict[str, Callable]:
 
 def check(x: torch.Tensor, fns: dict[str, Callable]) -> None:
     """Every variant that writes the output writes Inductor's result; every amax is the block's."""
-    expect = torch.compile(block_scale, dynamic=False)(x)
+    expect = torch.compile(BLOCK_SCALE, dynamic=False)(x)
     want_amax = x.view(-1, BLOCK).float().abs().amax(-1)
     for name, fn in fns.items():
         amax = want_amax.clone() if name == "multiply only" else torch.full_like(want_amax, float("nan"))
@@ -174,7 +170,7 @@ def bench(args: argparse.Namespace) -> dict:
         t = lambda fn: median(fn)[0]  # noqa: E731
         amax = x.view(-1, BLOCK).float().abs().amax(-1)
         out = torch.empty_like(x)
-        compiled = torch.compile(block_scale, dynamic=False)
+        compiled = torch.compile(BLOCK_SCALE, dynamic=False)
         rows = [{"kernel": "x.clone()", "reused_ms": None, "fresh_ms": t(lambda: x.clone()) * 1e3},
                 {"kernel": "torch.compile (Inductor)", "reused_ms": None, "fresh_ms": t(lambda: compiled(x)) * 1e3}]
         for name, fn in fns.items():

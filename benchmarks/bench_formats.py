@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import platform
 import statistics
@@ -238,12 +239,14 @@ def _floor_kernels(x: torch.Tensor, blocks: list[int]) -> list[tuple[str, Callab
         if x.numel() % b:
             raise ValueError(f"--floor-blocks: {b} does not divide {x.numel()} elements")
 
-        def block_scale(t: torch.Tensor, b: int = b) -> torch.Tensor:
-            tb = t.view(-1, b).float()
-            return (tb * tb.abs().amax(-1, keepdim=True)).to(t.dtype).view(t.shape)
-
-        out.append((f"block amax x block, {b} (Inductor)", compiled(block_scale)))
+        out.append((f"block amax x block, {b} (Inductor)", compiled(functools.partial(block_scale, block=b))))
     return out
+
+
+def block_scale(t: torch.Tensor, block: int) -> torch.Tensor:
+    """An MX block's structure without its rounding: each ``block`` elements times their amax (``--floor``)."""
+    tb = t.view(-1, block).float()
+    return (tb * tb.abs().amax(-1, keepdim=True)).to(t.dtype).view(t.shape)
 
 
 def _triton_version() -> str | None:
