@@ -10,9 +10,11 @@ autograd traces, and its partitioner cuts, a graph with one node per quantize, a
 backward graphs is expanded just before Inductor lowers it (under ``aot_eager`` the op is decomposed while
 AOT traces). The result equals the reference bit for bit (``tests/test_formats_lowering.py``):
 
-- a block's exponent comes from the float32 bits of its amax; an element's binade from Rump's exact ``ufp`` and
-  its rounding from adding and subtracting 2**23 grid steps (``ElementSpec.quantize_steps``: no per-element
-  bit reinterpretation or float8 conversion, which Inductor's C++ vectoriser does through memory); every
+- a block's exponent comes from the float32 bits of its amax; an element rounds to nearest even by Veltkamp's
+  splitting where its format's binades all have the same width (``_bits.round_nearest_bits``), otherwise from
+  its binade by Rump's exact ``ufp`` and adding and subtracting 2**23 grid steps (``ElementSpec.quantize_steps``:
+  no per-element bit reinterpretation or float8 conversion, which Inductor's C++ vectoriser does through
+  memory); every
   multiplication by a power of two is exact; the per-element arithmetic reaches Inductor as one op
   (``fxquant::round_elements`` or ``fxquant::block_values``, the latter after ``fxquant::block_scales`` per
   block), each lowered by ``fxquant.pointwise_lowering`` into one pointwise computation;

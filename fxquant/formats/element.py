@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from fxquant.formats._bits import frexp_bits, mul_pow2, pow2, round_integer, round_to_step, ufp
+from fxquant.formats._bits import frexp_bits, mul_pow2, pow2, round_integer, round_nearest_bits, round_to_step, ufp
 
 
 @dataclass(frozen=True)
@@ -91,8 +91,9 @@ class ElementSpec:
     ) -> torch.Tensor:
         """Round float32 ``v`` to the nearest element value (per ``rounding``), in float32.
 
-        ``finite=True`` promises no NaN/Inf in ``v`` (block formats, whose non-finite blocks are replaced
-        afterwards): the Inf fix-up pass is skipped. Eager, round-to-nearest-even on a format torch has a dtype
+        ``finite=True`` promises |v| <= 2**100 (no NaN/Inf) wherever the result is kept (block formats: their
+        scaled elements lie within a few binades of the format's range, and their non-finite blocks are replaced
+        afterwards): the Inf fix-up pass and, traced, the clamp that keeps huge values finite are skipped. Eager, round-to-nearest-even on a format torch has a dtype
         for uses torch's own cast and everything else ``quantize_arith`` (float32 bits); traced for a compiler,
         ``quantize_steps``. Tests check the three equal bit for bit.
         """
@@ -139,8 +140,9 @@ class ElementSpec:
     def quantize_steps(
         self, v: torch.Tensor, rounding: str, saturate: bool, u: torch.Tensor | None, *, finite: bool = False
     ) -> torch.Tensor:
-        """``quantize`` by float32 arithmetic without reading bits (``steps_in_range`` formats): the binade's power of
-        two from ``ufp``, the grid step from it (``grid_step``), the rounding by ``round_to_step``.
+        """``quantize`` by float32 arithmetic without reading bits (``steps_in_range`` formats): round to nearest even
+        on a uniform grid by Veltkamp's splitting (``round_nearest_bits``); otherwise the binade's power of two from
+        ``ufp``, the grid step from it (``grid_step``), the rounding by ``round_to_step``.
 
         |v| is clamped to [2**emin, 2**(emax + 1)] before ``ufp``, as the bit path clamps the exponent: values
         below 2**emin use emin's step, values above the top binade a step of the binade above it, which rounds
@@ -152,9 +154,18 @@ class ElementSpec:
         """
         a = v.abs()
         if self.steps_in_range():
-            binade = ufp(torch.clamp(a, 2.0**self.emin, 2.0 ** (self.emax + 1)))
-            q = round_to_step(a, self.grid_step(binade, a), rounding, u)
-            return self._finish(q, v, a, rounding, saturate, finite)
+            # Where the result saturates, |v| is clamped to max_normal before rounding instead of after: every mode
+            # rounds monotonically (SR too, for fixed uniforms) and max_normal lies on the grid, so the values are
+            # the same, and the clamp also bounds the rounding's input (one select instead of two).
+            clamps = not self._overflows_to_inf(rounding, saturate)
+            r = torch.where(a > self.max_normal, self.max_normal, a) if clamps else a  # NaN stays NaN
+            if rounding == "rne" and self.uniform_grid():
+                q = round_nearest_bits(r, self.mbits, self.emin, self.emax, bounded=finite or clamps)
+            else:
+                binade = ufp(torch.clamp_min(r, 2.0**self.emin) if clamps
+                             else torch.clamp(r, 2.0**self.emin, 2.0 ** (self.emax + 1)))
+                q = round_to_step(r, self.grid_step(binade, r), rounding, u)
+            return self._finish(q, v, a, rounding, saturate, finite, clamped=clamps)
         if self.emin > -60:  # pragma: no cover - bf16 is the one such format
             raise NotImplementedError(f"{self.name}: emin {self.emin} above the scaled steps' 2**-60")
         small, large = a < 2.0**-60, a >= 2.0**60
@@ -172,18 +183,27 @@ class ElementSpec:
         binade)."""
         return binade * 2.0**-self.mbits
 
+    def uniform_grid(self) -> bool:
+        """Whether every binade has ``mbits`` mantissa bits (``grid_step`` not overridden: all but HiF8)."""
+        return type(self).grid_step is ElementSpec.grid_step
+
     def steps_in_range(self) -> bool:
         """Whether ``quantize_steps`` rounds without rescaling: every clamped binade within ``ufp``'s range (all
         formats but bf16)."""
         return -126 <= self.emin and self.emax + 1 < 104
 
-    def _finish(self, q, v, a, rounding, saturate, finite):
-        """Overflow, sign, the single zero and non-finite inputs, after rounding ``a = |v|`` to ``q``."""
-        # Round-toward-zero never overflows to Inf (IEEE 754: it gives the largest finite value).
-        overflow_to_inf = not saturate and self.has_inf and rounding != "rz"
+    def _overflows_to_inf(self, rounding: str, saturate: bool) -> bool:
+        """Whether a value rounding past max_normal becomes Inf (else max_normal). Round-toward-zero never
+        overflows to Inf (IEEE 754: it gives the largest finite value)."""
+        return not saturate and self.has_inf and rounding != "rz"
+
+    def _finish(self, q, v, a, rounding, saturate, finite, *, clamped=False):
+        """Overflow, sign, the single zero and non-finite inputs, after rounding ``a = |v|`` to ``q`` (``clamped``:
+        rounded from |v| clamped to max_normal, which saturated it already)."""
+        overflow_to_inf = self._overflows_to_inf(rounding, saturate)
         if overflow_to_inf:
             q = torch.where(q > self.max_normal, math.inf, q)  # NaN and Inf inputs pass through
-        else:
+        elif not clamped:
             q = torch.clamp_max(q, self.max_normal)  # NaN stays NaN
         out = torch.copysign(q, v)
         if not self.signed_zero:

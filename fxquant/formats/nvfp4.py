@@ -65,8 +65,10 @@ class NVFP4Format(Format):
         return g, b, fdiv(inv_g, b), zero, bad
 
     def _elements(self, xb, inv, u, opts):
-        v = torch.clamp(xb * inv, -6.0, 6.0)
-        return E2M1.quantize(v, opts.rounding.value, True, u, finite=True)
+        """Element values P of blocked ``xb`` (``inv`` = (1/g)/b broadcast to it). |x * inv| <= 6 / (1 - 2**-4) in a
+        finite block (b is amax_b / 6 / g rounded to E4M3, at most 2**-4 below it; clamped, only upwards), so the
+        saturating E2M1 rounding (monotone, 6 on its grid) gives what rounding it clamped to [-6, 6] would."""
+        return E2M1.quantize(xb * inv, opts.rounding.value, True, u, finite=True)
 
     def block_scales(self, amax, tensor_amax, opts):
         """(inv = (1/g)/b, g * b) per block from its amax and the tensor's (broadcastable), float32; the scale is 0
@@ -76,9 +78,9 @@ class NVFP4Format(Format):
         return inv, torch.where(zero, 0.0, torch.where(bad, float("nan"), g * b))
 
     def scaled_values(self, xb, inv, scale, u, opts):
-        """The quantized values (float32) of blocked ``xb`` given ``block_scales`` broadcast to it."""
-        y = self._elements(xb, inv, u, opts) * scale
-        return torch.where(scale == 0, 0.0, torch.where(scale != scale, float("nan"), y))
+        """The quantized values (float32) of blocked ``xb`` given ``block_scales`` broadcast to it: a NaN scale gives
+        NaN through the product (any NaN: FORMATS.md gives NaN payloads no meaning), a zero scale +0."""
+        return torch.where(scale == 0, 0.0, self._elements(xb, inv, u, opts) * scale)
 
     def block_values(self, xb, amax, tensor_amax, u, opts):
         """The quantized values (float32) of blocked ``xb`` given its block amaxes and the tensor's amax (both
