@@ -96,9 +96,10 @@ def round_nearest_bits(a: torch.Tensor, mbits: int, emin: int, emax: int, *, bou
     rounding), so an FMA contraction gives the same value. Below 2**emin, adding and subtracting 2**23 of emin's
     steps rounds to that step. NaN gives NaN.
 
-    Above 2**(emax + 1) the result only has to be at least 2**(emax + 1), more than the format's largest value (callers
-    saturate it or overflow it to Inf), so ``a`` is clamped there first, which keeps c finite; ``bounded=True`` promises a <= 2**100 and leaves the clamp out.
-    Five float32 operations and one select against the eleven of ``ufp`` and ``round_to_step`` with their clamps.
+    Above 2**(emax + 1) the result only has to be at least 2**(emax + 1), more than the format's largest value
+    (callers saturate it or overflow it to Inf), so ``a`` is clamped there first, which keeps c finite;
+    ``bounded=True`` promises a <= 2**100 and leaves the clamp out. Six float32 operations and a select, where
+    ``ufp``, the step and ``round_to_step`` take nine operations and two clamps.
     """
     if not bounded:
         top = 2.0 ** (emax + 1)

@@ -93,9 +93,10 @@ class ElementSpec:
 
         ``finite=True`` promises |v| <= 2**100 (no NaN/Inf) wherever the result is kept (block formats: their
         scaled elements lie within a few binades of the format's range, and their non-finite blocks are replaced
-        afterwards): the Inf fix-up pass and, traced, the clamp that keeps huge values finite are skipped. Eager, round-to-nearest-even on a format torch has a dtype
-        for uses torch's own cast and everything else ``quantize_arith`` (float32 bits); traced for a compiler,
-        ``quantize_steps``. Tests check the three equal bit for bit.
+        afterwards): the Inf fix-up pass and, traced, the clamp that keeps huge values finite are skipped. Eager,
+        round-to-nearest-even on a format torch has a dtype for uses torch's own cast and everything else
+        ``quantize_arith`` (float32 bits); traced for a compiler, ``quantize_steps``. Tests check the three equal
+        bit for bit.
         """
         if _tracing():
             # Traced for a compiler (fxquant.lowering): arithmetic that vectorises (no float/int reinterpretation,
