@@ -26,7 +26,6 @@ import argparse
 import ctypes
 import datetime
 import functools
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -37,7 +36,7 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_formats import block_scale, device_name, make_timer  # noqa: E402
+from bench_formats import block_scale, device_name, make_timer, write_json  # noqa: E402
 
 BLOCK = 32
 KERNELS = ("inductor", "plain max", "two blocks", "reduction only", "multiply only")
@@ -195,9 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {result['elements']} bf16 elements, blocks of {BLOCK}, median of {args.repeat}")
     print(tabulate([[r["kernel"], r["reused_ms"], r["fresh_ms"]] for r in result["rows"]],
                    headers=["kernel", "ms, reused output", "ms, fresh output"], floatfmt=".3g", missingval=""))
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2))
-        print(f"# wrote {args.json}")
+    write_json(args.json, result)
     return 0
 
 

@@ -77,6 +77,13 @@ def _torchao_to_mx() -> tuple[Callable | None, dict[str, object], str]:
     return to_mx, elem, ""
 
 
+def write_json(path: Path | None, result: dict) -> None:
+    """Write ``result`` as indented JSON to ``path`` (``--json``; nothing when None) and say where."""
+    if path is not None:
+        path.write_text(json.dumps(result, indent=2))
+        print(f"# wrote {path}")
+
+
 def make_timer(device: torch.device, repeat: int) -> Callable[[Callable[[], object]], tuple[float, float]]:
     """(median, min) seconds of ``fn()`` over ``repeat`` runs after one warm-up, synchronised on CUDA."""
 
@@ -280,9 +287,7 @@ def main(argv: list[str] | None = None) -> int:
              for r in result["rows"]]
     headers = ["format", "impl", "ms (median)", "ms (min)", "GB/s", "x copy", "note"]
     print(tabulate(table, headers=headers, floatfmt=".3g", missingval="n/a"))
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2))
-        print(f"# wrote {args.json}")
+    write_json(args.json, result)
     return 0
 
 

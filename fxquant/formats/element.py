@@ -147,7 +147,9 @@ class ElementSpec:
 
         |v| is clamped to [2**emin, 2**(emax + 1)] before ``ufp``, as the bit path clamps the exponent: values
         below 2**emin use emin's step, values above the top binade a step of the binade above it, which rounds
-        them to more than max_normal (saturated or overflowed below, like the bit path's). A format whose
+        them to more than max_normal (saturated or overflowed below, like the bit path's). Where the result
+        saturates, |v| is first clamped to max_normal itself, which makes the upper clamp and the saturation after
+        rounding unnecessary. A format whose
         binades leave ``ufp``'s range (bf16: 2**-133 steps, binades up to 2**127) rounds |v| scaled by 2**64
         below 2**-60 and by 2**-64 from 2**60 and scales the result back: scaling by a power of two is exact
         there (no result underflows or overflows float32 but one that rounds past 2**128, which is Inf either
