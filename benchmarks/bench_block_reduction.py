@@ -143,9 +143,10 @@ def kernels(lib: ctypes.CDLL) -> dict[str, Callable]:
     return {name: wrap(getattr(lib, name.replace(" ", "_"))) for name in KERNELS}
 
 
-def check(x: torch.Tensor, fns: dict[str, Callable]) -> None:
-    """Every variant that writes the output writes Inductor's result; every amax is the block's."""
-    expect = torch.compile(BLOCK_SCALE, dynamic=False)(x)
+def check(x: torch.Tensor, fns: dict[str, Callable], inductor: Callable | None = None) -> None:
+    """Every variant that writes the output writes Inductor's result (``inductor``: the computation compiled, else
+    compiled here); every amax is the block's."""
+    expect = (inductor or torch.compile(BLOCK_SCALE, dynamic=False))(x)
     want_amax = x.view(-1, BLOCK).float().abs().amax(-1)
     for name, fn in fns.items():
         amax = want_amax.clone() if name == "multiply only" else torch.full_like(want_amax, float("nan"))
@@ -164,12 +165,12 @@ def bench(args: argparse.Namespace) -> dict:
     x = torch.randn(n).bfloat16()
     with tempfile.TemporaryDirectory(prefix="bench_block_reduction_") as tmp:
         fns = kernels(build(Path(tmp)))
-        check(x, fns)
+        compiled = torch.compile(BLOCK_SCALE, dynamic=False)
+        check(x, fns, compiled)
         median = make_timer(torch.device("cpu"), args.repeat)
         t = lambda fn: median(fn)[0]  # noqa: E731
         amax = x.view(-1, BLOCK).float().abs().amax(-1)
         out = torch.empty_like(x)
-        compiled = torch.compile(BLOCK_SCALE, dynamic=False)
         rows = [{"kernel": "x.clone()", "reused_ms": None, "fresh_ms": t(lambda: x.clone()) * 1e3},
                 {"kernel": "torch.compile (Inductor)", "reused_ms": None, "fresh_ms": t(lambda: compiled(x)) * 1e3}]
         for name, fn in fns.items():
@@ -178,8 +179,8 @@ def bench(args: argparse.Namespace) -> dict:
             rows.append({"kernel": name, "reused_ms": reused * 1e3, "fresh_ms": fresh * 1e3})
     from torch._inductor import cpu_vec_isa
 
-    return {"device": device_name(torch.device("cpu")), "torch": torch.__version__, "vec_isa": str(cpu_vec_isa.pick_vec_isa()),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    return {"device": device_name(torch.device("cpu")), "torch": torch.__version__,
+            "vec_isa": str(cpu_vec_isa.pick_vec_isa()), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "elements": n, "block": BLOCK, "repeat": args.repeat, "rows": rows}
 
 

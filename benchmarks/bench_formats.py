@@ -117,6 +117,9 @@ def parse_size(text: str) -> int:
     return -(-n // ROW_LEN) * ROW_LEN
 
 
+CPU_ISA = (("avx2", "AVX2"), ("avx512f", "AVX-512"), ("avx512_bf16", "AVX512-BF16"), ("amx_tile", "AMX"))
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -133,8 +136,6 @@ def device_name(device: torch.device) -> str:
             isa.remove("AVX2")
     return f"{model} ({', '.join([f'{torch.get_num_threads()} threads', *isa])})"
 
-
-CPU_ISA = (("avx2", "AVX2"), ("avx512f", "AVX-512"), ("avx512_bf16", "AVX512-BF16"), ("amx_tile", "AMX"))
 
 
 def bench(args: argparse.Namespace) -> dict:
@@ -245,7 +246,6 @@ def _floor_kernels(x: torch.Tensor, blocks: list[int]) -> list[tuple[str, Callab
     for b in blocks:
         if x.numel() % b:
             raise ValueError(f"--floor-blocks: {b} does not divide {x.numel()} elements")
-
         out.append((f"block amax x block, {b} (Inductor)", compiled(functools.partial(block_scale, block=b))))
     return out
 

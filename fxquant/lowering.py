@@ -14,9 +14,8 @@ AOT traces). The result equals the reference bit for bit (``tests/test_formats_l
   splitting where its format's binades all have the same width (``_bits.round_nearest_bits``), otherwise from
   its binade by Rump's exact ``ufp`` and adding and subtracting 2**23 grid steps (``ElementSpec.quantize_steps``:
   no per-element bit reinterpretation or float8 conversion, which Inductor's C++ vectoriser does through
-  memory); every
-  multiplication by a power of two is exact; the per-element arithmetic reaches Inductor as one op
-  (``fxquant::round_elements`` or ``fxquant::block_values``, the latter after ``fxquant::block_scales`` per
+  memory); every multiplication by a power of two is exact; the per-element arithmetic reaches Inductor as one
+  op (``fxquant::round_elements`` or ``fxquant::block_values``, the latter after ``fxquant::block_scales`` per
   block), each lowered by ``fxquant.pointwise_lowering`` into one pointwise computation;
 - divisions are IEEE float32 divisions (``formats._bits.fdiv``): float32 ``/`` on CPU, where Inductor's C++
   keeps them divisions, and elsewhere float64 divisions rounded to float32, exact even where a backend

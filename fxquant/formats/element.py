@@ -149,11 +149,10 @@ class ElementSpec:
         below 2**emin use emin's step, values above the top binade a step of the binade above it, which rounds
         them to more than max_normal (saturated or overflowed below, like the bit path's). Where the result
         saturates, |v| is first clamped to max_normal itself, which makes the upper clamp and the saturation after
-        rounding unnecessary. A format whose
-        binades leave ``ufp``'s range (bf16: 2**-133 steps, binades up to 2**127) rounds |v| scaled by 2**64
-        below 2**-60 and by 2**-64 from 2**60 and scales the result back: scaling by a power of two is exact
-        there (no result underflows or overflows float32 but one that rounds past 2**128, which is Inf either
-        way), and every comparison of the rounding is scale-invariant.
+        rounding unnecessary. A format whose binades leave ``ufp``'s range (bf16: 2**-133 steps, binades up to
+        2**127) rounds |v| scaled by 2**64 below 2**-60 and by 2**-64 from 2**60 and scales the result back: scaling
+        by a power of two is exact there (no result underflows or overflows float32 but one that rounds past 2**128,
+        which is Inf either way), and every comparison of the rounding is scale-invariant.
         """
         a = v.abs()
         if self.steps_in_range():
