@@ -13,7 +13,6 @@ reads it, ``fxquant.counters`` uses it for the expected-vs-executed quantize cou
 """
 from __future__ import annotations
 
-import atexit
 import copy
 import logging
 from dataclasses import dataclass, field
@@ -227,8 +226,7 @@ def compile(
     if capture_dir is not None:
         from fxquant import capture as capture_api
 
-        session = capture_api.start(spec, capture_dir, scheme=resolved.name)
-        atexit.register(session.close)  # drain the writer and commit, even if the caller never closes it
+        session = capture_api.start(spec, capture_dir, scheme=resolved.name)  # closed at exit if never closed
     state = CompileState(fx_backend, model, strict, capture_session=session)
     object.__setattr__(compiled, STATE_ATTR, state)
     compiled.register_forward_pre_hook(state.before_call)

@@ -55,20 +55,110 @@ def test_round_trip_values_records_and_real_safetensors(tmp_path):
 
 def test_a_second_session_appends_and_is_uncommitted_until_it_closes(tmp_path):
     with capture.start(spec_text(end=3), tmp_path, scheme="bf16", run_id="first"):
-        emit(2)
+        first = emit(2, seed=0)
     marker = tmp_path / "rank-00000" / layout.COMMITTED
     assert marker.is_file()
     s = capture.start(spec_text(end=3), tmp_path, scheme="mxfp8", run_id="second")
     try:
         assert not marker.exists()  # a crash now must not leave the first session's marker on the second's records
         assert not capture.open(tmp_path).committed
-        emit(2)
+        second = emit(2, seed=1)
     finally:
         s.close()
     cs = capture.open(tmp_path)
     assert cs.committed and cs.verify() == []
     assert [r.run_id for r in cs] == ["first"] * 2 + ["second"] * 2
     assert [r.scheme for r in cs] == ["bf16"] * 2 + ["mxfp8"] * 2
+    # the second session goes on from the first one's shard number and seq: no file or key is reused
+    assert [r.seq for r in cs] == [0, 1, 2, 3] and len({(r.file, r.key) for r in cs}) == 4
+    assert {r.file for r in cs.query(run_id="first")}.isdisjoint(r.file for r in cs.query(run_id="second"))
+    for rec, want in zip(cs, first + second):
+        assert torch.equal(cs.load(rec, check=True), want)
+
+
+def test_a_session_appending_after_a_torn_manifest_line_starts_on_a_line_of_its_own(tmp_path):
+    with capture.start(spec_text(end=3), tmp_path, run_id="first"):
+        first = emit(3, seed=0)
+    manifest = tmp_path / "rank-00000" / layout.MANIFEST
+    manifest.write_bytes(manifest.read_bytes()[:-40])  # what a crash mid-append leaves
+    assert len(capture.open(tmp_path)) == 2  # the torn line is skipped
+    with capture.start(spec_text(end=3), tmp_path, run_id="second"):
+        second = emit(2, seed=1)
+    cs = capture.open(tmp_path)
+    assert [r.run_id for r in cs] == ["first"] * 2 + ["second"] * 2 and cs.verify() == []
+    for rec, want in zip(cs, first[:2] + second):
+        assert torch.equal(cs.load(rec, check=True), want)
+    assert manifest.read_bytes().endswith(b"\n")
+
+
+def test_a_refused_start_touches_nothing(tmp_path):
+    old = tmp_path / "old"
+    with capture.start(spec_text(end=3), old, run_id="old-run"):
+        emit(1)
+    before = {p: p.read_bytes() for p in old.rglob("*") if p.is_file()}
+    with capture.start(spec_text(end=3), tmp_path / "live"):
+        with pytest.raises(RuntimeError, match="another capture session is active"):
+            capture.start(spec_text(end=3), old)
+    assert {p: p.read_bytes() for p in old.rglob("*") if p.is_file()} == before
+    assert capture.active_session() is None
+
+
+def test_a_session_never_closed_is_committed_at_exit(tmp_path):
+    code = textwrap.dedent(f"""
+        import torch
+        from fxquant import capture
+        from tests.capture_helpers import spec_text
+        capture.start(spec_text(end=3), {str(tmp_path)!r})
+        for i in range(3):
+            assert capture.save(torch.full((4, 4), float(i)), f"t{{i}}")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
+    cs = capture.open(tmp_path)
+    assert cs.committed and [r.role for r in cs] == ["t0", "t1", "t2"]
+    assert [cs.load(r)[0, 0].item() for r in cs] == [0.0, 1.0, 2.0]
+
+
+@pytest.mark.parametrize("policy", ["stop", "abort"])
+def test_any_writer_failure_is_reported_counted_and_never_hangs(tmp_path, monkeypatch, policy):
+    """A failure other than an I/O error while a shard is written (here a RuntimeError) stops the writer like
+    one: the error is kept, the records not written count as dropped, and saves, flush and close return."""
+    real = layout.write_safetensors
+    calls = []
+
+    def failing(path, tensors, metadata):
+        calls.append(path)
+        if len(calls) == 2:
+            raise RuntimeError("injected writer failure")
+        return real(path, tensors, metadata)
+
+    monkeypatch.setattr(layout, "write_safetensors", failing)
+    s = capture.start(spec_text(end=100, policy=policy), tmp_path, queue_items=2)
+    stored, raised = 0, None
+    try:
+        for i in range(40):
+            if capture.save(torch.full((4, 4), float(i)), f"t{i}"):
+                stored += 1
+            s.flush()  # one shard per save
+    except capture.CaptureError as exc:
+        raised = exc
+    summary = s.close()
+    assert summary["clean"] is False and "injected writer failure" in summary["error"]
+    assert summary["records"] == 1 and summary["records"] + summary["dropped"] == stored
+    assert (raised is not None) == (policy == "abort") and capture.active_session() is None
+    assert not s.writer._thread.is_alive()
+    cs = capture.open(tmp_path)
+    assert cs.committed and len(cs) == 1 and cs.verify() == []
+
+
+def test_save_refuses_a_dtype_capture_sets_cannot_store(tmp_path):
+    with capture.start(spec_text(end=3), tmp_path):
+        with pytest.raises(TypeError, match="float8_e4m3fnuz"):
+            capture.save(torch.ones(4).to(torch.float8_e4m3fnuz), "odd")
+        assert capture.save(torch.ones(4).to(torch.float8_e4m3fn), "fp8")
+    cs = capture.open(tmp_path)
+    assert [r.role for r in cs] == ["fp8"] and cs.load(cs[0]).dtype == torch.float8_e4m3fn
 
 
 def test_stats_nan_inf_and_quantized_operand(tmp_path):

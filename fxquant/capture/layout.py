@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import zlib
@@ -30,6 +31,8 @@ import torch
 import xxhash
 
 from fxquant._fileio import write_atomic
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.jsonl"
 COMMITTED = "COMMITTED"
@@ -160,6 +163,40 @@ def _write_all(fd: int, data) -> None:
 def write_json_atomic(path: Path, obj: object) -> None:
     text = json.dumps(obj, indent=1, sort_keys=True, allow_nan=True)
     write_atomic(path, lambda f: f.write(text.encode("utf-8")))
+
+
+_SHARD_INDEX = re.compile(r"^shard-(\d{6,})\.safetensors$")
+
+
+def resume_point(directory: Path) -> tuple[int, int]:
+    """Where a new session in an existing rank directory goes on: (the highest shard index there, one past the
+    highest ``seq`` its manifest records), so that it neither reuses a shard name nor a tensor key. A torn last
+    manifest line (a crash mid-append) is cut off first: appended lines must start on a line of their own."""
+    shards = [int(m.group(1)) for f in (Path(directory) / SHARDS).glob("shard-*")
+              if (m := _SHARD_INDEX.match(f.name))]
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        return max(shards, default=0), 0
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        cut = data.rfind(b"\n") + 1
+        log.warning("capture: %s ends in a torn line (%d bytes, a crash mid-append); cut off before appending",
+                    path, len(data) - cut)
+        with open(path, "r+b") as f:
+            f.truncate(cut)
+            os.fsync(f.fileno())
+        data = data[:cut]
+    seq = -1
+    for i, line in enumerate(data.split(b"\n")):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line).get("seq")
+        except (json.JSONDecodeError, AttributeError):
+            raise ValueError(f"{path}:{i + 1}: corrupt manifest line (not a JSON record); a session cannot append "
+                             "to this capture set") from None
+        seq = max(seq, value) if isinstance(value, int) else seq
+    return max(shards, default=0), seq + 1
 
 
 def append_lines(path: Path, records: list[dict]) -> None:

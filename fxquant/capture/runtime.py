@@ -21,6 +21,7 @@ training loop advances its counters: ``set_iteration``, ``set_micro_batch`` / ``
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -38,6 +39,7 @@ from fxquant.capture.prepare import Work
 from fxquant.capture.spec import CaptureSpec, Component, Copy, ErrorPolicy
 from fxquant.capture.tap import Tap, decode_tap, decode_taps, encode_taps
 from fxquant.capture.writer import Item, ShardWriter
+from fxquant.kernels import host
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +114,7 @@ class CaptureSession:
         self.spec, self.config = spec, config
         self.dir = layout.rank_dir(config.root, config.rank.rank)
         self.dir.mkdir(parents=True, exist_ok=True)
+        shards_before, seq_before = layout.resume_point(self.dir)  # an earlier session's shards and keys stay
         if (self.dir / layout.COMMITTED).exists():  # an earlier session's: this one appends, uncommitted until close
             log.info("capture: %s holds an earlier session's records; appending (uncommitted until close)", self.dir)
             (self.dir / layout.COMMITTED).unlink()
@@ -123,12 +126,14 @@ class CaptureSession:
         self.writer = ShardWriter(self.dir, shard_bytes=config.shard_bytes, queue_items=config.queue_items,
                                   queue_bytes=config.queue_bytes, flush_seconds=config.flush_seconds,
                                   max_files=spec.budget.files,
-                                  shard_metadata={"run_id": config.run_id, "rank": str(config.rank.rank)})
+                                  shard_metadata={"run_id": config.run_id, "rank": str(config.rank.rank)},
+                                  first_shard=shards_before)
         self.pool = HostPool(max_free_bytes=min(config.queue_bytes + config.shard_bytes, 4 << 30))
         self._lock = threading.Lock()  # backward taps may run on autograd's device threads
         self._base = {"run_id": config.run_id, "scheme": config.scheme, **config.rank.coords()}
         self.iteration, self.micro_batch = config.start_iteration, 0
-        self.seq = self.reserved_bytes = 0
+        self.seq, self.reserved_bytes = seq_before, 0
+        self._first_seq = seq_before  # the budget's tensor count is this session's
         self.stop_reason: str | None = None
         self._raised = False
         self._closed = False
@@ -225,8 +230,9 @@ class CaptureSession:
         """Store ``x`` (full tensor and statistics) as one record named ``name`` (its ``role``), with the
         session's iteration, micro-batch and rank coordinates, whatever the spec's windows; the budget
         applies. False when capture has stopped. ``fxquant.capture.save`` calls this on the active session."""
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-            raise TypeError(f"save: x must be a floating torch.Tensor, got "
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dtype not in layout.ST_DTYPES:
+            storable = [str(d).replace("torch.", "") for d in layout.ST_DTYPES if d.is_floating_point]
+            raise TypeError(f"save: x must be a floating torch.Tensor of a dtype capture sets store ({storable}), got "
                             f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
         for arg, v in (("name", name), ("module", module), ("component", component)):
             if not isinstance(v, str) or not v.strip():
@@ -269,7 +275,7 @@ class CaptureSession:
             self._stop(f"budget.bytes={b.bytes} reached ({self.reserved_bytes} bytes captured)")
             return 0
         if b.tensors is not None:
-            records = min(records, b.tensors - self.seq)
+            records = min(records, b.tensors - (self.seq - self._first_seq))
             if records <= 0:
                 self._stop(f"budget.tensors={b.tensors} reached")
                 return 0
@@ -301,23 +307,26 @@ class CaptureSession:
             "section": section, "shape": work.shape(x), "dtype": str(x.dtype).replace("torch.", ""),
             "stored_shape": work.stored_shape(x), "sample": work.sample_info(x),
             "key": layout.tensor_key(key_seq) if work.store else None, "file": None, "checksum": None,
-            "time": time.time(),
+            "stats": None, "time": time.time(),
         }
 
     # -- stopping ------------------------------------------------------------------------------------
-    def _stop(self, reason: str) -> None:
+    def _stop(self, reason: str, *, aborting: bool = False) -> None:
         if self.stop_reason is None:
             self.stop_reason = reason
-            log.warning("capture stopped on rank %d: %s; training goes on", self.config.rank.rank, reason)
+            log.warning("capture stopped on rank %d: %s; %s", self.config.rank.rank, reason,
+                        "raising CaptureError (on_error: abort)" if aborting else "training goes on")
 
     def _writer_stopped(self) -> None:
         st = self.writer.state
         if st.error is None:
             self._stop(st.budget_reason or "writer stopped")
             return
-        self._stop(st.error_reason or str(st.error))
-        if self.spec.on_error is ErrorPolicy.ABORT and not self._raised:
+        abort = self.spec.on_error is ErrorPolicy.ABORT and not self._raised
+        self._stop(st.error_reason or str(st.error), aborting=abort)
+        if abort:
             self._raised = True
+            self.close()  # the session ends here: its writer drained, the marker records the error, none active
             raise CaptureError(f"capture failed (on_error: abort): {st.error_reason}") from st.error
 
     def flush(self) -> None:
@@ -330,6 +339,7 @@ class CaptureSession:
         if self._closed:
             return self.summary
         self._closed = True
+        atexit.unregister(self.close)
         st = self.writer.close()
         self.pool.clear()
         if st.error is not None or st.budget_reason is not None:
@@ -383,9 +393,16 @@ def active_session() -> CaptureSession | None:
 
 
 def start(spec: CaptureSpec, root: str | Path, **config) -> CaptureSession:
-    """Create a session writing under ``root`` and make it the active one."""
+    """Create a session writing under ``root`` and make it the active one. It is closed (drained and committed)
+    at interpreter exit if the caller has not closed it. Refused, touching nothing under ``root``, while another
+    session is active."""
+    if _STATE.session is not None:
+        raise RuntimeError("another capture session is active; close it first")
     session = CaptureSession(spec, SessionConfig(Path(root), **config))
     activate(session)
+    # numba (the writer's statistics kernels) imported first, so that its exit handlers run after this close
+    host.backend()
+    atexit.register(session.close)
     return session
 
 

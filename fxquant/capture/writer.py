@@ -11,8 +11,10 @@ is bounded in items and in bytes held: a full queue blocks the producer (back-pr
 growing host memory without limit; tensors waiting for their shard add at most ``shard_bytes``.
 
 An I/O error (disk full...) is never swallowed: the writer stops, removes its temporary file, keeps the
-exception and the reason; the session then stops capturing (policy ``stop``) or re-raises it in the
-training thread (policy ``abort``). A failure of an item's deferred work is handled the same way.
+exception and the reason, and counts the records it could not write as dropped; the session then stops
+capturing (policy ``stop``) or re-raises it in the training thread (policy ``abort``). Any other failure in
+the writer thread (an item's deferred work, a tensor the shard format cannot hold, a defect) is handled the
+same way, and nothing waits on a writer thread that has ended.
 """
 from __future__ import annotations
 
@@ -78,8 +80,9 @@ class ShardWriter:
 
     def __init__(self, directory: Path, *, shard_bytes: int = 256 << 20, queue_items: int = 256,
                  queue_bytes: int = 2 << 30, flush_seconds: float = 30.0, max_files: int | None = None,
-                 shard_metadata: dict[str, str] | None = None):
+                 shard_metadata: dict[str, str] | None = None, first_shard: int = 0):
         self.dir = Path(directory)
+        self.first_shard = first_shard  # shards already in the directory (an earlier session's): named after them
         (self.dir / layout.SHARDS).mkdir(parents=True, exist_ok=True)
         self.shard_bytes = shard_bytes
         self.flush_seconds = flush_seconds
@@ -110,27 +113,50 @@ class ShardWriter:
             while self._held and self._held + item.nbytes > self._queue_bytes and not self.stopped:
                 self._cv.wait(timeout=1.0)
             self._held += item.nbytes
-        self._q.put(item)
+        if not self._enqueue(item):  # the thread has ended (its error is in state): counted, not waited for
+            with self._cv:
+                self._held -= item.nbytes
+            for lease in (item.source, item.reference):
+                if lease is not None:
+                    lease.release()
+            self.state.dropped += 1 if isinstance(item.records, dict) else len(item.records)
+
+    def _enqueue(self, obj: object) -> bool:
+        """Put ``obj`` on the queue, waiting while it is full, unless the writer thread has ended."""
+        while self._thread.is_alive():
+            try:
+                self._q.put(obj, timeout=1.0)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def wait_idle(self) -> None:
         """Block until every queued item has been processed (buffered for its shard or written); commits nothing."""
         self._q.join()
 
     def flush(self) -> None:
-        """Commit everything queued so far (blocks until done)."""
+        """Commit everything queued so far (blocks until done, or until the writer thread has ended)."""
         done = threading.Event()
-        self._q.put(("flush", done))
-        done.wait()
+        if self._enqueue(("flush", done)):
+            while not done.wait(timeout=1.0) and self._thread.is_alive():
+                pass
 
     def close(self) -> WriterState:
         if not self._closed:
             self._closed = True
-            self._q.put(None)
-            self._thread.join()
+            if self._enqueue(None):
+                self._thread.join()
         return self.state
 
     # -- writer thread ---------------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - a defect in the loop itself: recorded, never silent
+            self._fail(exc, f"capture writer thread ended: {type(exc).__name__}: {exc}")
+
+    def _loop(self) -> None:
         buf: list[_Buffered] = []
         buf_bytes = 0
         first_at: float | None = None
@@ -150,7 +176,12 @@ class ShardWriter:
                     return
                 continue
             try:
-                entry = self._prepare(item)
+                try:
+                    entry = self._prepare(item)
+                except Exception as exc:  # noqa: BLE001 - any failure stops capture (the session applies on_error)
+                    self._fail(exc, f"capture preparation failed in the writer thread: {type(exc).__name__}: {exc}")
+                    self.state.dropped += 1 if isinstance(item.records, dict) else len(item.records)
+                    entry = None
                 if entry is None:  # stopped (before, or by a failed preparation): dropped
                     continue
                 buf.append(entry)
@@ -231,7 +262,7 @@ class ShardWriter:
                     log.warning("capture stopped: %s", self.state.budget_reason)
                     return
                 index = self.state.shards + 1
-                name = layout.shard_name(index)
+                name = layout.shard_name(self.first_shard + index)
                 path = self.dir / layout.SHARDS / name
                 n, sums = layout.write_safetensors(path, [(e.records[0]["key"], e.tensor) for e in stored],
                                                    {"format": "fxquant-capture", **self.metadata})
@@ -244,6 +275,10 @@ class ShardWriter:
             self.state.records += len(records)
         except OSError as exc:
             self._fail(exc, f"I/O error while writing {self.dir}: {exc.strerror or exc} (errno {exc.errno})")
+            self.state.dropped += len(records)
+        except Exception as exc:  # noqa: BLE001 - e.g. a tensor safetensors cannot hold: stops capture, never silent
+            self._fail(exc, f"capture writer failed writing {self.dir}: {type(exc).__name__}: {exc}")
+            self.state.dropped += len(records)
 
     def _fail(self, exc: BaseException, reason: str) -> None:
         log.error("capture writer stopped: %s", reason)
