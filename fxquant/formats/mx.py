@@ -52,19 +52,38 @@ def blocked_uniforms(opts: QuantOptions, seed: int, x2: torch.Tensor, offset: in
     return None if u is None else blocks(u, block)
 
 
-def block_stage(fmt: Format, xb: torch.Tensor, amax: torch.Tensor, tensor_amax: torch.Tensor | None,
-                u: torch.Tensor | None, opts: QuantOptions) -> torch.Tensor:
-    """``fmt.block_values(xb, amax, tensor_amax, u, opts)``. Traced for a compiler, two ops that
+def block_stage(fmt: Format, x2: torch.Tensor, xb: torch.Tensor, amax: torch.Tensor,
+                tensor_amax: torch.Tensor | None, opts: QuantOptions, seed: int, offset: int,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """The quantized values (``[rows, L]``, cast to ``out_dtype``) of canonical ``x2`` (blocked: ``xb``) given its block amaxes
+    (and NVFP4's tensor amax): ``fmt.block_values``, unblocked. Traced for a compiler, two ops that
     ``fxquant.pointwise_lowering`` lowers into pointwise computations: ``fxquant::block_scales`` per block (the
     inverse scale and the scale, from the block amaxes and NVFP4's tensor amax) and ``fxquant::block_values`` per
-    element (the scaled, rounded, rescaled values, scales broadcast to ``xb``)."""
+    element (the scaled, rounded, rescaled values, scales broadcast to the elements).
+
+    With a short last block the traced element pass runs over ``x2`` itself, each element's scales gathered by its
+    block index, rather than over the zero-padded blocks followed by a slice ``[:, :L]``: Inductor's CPU code
+    generation miscompiles a pointwise computation over padded blocks that is sliced and then read by a fused
+    pointwise consumer (torch 2.13: only the first block's columns are written, with the first block's scale).
+    Plain torch shows it: ``torch.compile`` of ``relu((tp * (tp.abs().amax(-1, keepdim=True) + 1)).reshape(4,
+    64)[:, :50])``, ``tp = F.pad(t, (0, 14)).view(4, 2, 32)``, ``t`` of shape [4, 50], differs from eager
+    (tests/test_formats_lowering.py checks the traced form with such consumers)."""
+    length = x2.shape[1]
     if not _tracing():
-        return fmt.block_values(xb, amax, tensor_amax, u, opts)
+        u = blocked_uniforms(opts, seed, x2, offset, fmt.block_size)
+        return unblock(fmt.block_values(xb, amax, tensor_amax, u, opts).to(out_dtype), length)
     mode = None if opts.scale_mode is None else opts.scale_mode.value
     t = None if tensor_amax is None else tensor_amax.expand(amax.shape)
     inv, scale = torch.ops.fxquant.block_scales(amax, t, fmt.name, opts.rounding.value, mode)
-    return torch.ops.fxquant.block_values(xb, inv.expand(xb.shape), scale.expand(xb.shape), u, fmt.name,
-                                          opts.rounding.value)
+    if length % fmt.block_size == 0:
+        u = blocked_uniforms(opts, seed, x2, offset, fmt.block_size)
+        y = torch.ops.fxquant.block_values(xb, inv.expand(xb.shape), scale.expand(xb.shape), u, fmt.name,
+                                           opts.rounding.value)
+        return unblock(y.to(out_dtype), length)  # cast, then reshape: one loop over the blocks (not two)
+    block_of = torch.arange(length, device=x2.device) // fmt.block_size
+    u = draw_uniforms(opts.rounding, seed, x2.shape, x2.device, offset)
+    return torch.ops.fxquant.block_values(x2, inv.squeeze(-1)[:, block_of], scale.squeeze(-1)[:, block_of], u,
+                                          fmt.name, opts.rounding.value).to(out_dtype)
 
 
 def mx_scale_exponent(amax: torch.Tensor, elem: ElementSpec, mode: ScaleMode) -> torch.Tensor:
@@ -150,8 +169,7 @@ class MXFormat(Format):
 
     def _quantize_canonical(self, x2, opts, seed, *, ctx=None, offset=0, out_dtype=torch.float32):
         xb, amax = self._amax(x2)
-        y = block_stage(self, xb, amax, None, blocked_uniforms(opts, seed, x2, offset, self.block_size), opts)
-        return unblock(y.to(out_dtype), x2.shape[1])
+        return block_stage(self, x2, xb, amax, None, opts, seed, offset, out_dtype)
 
     def _encode_canonical(self, x2, opts, seed):
         xb, amax = self._amax(x2)

@@ -89,8 +89,7 @@ class NVFP4Format(Format):
 
     def _quantize_canonical(self, x2, opts, seed, *, ctx=None, offset=0, out_dtype=torch.float32):
         xb, amax_b, amax_t = self._amax(x2, ctx)
-        y = block_stage(self, xb, amax_b, amax_t, blocked_uniforms(opts, seed, x2, offset, self.block_size), opts)
-        return unblock(y.to(out_dtype), x2.shape[1])
+        return block_stage(self, x2, xb, amax_b, amax_t, opts, seed, offset, out_dtype)
 
     def _encode_canonical(self, x2, opts, seed):
         xb, amax_b, amax_t = self._amax(x2)
