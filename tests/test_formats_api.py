@@ -57,10 +57,45 @@ def test_rejects_bad_dim_and_options():
         formats.get("bf16").quantize(x, scaling="tensor")
     with pytest.raises(ValueError, match=r"scale_target=1000.0 must lie in \(0, 448\]"):
         formats.get("fp8_e4m3").quantize(x, scaling="tensor", scale_target=1000.0)
-    with pytest.raises(TypeError, match="unexpected keyword"):
+    with pytest.raises(TypeError, match="mxfp8_e4m3 has no option 'blocksize'; its options: rounding, scale_mode"):
         formats.get("mxfp8").quantize(x, blocksize=16)
+    with pytest.raises(TypeError, match="nvfp4 has no option 'scaling'"):
+        formats.get("nvfp4").quantize(x, scaling="tensor")
+    with pytest.raises(ValueError, match=r"scale_target='abc' must be a number in \(0, 448\] for 'fp8_e4m3'"):
+        formats.get("fp8_e4m3").quantize(x, scaling="tensor", scale_target="abc")
+    with pytest.raises(ValueError, match="scale_target='abc' in spec .*: must be a number"):
+        TensorQuant.from_spec("fp8_e4m3:scaling=tensor,scale_target=abc")
+    with pytest.raises(ValueError, match="applies to MX block formats only, not 'hifp8_legacy_clamp'"):
+        formats.get("hifp8_legacy_clamp").quantize(x, scale_mode="floor")
     with pytest.raises(TypeError, match="x must be a torch.Tensor"):
         formats.get("mxfp8").quantize([1.0, 2.0])
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_quantize_is_differentiable_straight_through(name):
+    """The gradient reaches x unchanged (as through fxquant::quantize), whatever the format's arithmetic; the values
+    are the no-grad values."""
+    x = torch.randn(4, 50, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    fmt = formats.get(name)
+    y = fmt.quantize(x)
+    (y * torch.arange(50.0)).sum().backward()
+    assert torch.equal(y.detach(), fmt.quantize(x.detach()))
+    assert torch.equal(x.grad, torch.arange(50.0).expand(4, 50))
+
+
+def test_seed_keys_differ_for_seeds_that_share_their_words():
+    """Seeds whose 32-bit words are equal as a set, or one word moved to the other, get different keys (and SR
+    streams); a tensor seed gets the int seed's key."""
+    from fxquant.formats._bits import seed_key
+
+    pairs = [(1, 2**32), (0, -1), ((3 << 32) | 5, (5 << 32) | 3), (7, 7 << 32)]
+    for a, b in pairs:
+        assert seed_key(a) != seed_key(b), (a, b)
+    for seed in (0, 1, 2**32, (3 << 32) | 5, 2**63 - 1):
+        assert int(seed_key(torch.tensor(seed, dtype=torch.int64))) == seed_key(seed)
+    x = torch.rand(4, 64)
+    fmt = formats.get("mxfp4")
+    assert not torch.equal(fmt.quantize(x, rounding="sr", seed=1), fmt.quantize(x, rounding="sr", seed=2**32))
 
 
 @pytest.mark.parametrize("name", ALL)

@@ -8,6 +8,7 @@ from an explicit seed).
 from __future__ import annotations
 
 import abc
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -102,6 +103,18 @@ def draw_uniforms(
 CHUNK_ELEMENTS = 1 << 18
 
 
+class _StraightThrough(torch.autograd.Function):
+    """``values(x)`` forward (computed without autograd), the gradient passed to ``x`` unchanged backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, values) -> torch.Tensor:
+        return values(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
 class Format(abc.ABC):
     """A number format. Subclasses are frozen dataclasses holding the format's data."""
 
@@ -157,6 +170,10 @@ class Format(abc.ABC):
     def _prepare(self, x: torch.Tensor, dim: int, seed: int | None, **options: object) -> tuple[int, QuantOptions, int]:
         """Validate the call: (dim normalised, resolved options, the stochastic-rounding seed)."""
         d = check_tensor(x, dim)
+        allowed = [n for n, p in inspect.signature(self.resolve).parameters.items() if p.kind is p.KEYWORD_ONLY]
+        unknown = [k for k in options if k not in allowed]
+        if unknown:
+            raise TypeError(f"{self.name} has no option {unknown[0]!r}; its options: {', '.join(allowed)}, seed")
         opts = self.resolve(**options)
         return d, opts, resolve_seed(opts.rounding, seed)
 
@@ -175,13 +192,20 @@ class Format(abc.ABC):
 
         ``None`` options take the format's default (FORMATS.md). ``dim`` is the blocked dimension of
         block formats. ``seed`` makes stochastic rounding reproducible (drawn from torch's generator
-        when None).
+        when None). Differentiable with the straight-through estimator, like ``fxquant::quantize``: the
+        gradient reaches ``x`` unchanged.
         """
         d, opts, seed_ = self._prepare(x, dim, seed, rounding=rounding, scale_mode=scale_mode, saturate=saturate, **extra)
-        if x.numel() == 0:
-            return x.clone()
-        y = self._quantize_rows(to_canonical(x, d, self.canonical_float32), opts, seed_, x.dtype)
-        return restore_layout(y, x.shape, d, x.dtype)
+
+        def values(t: torch.Tensor) -> torch.Tensor:
+            if t.numel() == 0:
+                return t.clone()
+            y = self._quantize_rows(to_canonical(t, d, self.canonical_float32), opts, seed_, t.dtype)
+            return restore_layout(y, t.shape, d, t.dtype)
+
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _StraightThrough.apply(x, values)
+        return values(x)
 
     def quantize_traceable(self, x: torch.Tensor, dim: int, opts: QuantOptions, seed: int | torch.Tensor) -> torch.Tensor:
         """``quantize`` for compilers: the same arithmetic over the whole tensor, as plain ATen ops.

@@ -40,12 +40,14 @@ class LegacyClampFormat(Format):
     def scale_layout(self) -> str:
         return "none"
 
-    def resolve(self, **options: object) -> QuantOptions:
-        scaling = options.get("scaling")
+    def resolve(self, *, rounding=None, scale_mode=None, saturate=None, scaling=None,
+                scale_target=None) -> QuantOptions:
+        if scale_mode is not None:
+            raise ValueError(f"scale_mode={scale_mode!r} applies to MX block formats only, not {self.name!r}")
         if scaling is not None and str(getattr(scaling, "value", scaling)).lower() != Scaling.NONE.value:
             raise ValueError(f"scaling={scaling!r} is not offered for {self.name!r}, which reproduces the "
                              "predecessor's unscaled HiF8 (allowed: 'none')")
-        return self.base.resolve(**options)
+        return self.base.resolve(rounding=rounding, saturate=saturate, scaling=scaling, scale_target=scale_target)
 
     def _clamp(self, x2: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         x32 = x2.to(torch.float32)

@@ -55,8 +55,8 @@ def blocked_uniforms(opts: QuantOptions, seed: int, x2: torch.Tensor, offset: in
 def block_stage(fmt: Format, x2: torch.Tensor, xb: torch.Tensor, amax: torch.Tensor,
                 tensor_amax: torch.Tensor | None, opts: QuantOptions, seed: int, offset: int,
                 out_dtype: torch.dtype) -> torch.Tensor:
-    """The quantized values (``[rows, L]``, cast to ``out_dtype``) of canonical ``x2`` (blocked: ``xb``) given its block amaxes
-    (and NVFP4's tensor amax): ``fmt.block_values``, unblocked. Traced for a compiler, two ops that
+    """The quantized values (``[rows, L]``, cast to ``out_dtype``) of canonical ``x2`` (blocked: ``xb``) given its
+    block amaxes (and NVFP4's tensor amax): ``fmt.block_values``, unblocked. Traced for a compiler, two ops that
     ``fxquant.pointwise_lowering`` lowers into pointwise computations: ``fxquant::block_scales`` per block (the
     inverse scale and the scale, from the block amaxes and NVFP4's tensor amax) and ``fxquant::block_values`` per
     element (the scaled, rounded, rescaled values, scales broadcast to the elements).

@@ -61,7 +61,11 @@ class ElementFormat(Format):
         if mode is Scaling.TENSOR:
             if not self.allow_tensor_scaling:
                 raise ValueError(f"scaling='tensor' is not offered for {self.name!r} (allowed: 'none')")
-            target = self.element.max_normal if scale_target is None else float(scale_target)
+            try:
+                target = self.element.max_normal if scale_target is None else float(scale_target)
+            except (TypeError, ValueError):
+                raise ValueError(f"scale_target={scale_target!r} must be a number in (0, "
+                                 f"{self.element.max_normal:g}] for {self.name!r}") from None
             if not 0 < target <= self.element.max_normal:
                 raise ValueError(
                     f"scale_target={scale_target!r} must lie in (0, {self.element.max_normal:g}] for {self.name!r}"

@@ -86,7 +86,10 @@ class TensorQuant:
                     raise ValueError(f"saturate={value!r} in spec {spec!r}: allowed 0, 1, true, false")
                 kwargs[key] = value.lower() in ("1", "true")
             elif key == "scale_target":
-                kwargs[key] = float(value)
+                try:
+                    kwargs[key] = float(value)
+                except ValueError:
+                    raise ValueError(f"scale_target={value!r} in spec {spec!r}: must be a number") from None
             else:
                 kwargs[key] = value
         return cls(name, **kwargs)
