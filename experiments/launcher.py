@@ -114,6 +114,9 @@ def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", varia
     for flag, value in (("--tp", tp), ("--pp", pp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{flag} {value!r}: parallel sizes must be integers >= 1")
+    for flag, value in (("--iters", iters), ("--eval-iters", eval_iters)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{flag} {value!r}: must be an integer >= 1 (leave it out for the config's)")
     if nproc is None:
         nproc = tp * pp
     if nproc < 1 or nproc % (tp * pp):
@@ -132,10 +135,11 @@ def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", varia
         capture = replace(capture, spec=spec, dir=None if capture.dir is None else str(Path(capture.dir).resolve()))
         capture = per_run_capture(capture, f"{model}/{dataset}/{scheme}" if capture_per_run else scheme)
     tcfg = catalog.CONFIGS[config]
-    tcfg = replace(tcfg, train_iters=iters or tcfg.train_iters, control_iter=stop_after(capture, control_iter),
+    tcfg = replace(tcfg, train_iters=tcfg.train_iters if iters is None else iters,
+                   control_iter=stop_after(capture, control_iter),
                    eval_interval=tcfg.eval_interval if eval_interval is None else eval_interval,
-                   eval_iters=eval_iters or tcfg.eval_iters, precision=Precision(_pick("precision", precision,
-                                                                                       [p.value for p in Precision])),
+                   eval_iters=tcfg.eval_iters if eval_iters is None else eval_iters,
+                   precision=Precision(_pick("precision", precision, [p.value for p in Precision])),
                    nonfinite=NonFinitePolicy(_pick("--on-nonfinite policy", nonfinite, [p.value for p in NonFinitePolicy])))
     dp = nproc // (tp * pp)
     if tcfg.global_batch_size % (tcfg.micro_batch_size * dp):

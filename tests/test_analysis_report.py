@@ -235,3 +235,37 @@ def test_clip_percentages_without_capture_statistics_match_the_reference(tmp_pat
         ref = capture_stats.compute(cs.load(q_rec), hp.reshape(q_rec.shape), tq, q_rec.blocked_dim)
         assert s["saturated_pct"] == pytest.approx(ref["saturated_pct"], abs=1e-9)
         assert s["flushed_pct"] == pytest.approx(ref["flushed_pct"], abs=1e-9)
+
+
+def test_where_matching_no_record_is_said_and_skipped_sets_are_reported_once(sets, tmp_path, capsys, caplog):
+    """`--where` that matches nothing says so (no "see the warnings above" when there are none); a skipped
+    DIR is printed once (the plan logs it at INFO only; the CLI prints the problem)."""
+    import logging
+
+    root, _, _ = sets
+    assert main(["report", str(root / "mxfp8"), "--where", "role=bogus", "-o", str(tmp_path / "r"), "-q",
+                 "--no-plots"]) == 1
+    err = capsys.readouterr().err
+    assert f"error: no capture records in {root / 'mxfp8'} match --where role=bogus: nothing to analyse" in err
+    assert "see the warnings above" not in err
+    assert main(["quant-error", str(root / "mxfp8"), "--where", "layer=7", "-q"]) == 2
+    assert "match --where layer=7" in capsys.readouterr().err
+    (tmp_path / "junk").mkdir()
+    with caplog.at_level(logging.INFO):
+        assert main(["report", str(root / "bf16"), str(tmp_path / "junk"), "-o", str(tmp_path / "r2"), "-q",
+                     "--no-plots"]) == 0
+    assert capsys.readouterr().err.count(f"{tmp_path / 'junk'}: skipped") == 1
+    assert [r.levelname for r in caplog.records if "skipped" in r.getMessage()] == ["INFO"]
+
+
+def test_capture_ls_and_export_where_take_any_of_several_values_as_report_does(sets, tmp_path, capsys):
+    root, sent_q, _ = sets
+    assert main(["capture", "ls", str(root / "mxfp8"), "--json", "--where", "role=input,weight",
+                 "--where", "copy=hp"]) == 0
+    recs = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert len(recs) == 2 * len(sent_q) // 3 and {r["role"] for r in recs} == {"input", "weight"}
+    assert main(["capture", "export-pt", str(root / "mxfp8"), str(tmp_path / "pt"), "--where", "layer=0,2",
+                 "--where", "copy=hp"]) == 0
+    assert f"wrote {2 * len(sent_q) // 3} .pt files" in capsys.readouterr().out
+    assert main(["capture", "ls", str(root / "mxfp8"), "--where", "role"]) == 2
+    assert "expected FIELD=VALUE or FIELD=V1,V2" in capsys.readouterr().err

@@ -176,3 +176,21 @@ def test_capture_kinds_are_the_scheme_kinds():
     from fxquant.schemes import SiteKind
 
     assert {k.value for k in S.ModuleKind} == {k.value for k in SiteKind}
+
+
+def test_check_spec_checks_every_file_and_names_unreadable_ones(tmp_path, capsys):
+    """A missing first FILE does not stop the others being checked; a file that is not UTF-8 is a problem naming
+    it (status 1, not 2); an empty list that selects nothing (`roles: []`) is a problem like the others."""
+    bad, latin, empty = tmp_path / "bad.yaml", tmp_path / "latin.yaml", tmp_path / "empty.yaml"
+    bad.write_text(BAD)
+    latin.write_bytes(b"sections: [{name: a, points: [{component: linear}]}]\n# caf\xe9\n")
+    empty.write_text("sections:\n  - name: a\n    points:\n      - component: linear\n        roles: []\n")
+    missing = tmp_path / "missing.yaml"
+    assert main(["check-spec", "-q", str(missing), str(bad), str(latin), str(empty), "predecessor"]) == 1
+    err = capsys.readouterr().err
+    assert f"{missing}: error: capture spec {str(missing)!r} is neither a file nor a shipped spec" in err
+    assert f"{bad}: 13 problems:" in err
+    assert f"{latin}: 1 problem:\n  {latin}:2: not UTF-8 text: byte 0xe9" in err
+    assert f"{empty}: 1 problem:\n  {empty}:5: sections[0].points[0].roles: an empty list selects no linear role" in err
+    with pytest.raises(S.SpecError, match="kinds: an empty list selects no module kind"):
+        S.load_spec("k.yaml", text="sections: [{name: a, layers: {kinds: []}, points: [{component: linear}]}]\n")

@@ -86,3 +86,43 @@ def test_output_cut_short_by_head_is_not_a_traceback(command):
                           env={"PYTHONPATH": str(repo), "PATH": "/usr/bin:/bin"})
     assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr
     assert proc.stdout.splitlines()[-1] in ("status 141", "status 0")  # 0: all output fit the pipe's buffer
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["formats"]])
+def test_help_and_formats_do_not_import_inductor(argv):
+    """`fxquant --help` and `fxquant formats` stay quick: no verb module imports fxquant.lowering (and with it
+    torch._inductor, seconds) when the parser is built."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "fxquant", *argv], cwd=repo, capture_output=True,
+                          text=True, timeout=120, env={"PYTHONPATH": str(repo), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert {"fxquant.cli", "fxquant.cli.options"} <= imported  # the listing is real (verb modules are not in it:
+    # importlib.import_module bypasses -X importtime, but their own imports are listed)
+    assert "torch._inductor" not in imported and "fxquant.lowering" not in imported
+
+
+def test_explain_kernels_choices_are_the_lowering_kernels():
+    from fxquant.cli.explain_cmd import KERNELS
+    from fxquant.lowering import Kernels
+
+    assert KERNELS == tuple(k.value for k in Kernels)
+
+
+def test_an_unwritable_output_path_is_a_one_line_error(tmp_path, capsys):
+    """An OSError (here: the output directory is an existing file) ends the verb with `fxquant VERB: error:`
+    naming the path, status 2, not a traceback."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"iteration": 1, "loss": 2.0}\n')
+    afile = tmp_path / "afile.txt"
+    afile.write_text("not a directory")
+    assert main(["report", "--metrics", str(run), "-o", str(afile), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fxquant report: error: ") and str(afile) in err and err.count("\n") == 1
+    assert main(["report", "--metrics", str(run), "-o", str(afile / "sub"), "-q"]) == 2
+    assert "fxquant report: error: Not a directory" in capsys.readouterr().err

@@ -268,3 +268,17 @@ def test_draw_both_legacy_on_wikitext(wikitext_dir, tmp_path, capsys):
     assert formats[("linear", "fprop")] == {"mxfp8_e4m3"} and formats[("linear", "dgrad")] == {"mxfp8_e5m2"}
     assert formats[("attention", "qk")] == {"mxfp8_e5m2"}
     assert json.loads((draw / "report.json").read_text())["records"] == row["records"]
+
+
+@pytest.mark.parametrize("verb", [["collect", "single", "mxfp8"], ["draw", "collect", "mxfp8"]])
+def test_control_iter_zero_is_refused(verb, tmp_path, capsys):
+    """`--control-iter 0` would mean "no limit" to experiments run (train and capture every iteration), not
+    "collect 0 iterations": refused before anything runs."""
+    from fxquant.cli import main
+
+    for bad in ("0", "-1"):
+        with pytest.raises(SystemExit) as exit_:
+            main([*verb, "--control-iter", bad, "--tensor-save-dir", str(tmp_path / "logs"), "--out",
+                  str(tmp_path / "runs"), "--dry-run"])
+        assert exit_.value.code == 2 and f"argument --control-iter: {bad}: must be >= 1" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

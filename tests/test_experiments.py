@@ -256,3 +256,16 @@ def test_a_failing_run_prints_the_ranks_error_line(tmp_path, capsys, monkeypatch
     assert code == 1 and out.startswith("failed in ") and "metrics" not in out
     (line,) = [x for x in err.splitlines() if x.startswith("error: ")]
     assert line.startswith("error: rank 0: ") and "Error" in line and "train.log" in line
+
+
+@pytest.mark.parametrize("flag", ["--iters", "--eval-iters"])
+def test_zero_iterations_are_refused_not_replaced_by_the_config_default(flag, capsys):
+    from experiments.__main__ import main
+    from experiments.launcher import resolve
+
+    assert main(["run", "--model", "llama32-1b", flag, "0", "--dry-run"]) == 2
+    assert f"{flag} 0: must be an integer >= 1" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=f"{flag} 0: must be an integer >= 1"):
+        resolve(model="llama32-1b", dataset="mock", scheme="bf16", **{flag[2:].replace("-", "_"): 0})
+    code, _, config, _ = _dry(["--model", "llama32-1b", flag, "2"], capsys)
+    assert code == 0 and config["train"][{"--iters": "train_iters", "--eval-iters": "eval_iters"}[flag]] == 2

@@ -89,3 +89,63 @@ def test_index_html_renders_in_headless_chromium_without_broken_images(tmp_path)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     result = json.loads(re.search(r'<div id="fxq-check">(.*?)</div>', proc.stdout).group(1).replace("&quot;", '"'))
     assert result["broken"] == [figures[0]]
+
+
+def _run(path: Path, losses: list[float], scheme: str, model: str) -> Path:
+    """A run directory whose run_config.json names its model and dataset, as RunConfig.to_dict writes them."""
+    _metrics(path, losses, scheme)
+    (path / "run_config.json").write_text(json.dumps({"scheme": scheme, "model": {"name": model},
+                                                      "data": {"kind": "mock", "prefixes": []}}))
+    return path
+
+
+def test_runs_of_one_scheme_on_two_models_get_unique_labels_and_their_own_reference(tmp_path):
+    """Two models x {bf16, linear_mxfp8}: four rows with distinct labels, each run compared with the bf16 run of
+    its own model; a run whose model has no bf16 run is not compared with another model's, and a problem says so."""
+    runs = {(m, s): _run(tmp_path / m / s, [4.0 * k, 3.0 * k, 2.0 * k], s, m)
+            for m, k in (("m1", 1.0), ("m2", 2.0)) for s in ("bf16", "linear_mxfp8")}
+    (runs["m1", "linear_mxfp8"] / "metrics.jsonl").write_text("".join(
+        json.dumps({"iteration": i, "loss": v}) + "\n" for i, v in enumerate([4.4, 3.3, 2.2], start=1)))
+    res = analysis.report([], tmp_path / "r", metrics=list(runs.values()), last_n=2, progress=False, plots=False)
+    rows = {r["run"]: r for r in json.loads((tmp_path / "r/training/loss_vs_reference.json").read_text())["runs"]}
+    assert set(rows) == {"m1/mock/bf16", "m1/mock/linear_mxfp8", "m2/mock/bf16", "m2/mock/linear_mxfp8"}
+    assert rows["m1/mock/linear_mxfp8"]["reference"] == "m1/mock/bf16"
+    assert rows["m1/mock/linear_mxfp8"]["mre_all"] == pytest.approx(0.1)
+    assert rows["m2/mock/linear_mxfp8"]["reference"] == "m2/mock/bf16" and rows["m2/mock/linear_mxfp8"]["mre_all"] == 0
+    assert res.problems == []
+    lonely = [runs["m1", "bf16"], runs["m1", "linear_mxfp8"], runs["m2", "linear_mxfp8"]]
+    res = analysis.report([], tmp_path / "r2", metrics=lonely, progress=False, plots=False)
+    rows = {r["run"]: r for r in json.loads((tmp_path / "r2/training/loss_vs_reference.json").read_text())["runs"]}
+    assert set(rows) == {"bf16", "m1/mock/linear_mxfp8", "m2/mock/linear_mxfp8"}  # a unique label is kept
+    assert rows["m2/mock/linear_mxfp8"]["mre_all"] is None and rows["m2/mock/linear_mxfp8"]["reference"] is None
+    assert rows["m1/mock/linear_mxfp8"]["mre_all"] == pytest.approx(0.1)
+    assert len(res.problems) == 1 and "'m2/mock/linear_mxfp8' (m2/mock) is not compared" in res.problems[0]
+    # without run_config.json the directories tell the runs apart
+    a, b = tmp_path / "x" / "run", tmp_path / "y" / "run"
+    for d in (a, b):
+        d.mkdir(parents=True)
+        (d / "metrics.jsonl").write_text('{"iteration": 1, "loss": 2.0}\n')
+    assert [r.label for r in analysis.loss_curves.unique_labels([analysis.load_run(a), analysis.load_run(b)])] == \
+        [str(a), str(b)]
+
+
+def test_report_cli_checks_metrics_runs_reference_and_last_n(tmp_path, capsys):
+    from fxquant.cli import main
+
+    _metrics(tmp_path / "a", [4.0, 3.0], "bf16")
+    _metrics(tmp_path / "b", [4.4, 3.0], "FA_linear_mxfp4")
+    out = tmp_path / "r"
+    assert main(["report", "--metrics", str(tmp_path / "a"), "--metrics", str(tmp_path / "nowhere"), "-o", str(out),
+                 "-q"]) == 2
+    assert f"--metrics: no metrics JSONL at {tmp_path / 'nowhere'}" in capsys.readouterr().err
+    assert not out.exists()
+    assert main(["report", "--metrics", str(tmp_path / "a"), "--metrics", str(tmp_path / "b"), "--reference", "bf61",
+                 "-o", str(out), "-q"]) == 0
+    assert "warning: --metrics: no run labelled 'bf61' among bf16, FA_linear_mxfp4" in capsys.readouterr().err
+    for bad in ("0", "-3"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["report", "--metrics", str(tmp_path / "a"), "--last-n", bad, "-o", str(out), "-q"])
+        assert exit_.value.code == 2 and f"argument --last-n: {bad}: must be >= 1" in capsys.readouterr().err
+    run_a, run_b = analysis.load_run(tmp_path / "a"), analysis.load_run(tmp_path / "b")
+    with pytest.raises(ValueError, match="last_n=0: must be an integer >= 1"):
+        analysis.mean_relative_error(run_b, run_a, last_n=0)

@@ -63,3 +63,26 @@ def test_cli_draws_captured_scores_as_attention_maps(tmp_path, capsys):
                  "--where", "role=scores"]) == 0
     assert "--max-tensors 1 reached" in capsys.readouterr().err
     assert main(["plot-tensors", str(tmp_path / "cap"), "--cells", "1"]) == 2
+
+
+def test_cli_refuses_missing_directories_and_says_when_nothing_was_drawn(tmp_path, capsys):
+    """As `report`: a DIR that does not exist (or is a file) is an error, status 2; a run that draws nothing
+    (an empty DIR, a --where matching no record) exits 1 saying why, not `0 tensor(s) drawn`."""
+    write_tensors(tmp_path / "lin", [torch.randn(4, 64)])
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "afile").write_text("x")
+    assert main(["plot-tensors", str(tmp_path / "nowhere"), "-o", str(tmp_path / "o1")]) == 2
+    assert f"capture directory not found: {tmp_path / 'nowhere'}" in capsys.readouterr().err
+    assert not (tmp_path / "o1").exists()
+    assert main(["plot-tensors", str(tmp_path / "afile"), "-o", str(tmp_path / "o1")]) == 2
+    assert f"not a directory (give capture directories): {tmp_path / 'afile'}" in capsys.readouterr().err
+    assert main(["plot-tensors", str(tmp_path / "empty"), "-o", str(tmp_path / "o2")]) == 1
+    out, err = capsys.readouterr()
+    assert "drawn ->" not in out and "error: no records with a stored tensor in" in err
+    assert err.count("holds no rank-NNNNN directories") == 1  # the skipped DIR, said once
+    assert main(["plot-tensors", str(tmp_path / "lin"), "-o", str(tmp_path / "o3"), "--where", "role=bogus"]) == 1
+    out, err = capsys.readouterr()
+    assert "drawn ->" not in out and "match --where role=bogus: nothing drawn" in err
+    assert "see the warnings above" not in err
+    assert main(["plot-tensors", str(tmp_path / "lin"), "-o", str(tmp_path / "afile")]) == 2  # output is a file
+    assert capsys.readouterr().err.startswith("fxquant plot-tensors: error: File exists")

@@ -81,3 +81,17 @@ def test_pt_directory_where_and_cli(tmp_path, capsys):
     assert len(out["tensors"]) == 6 and {t["format"] for t in out["tensors"]} == {"mxfp8_e4m3", "nvfp4"}
     assert main(["what-if", str(tmp_path / "pt"), "--where", "role=nothing", "-q"]) == 2
     assert "no high-precision tensors selected" in capsys.readouterr().err
+
+
+def test_cli_refuses_missing_directories_and_unknown_group_fields(tmp_path, capsys):
+    """A mistyped DIR is an error (status 2) as in `report`, not a warning; `--by` names are checked against the
+    record fields like `--where`'s, not turned into one group labelled `-`."""
+    write_tensors(tmp_path / "cap", [torch.randn(4, 32)])
+    assert main(["what-if", str(tmp_path / "cap"), str(tmp_path / "typo"), "-q"]) == 2
+    assert f"fxquant what-if: error: capture directory not found: {tmp_path / 'typo'}" in capsys.readouterr().err
+    assert main(["what-if", str(tmp_path / "cap"), "--by", "role,nosuch", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "by='nosuch': unknown record field" in err and "'layer'" in err
+    with pytest.raises(ValueError, match="by='rol': unknown record field.*did you mean 'role'"):
+        what_if(tmp_path / "cap", ["hifp8"], by=("rol",))
+    assert main(["what-if", str(tmp_path / "cap"), "--formats", "hifp8", "--by", "layer", "-q"]) == 0

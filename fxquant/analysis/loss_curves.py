@@ -3,15 +3,20 @@
 Reads the metrics JSONL written by ``fxquant.megatron_glue.train`` (one record per iteration: iteration,
 loss, lr, grad_norm, skipped, step_time_s, tokens_per_s). A run is a ``metrics.jsonl`` file or a run
 directory holding one; its label is the ``scheme`` of the ``run_config.json`` beside it, else the
-directory name. Mean relative error ``mean(|loss - loss_ref| / |loss_ref|)`` is taken over the
-iterations both runs logged (all of them, and the last N of those).
+directory name. Runs that would share a label (one scheme on two models) are labelled
+``<model>/<dataset>/<scheme>`` from their ``run_config.json``, else by their directory (``unique_labels``).
+Each run is compared with the reference run (label or scheme ``reference``) of its own model and dataset;
+a run with no such reference is not compared, and ``problems`` says so. Mean relative error
+``mean(|loss - loss_ref| / |loss_ref|)`` is taken over the iterations both runs logged (all of them, and
+the last N of those).
 """
 from __future__ import annotations
 
 import json
 import logging
 import math
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -27,18 +32,49 @@ SERIES = (("loss", "loss"), ("grad_norm", "grad norm"), ("tokens_per_s", "tokens
 
 @dataclass(frozen=True)
 class Run:
-    label: str
+    label: str  # unique among the runs of one report (unique_labels)
     path: Path
     records: tuple[dict, ...]
+    name: str = ""  # the scheme (or directory name) the label was made from; "" = the label
+    setup: str | None = None  # "<model>/<dataset>" from run_config.json; None when unknown
+
+    @property
+    def scheme(self) -> str:
+        return self.name or self.label
 
     def series(self, key: str) -> dict[int, float]:
         return {int(r["iteration"]): float(r[key]) for r in self.records
                 if r.get(key) is not None and isinstance(r.get(key), (int, float))}
 
 
-def load_run(path: str | Path, label: str | None = None) -> Run:
+def metrics_file(path: str | Path) -> Path:
+    """The metrics JSONL of ``path``: the file itself, or ``metrics.jsonl`` of a run directory."""
     p = Path(path)
-    f = p / "metrics.jsonl" if p.is_dir() else p
+    return p / "metrics.jsonl" if p.is_dir() else p
+
+
+def _run_config(f: Path) -> dict:
+    cfg = f.parent / "run_config.json"
+    try:
+        data = json.loads(cfg.read_text()) if cfg.is_file() else {}
+    except (json.JSONDecodeError, OSError, UnicodeDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _setup(cfg: dict) -> str | None:
+    """``<model>/<dataset>`` of a run_config.json (RunConfig.to_dict): model name, and the dataset's kind
+    (mock) or indexed prefix names."""
+    model, data = cfg.get("model"), cfg.get("data")
+    if not isinstance(model, dict) or not model.get("name") or not isinstance(data, dict):
+        return None
+    prefixes = data.get("prefixes") or []
+    dataset = "+".join(Path(str(x)).name for x in prefixes) if prefixes else str(data.get("kind", "?"))
+    return f"{model['name']}/{dataset}"
+
+
+def load_run(path: str | Path, label: str | None = None) -> Run:
+    f = metrics_file(path)
     if not f.is_file():
         raise FileNotFoundError(f"no metrics JSONL at {f} (pass a metrics.jsonl file or a run directory)")
     records, bad = [], 0
@@ -54,17 +90,55 @@ def load_run(path: str | Path, label: str | None = None) -> Run:
             records.append(r)
     if bad:
         log.warning("%s: %d line(s) are not JSON and were skipped", f, bad)
+    cfg = _run_config(f)
     if label is None:
-        cfg = f.parent / "run_config.json"
-        try:
-            label = json.loads(cfg.read_text()).get("scheme") if cfg.is_file() else None
-        except json.JSONDecodeError:
-            label = None
-        label = label or f.parent.name
-    return Run(str(label), f, tuple(records))
+        label = cfg.get("scheme") or f.parent.name
+    return Run(str(label), f, tuple(records), setup=_setup(cfg))
+
+
+def unique_labels(runs: list[Run]) -> list[Run]:
+    """``runs`` with every label unique: a label shared by several runs becomes ``<model>/<dataset>/<label>``
+    where the run_config.json says, else the metrics file's directory (and ``#k`` if that still repeats)."""
+    count = Counter(r.label for r in runs)
+    out = []
+    for r in runs:
+        if count[r.label] > 1:
+            r = replace(r, label=f"{r.setup}/{r.label}" if r.setup else str(r.path.parent), name=r.scheme)
+        out.append(r)
+    seen: Counter = Counter()
+    for i, r in enumerate(out):
+        seen[r.label] += 1
+        if seen[r.label] > 1:
+            out[i] = replace(r, label=f"{r.label} #{seen[r.label]}", name=r.scheme)
+    return out
+
+
+def _first_reference(run: Run, runs: list[Run], reference: str) -> Run | None:
+    """The first run labelled (or of scheme) ``reference`` with ``run``'s model and dataset (unknown: any)."""
+    return next((r for r in runs if reference in (r.label, r.scheme)
+                 and (r.setup is None or run.setup is None or r.setup == run.setup)), None)
+
+
+def reference_of(run: Run, runs: list[Run], reference: str) -> Run | None:
+    """The run ``run`` is compared with; None for that reference run itself, or when there is none."""
+    ref = _first_reference(run, runs, reference)
+    return None if ref is run else ref
+
+
+def problems(runs: list[Run], reference: str) -> list[str]:
+    """What keeps runs from being compared: no reference run at all, or none of a run's model and dataset."""
+    refs = [r for r in runs if reference in (r.label, r.scheme)]
+    if runs and not refs:
+        return [f"--metrics: no run labelled {reference!r} among {', '.join(r.label for r in runs)}: relative "
+                f"loss errors not computed (--reference LABEL names the reference run)"]
+    return [f"--metrics: run {r.label!r} ({r.setup}) is not compared: no {reference!r} run of the same model and "
+            f"dataset among {', '.join(f'{x.label} ({x.setup})' for x in refs)}"
+            for r in runs if _first_reference(r, runs, reference) is None]
 
 
 def mean_relative_error(run: Run, ref: Run, last_n: int | None = None) -> float | None:
+    if last_n is not None and (isinstance(last_n, bool) or not isinstance(last_n, int) or last_n < 1):
+        raise ValueError(f"last_n={last_n!r}: must be an integer >= 1 (or None: every iteration)")
     a, b = run.series("loss"), ref.series("loss")
     its = sorted(i for i in a.keys() & b.keys() if b[i] != 0 and math.isfinite(a[i]) and math.isfinite(b[i]))
     if last_n is not None:
@@ -75,27 +149,31 @@ def mean_relative_error(run: Run, ref: Run, last_n: int | None = None) -> float 
 
 
 def compare(runs: list[Run], reference: str = "bf16", last_n: int = 10) -> list[dict]:
-    ref = next((r for r in runs if r.label == reference), None)
+    runs = unique_labels(runs)
     rows = []
     for r in runs:
         loss = r.series("loss")
         final = loss[max(loss)] if loss else None
+        ref = reference_of(r, runs, reference)
         rows.append({"run": r.label, "path": str(r.path), "iterations": len(loss), "final_loss": final,
-                     "mre_all": None if ref is None or r is ref else mean_relative_error(r, ref),
-                     f"mre_last_{last_n}": None if ref is None or r is ref else mean_relative_error(r, ref, last_n)})
+                     "reference": None if ref is None else ref.label,
+                     "mre_all": None if ref is None else mean_relative_error(r, ref),
+                     f"mre_last_{last_n}": None if ref is None else mean_relative_error(r, ref, last_n)})
     return rows
 
 
 def write(runs: list[Run], out: Outputs, reference: str = "bf16", last_n: int = 10, plots: bool = True) -> dict:
+    runs = unique_labels(runs)
     rows = compare(runs, reference, last_n)
-    has_ref = any(r.label == reference for r in runs)
+    has_ref = any(reference in (r.label, r.scheme) for r in runs)
     out.json("training/loss_vs_reference.json", {"reference": reference if has_ref else None, "last_n": last_n,
                                                   "runs": rows}, SECTION, "Loss vs reference (JSON)")
     head = list(rows[0]) if rows else ["run"]
     txt = tabulate([[fmt_num(r[h]) if not isinstance(r[h], str) else r[h] for h in head if h != "path"] for r in rows],
                    headers=[h for h in head if h != "path"], disable_numparse=True)
-    if not has_ref:
-        txt = f"no run labelled {reference!r}: relative errors not computed\n\n" + txt
+    notes = problems(runs, reference)
+    if notes:
+        txt = "\n".join(notes) + "\n\n" + txt
     out.text("training/loss_vs_reference.txt", txt, SECTION, f"Mean relative error vs {reference} (text)")
     if not runs or not plots:
         return {"runs": rows}
@@ -106,7 +184,7 @@ def write(runs: list[Run], out: Outputs, reference: str = "bf16", last_n: int = 
             if s:
                 its = sorted(s)
                 ax.plot(its, [s[i] for i in its], color=svg.TAB10[k % len(svg.TAB10)], label=r.label,
-                        lw=2.2 if r.label == reference else 1.3)
+                        lw=2.2 if reference in (r.label, r.scheme) else 1.3)
         ax.set_xlabel("iteration")
         ax.integer_x = True
         ax.set_ylabel(label)
@@ -118,17 +196,15 @@ def write(runs: list[Run], out: Outputs, reference: str = "bf16", last_n: int = 
                 ax.set_yscale("log")
     axes[0, 1].legend("outside")
     out.figure("training/curves.svg", fig, SECTION, "Loss, grad norm, throughput and step time")
-    ref = next((r for r in runs if r.label == reference), None)
-    if ref is not None and len(runs) > 1:
+    pairs = [(k, r, ref) for k, r in enumerate(runs) if (ref := reference_of(r, runs, reference)) is not None]
+    if pairs:
         fig, ax = svg.subplots(panel=(620, 260))
-        b = ref.series("loss")
-        for k, r in enumerate(runs):
-            if r is ref:
-                continue
-            a = r.series("loss")
+        several = len({id(ref) for _, _, ref in pairs}) > 1
+        for k, r, ref in pairs:
+            a, b = r.series("loss"), ref.series("loss")
             its = sorted(i for i in a.keys() & b.keys() if b[i] != 0)
             ax.plot(its, [100 * abs(a[i] - b[i]) / abs(b[i]) for i in its], color=svg.TAB10[k % len(svg.TAB10)],
-                    label=r.label)
+                    label=f"{r.label} vs {ref.label}" if several else r.label)
         ax.set_xlabel("iteration")
         ax.set_ylabel(f"|loss - loss_{reference}| / loss_{reference} (%)")
         ax.set_title(f"Relative loss error against the {reference} run")

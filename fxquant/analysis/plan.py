@@ -5,8 +5,9 @@ role): the high-precision tensor and the quantized copies of it, so a worker can
 sorted by shard file and key (sequential reads) and packed into *tasks* of about ``task_bytes`` of
 stored tensors; each task goes to one worker. A directory of the predecessor's ``.pt`` files opens through
 ``fxquant.capture.pt_reader`` like a capture set. Records of a rank directory written by a newer capture
-format (``run.json`` ``format_version`` above what this fxquant reads) are skipped with a warning, as
-is a capture directory the reader refuses (corrupt manifest, not a capture set).
+format (``run.json`` ``format_version`` above what this fxquant reads) are skipped, as is a
+capture directory the reader refuses (corrupt manifest, not a capture set): each reason goes to
+``Plan.problems``, which the caller reports (logged at INFO only, so a CLI prints it once).
 """
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ def open_sets(dirs: list[str | Path], problems: list[str]) -> dict[str, CaptureS
             out[key] = open_capture(d)
         except (CaptureReadError, OSError, ValueError) as exc:
             msg = f"{d}: skipped, cannot be read as a capture set: {exc}"
-            log.warning(msg)
+            log.info(msg)  # in problems: the caller reports it (the CLIs print each once)
             problems.append(msg)
     return out
 
@@ -111,7 +112,7 @@ def build(dirs: list[str | Path], where: dict | None = None, workers: int = 1,
                     skipped_dirs.add((root, rdir))
                     msg = (f"{rdir}: written by a newer capture format (version {_version_of(meta, f)}, this fxquant "
                            f"reads up to {SUPPORTED_VERSION}); its records are skipped")
-                    log.warning(msg)
+                    log.info(msg)  # in problems, as above
                     problems.append(msg)
                 continue
             # rank: a .pt directory holds every rank's files in one directory

@@ -67,6 +67,8 @@ def report(dirs: list[str | Path] | str | Path = (), out: str | Path = "fxquant-
            task_bytes: int = 64 << 20) -> ReportResult:
     """Analyse capture directories ``dirs`` (and training ``metrics``) into the report directory ``out``."""
     t0 = time.perf_counter()
+    if metrics and (isinstance(last_n, bool) or not isinstance(last_n, int) or last_n < 1):
+        raise ValueError(f"last_n={last_n!r}: must be an integer >= 1")
     dirs = [dirs] if isinstance(dirs, (str, Path)) else list(dirs)
     p = plan.build(dirs, where, workers, task_bytes=task_bytes)
     present = _present_formats(p)
@@ -82,6 +84,8 @@ def report(dirs: list[str | Path] | str | Path = (), out: str | Path = "fxquant-
             runs.append(loss_curves.load_run(m))
         except FileNotFoundError as exc:
             agg.problems.append(str(exc))
+    runs = loss_curves.unique_labels(runs)
+    agg.problems.extend(loss_curves.problems(runs, reference))
     pool = engine.worker_pool(workers) if workers > 1 else None
     try:
         pids = engine.run(p, config, workers, agg.merge_result, progress=progress, pool=pool)

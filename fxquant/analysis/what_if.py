@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from fxquant import formats as fx_formats
 from fxquant.formats.base import Format
+from fxquant.formats.options import did_you_mean
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +141,11 @@ def what_if(dirs: list[str | Path] | str | Path, formats: str | list[str] = "all
         sel = cs.query(**where) if where else cs
         selected += [(cs, r) for r in sel if r.has_tensor and r.fields.get("copy", "hp") != "quantized"]
         problems += [f"{root}: skipped: {p}" for p in getattr(cs, "problems", ())]
+    fields = {k for _, rec in selected for k in rec.fields}
+    unknown = [b for b in by if selected and b not in fields]
+    if unknown:
+        raise ValueError(f"by={unknown[0]!r}: unknown record field; fields: {sorted(fields)}"
+                         f"{did_you_mean(unknown[0], sorted(fields))}")
     groups: dict[tuple, Sums] = {}
     per: list[dict] = []
     for cs, rec in tqdm(selected, desc="what-if", unit="tensor", disable=not progress):

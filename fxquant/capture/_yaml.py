@@ -110,4 +110,9 @@ def read_text(path: str | Path) -> str:
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"spec file not found: {p}")
-    return p.read_text(encoding="utf-8")
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        line = exc.object[:exc.start].count(b"\n") + 1
+        raise SpecError([f"{p}:{line}: not UTF-8 text: byte {exc.object[exc.start]:#04x} at offset {exc.start} "
+                         f"({exc.reason}); save the spec as UTF-8"]) from None

@@ -344,8 +344,19 @@ def _size(value: object, path: str, probs: Problems) -> int | None:
     return None
 
 
+def _empty(value: object, path: str, probs: Problems, what: str) -> bool:
+    """``value`` is an empty list, which would select nothing: a problem (leaving the key out selects every one)."""
+    if isinstance(value, list) and not value:
+        probs.add(path, f"an empty list selects no {what}, so nothing would be captured; name at least one, or "
+                  f"leave the key out to select every {what}")
+        return True
+    return False
+
+
 def _int_set(value: object, path: str, probs: Problems, what: str) -> frozenset[int] | None:
     """A list of ints and inclusive ``"a-b"`` ranges (or one of them)."""
+    if _empty(value, path, probs, what):
+        return None
     items = value if isinstance(value, list) else [value]
     out: set[int] = set()
     ok = True
@@ -398,7 +409,8 @@ def _layers(value: object, path: str, probs: Problems) -> LayerSelector | None:
             ok = False
     kinds = None
     if m.get("kinds") is not None:
-        k = _enum_list(ModuleKind, m["kinds"], join(path, "kinds"), probs)
+        k = None if _empty(m["kinds"], join(path, "kinds"), probs, "module kind") else \
+            _enum_list(ModuleKind, m["kinds"], join(path, "kinds"), probs)
         kinds = None if k is None else frozenset(k)
         ok = ok and k is not None
     indices = None
@@ -436,6 +448,8 @@ def _points(value: object, path: str, probs: Problems) -> list[CapturePoint] | N
         if "roles" in m:
             names = m["roles"] if isinstance(m["roles"], list) else [m["roles"]]
             roles = []
+            if _empty(m["roles"], join(p, "roles"), probs, f"{comp.value} role"):
+                continue
             for j, r in enumerate(names):
                 rp = join(join(p, "roles"), j) if isinstance(m["roles"], list) else join(p, "roles")
                 allowed = [x.value for x in table]

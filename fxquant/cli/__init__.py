@@ -75,11 +75,19 @@ def main(argv: list[str] | None = None) -> int:
         status = int(args.func(args) or 0)
         sys.stdout.flush()  # a closed pipe shows here, not at the interpreter's exit
         return status
-    except (ValueError, TypeError, FileNotFoundError) as exc:
-        print(f"fxquant {args.verb}: error: {exc}", file=sys.stderr)
-        return 2
-    except BrokenPipeError:
+    except BrokenPipeError:  # an OSError: before the clause below
         return quiet_broken_pipe()
+    except (ValueError, TypeError, OSError) as exc:  # OSError: a path that is a file, unwritable, disk full, ...
+        print(f"fxquant {args.verb}: error: {_message(exc)}", file=sys.stderr)
+        return 2
+
+
+def _message(exc: Exception) -> str:
+    """An OSError raised by the system as ``strerror: path`` (no ``[Errno N]``); any other error as it reads."""
+    if isinstance(exc, OSError) and exc.strerror and exc.filename is not None:
+        paths = " -> ".join(str(f) for f in (exc.filename, exc.filename2) if f is not None)
+        return f"{exc.strerror}: {paths}"
+    return str(exc)
 
 
 if __name__ == "__main__":

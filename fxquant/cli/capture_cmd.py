@@ -8,6 +8,8 @@ import sys
 
 from tabulate import tabulate
 
+from fxquant.cli.options import where_conditions
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("capture", help="inspect (ls), check (verify) or export (export-pt) a capture directory")
@@ -17,7 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     ls.add_argument("dir", help="a capture directory (the root holding rank-NNNNN/ directories)")
     ls.add_argument("--records", action="store_true", help="one line per record (default: counts only)")
     ls.add_argument("--where", action="append", default=[], metavar="FIELD=VALUE",
-                    help="filter records (repeatable; integers are compared as integers; default: all records)")
+                    help="keep records whose manifest FIELD equals VALUE (repeatable; V1,V2 for any of several; "
+                    "integers are compared as integers; default: all records)")
     ls.add_argument("--json", action="store_true", help="print the selected records as JSON lines instead of tables")
     ls.set_defaults(func=run_ls)
     v = verbs.add_parser("verify", help="check every checksum; report partial, missing or unreferenced shards")
@@ -27,7 +30,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("dir", help="a capture directory")
     e.add_argument("out", help="output directory (files go to OUT/{quant_type}/)")
     e.add_argument("--quant-type", default=None, help="quant type in names and directory (default: the run's scheme)")
-    e.add_argument("--where", action="append", default=[], metavar="FIELD=VALUE", help="export only matching records (default: all records)")
+    e.add_argument("--where", action="append", default=[], metavar="FIELD=VALUE",
+                   help="export only records whose manifest FIELD equals VALUE (repeatable; V1,V2 for any of "
+                   "several; default: all records)")
     e.set_defaults(func=run_export)
 
 
@@ -35,12 +40,7 @@ def _filtered(args):
     from fxquant import capture
 
     cs = capture.open(args.dir)
-    cond = {}
-    for item in args.where:
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise ValueError(f"--where {item!r}: expected FIELD=VALUE")
-        cond[key] = int(value) if value.lstrip("-").isdigit() else (None if value == "None" else value)
+    cond = where_conditions(args.where)
     return cs.query(**cond) if cond else cs
 
 

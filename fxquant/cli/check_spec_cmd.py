@@ -1,4 +1,7 @@
-"""`fxquant check-spec FILE...`: validate capture placement specs, reporting every problem at once."""
+"""`fxquant check-spec FILE...`: validate capture placement specs, reporting every problem at once.
+
+Every FILE is checked, whatever the earlier ones gave (a missing or unreadable file is one more problem);
+the exit status is 1 when any FILE has a problem."""
 from __future__ import annotations
 
 import argparse
@@ -23,6 +26,10 @@ def run(args: argparse.Namespace) -> int:
         except SpecError as exc:
             n = len(exc.problems)
             print(f"{f}: {n} problem{'s' * (n != 1)}:\n  " + "\n  ".join(exc.problems), file=sys.stderr)
+            status = 1
+            continue
+        except OSError as exc:  # missing, a directory, unreadable: said, and the other files are still checked
+            print(f"{f}: error: {exc}", file=sys.stderr)
             status = 1
             continue
         if not args.quiet:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from fxquant.cli import collect_plan, collect_summary
 from fxquant.cli.collect_plan import MODES
+from fxquant.cli.options import positive_int
 
 DEFAULT_DIR = "./enhanced_tensor_logs"
 # (pattern, record field, value): the predecessor's file-name patterns, counted on manifest records
@@ -56,7 +57,8 @@ def add_collection_arguments(p: argparse.ArgumentParser, modes: tuple[str, ...] 
     p.add_argument("--legacy", action="store_true",
                    help="reproduce what the predecessor computed: quant type X -> legacy_FA_linear_X, scheme "
                         "name N -> legacy_N (docs/schemes.md 'legacy presets'); default off")
-    p.add_argument("--control-iter", type=int, default=1, metavar="N", help="iterations to collect, then stop (default 1)")
+    p.add_argument("--control-iter", type=positive_int, default=1, metavar="N",
+                   help="iterations to collect, then stop (N >= 1; default 1)")
     p.add_argument("--collect-micro-batches", "--control-micro-batches", dest="collect_micro_batches", type=int,
                    default=None, metavar="M", help="micro-batches 0..M-1 of each iteration (default all; quick: 1)")
     p.add_argument("--tensor-save-dir", "--tensor-dir", "--tensor-path", dest="tensor_dir", default=DEFAULT_DIR, metavar="DIR",

@@ -14,7 +14,9 @@ import importlib
 import os
 import sys
 
-from fxquant.lowering import Kernels
+# fxquant.lowering.Kernels' values, written out: importing fxquant.lowering pulls in torch._inductor (seconds),
+# which every verb's --help would pay for (tests/test_cli_help.py checks the two agree)
+KERNELS = ("auto", "inductor", "triton", "reference")
 
 
 def _load_factory(spec: str):
@@ -85,7 +87,7 @@ def register(subparsers) -> None:
     p.add_argument("--batch", type=int, default=2, help="sequences in the example input")
     p.add_argument("--vocab", type=int, default=None, help="token ids are drawn from [0, VOCAB) (default: the size "
                    "of the model's first nn.Embedding)")
-    p.add_argument("--kernels", default="auto", choices=[k.value for k in Kernels],
+    p.add_argument("--kernels", default="auto", choices=KERNELS,
                    help="quantize implementation to report, as fxquant.compile(kernels=...)")
     p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager", "eager"],
                    help="compile backend the report assumes, as fxquant.compile(backend=...)")

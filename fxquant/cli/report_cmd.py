@@ -9,16 +9,7 @@ import argparse
 import json
 import sys
 
-
-def _where(items: list[str]) -> dict:
-    cond: dict = {}
-    for item in items:
-        key, eq, value = item.partition("=")
-        if not eq or not key:
-            raise ValueError(f"--where {item!r}: expected FIELD=VALUE or FIELD=V1,V2")
-        vals = [int(v) if v.lstrip("-").isdigit() else (None if v == "None" else v) for v in value.split(",")]
-        cond[key] = vals if len(vals) > 1 else vals[0]
-    return cond
+from fxquant.cli.options import check_dirs, nothing_found, positive_int, where_conditions
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -44,7 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics", action="append", default=[], metavar="RUN",
                    help="a training run's metrics.jsonl or run directory (repeatable; default: no loss curves)")
     p.add_argument("--reference", default="bf16", help="label of the reference run for relative errors")
-    p.add_argument("--last-n", type=int, default=10, help="iterations in the 'last N' mean relative error")
+    p.add_argument("--last-n", type=positive_int, default=10, metavar="N",
+                   help="iterations in the 'last N' mean relative error (N >= 1)")
     p.add_argument("--no-plots", action="store_true", help="tables only")
     p.set_defaults(func=run_report)
     q = sub.add_parser("quant-error", help="per-site quantization error of captured quantized GEMM operands "
@@ -58,22 +50,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.set_defaults(func=run_mx_sweep)
 
 
-def _check_dirs(dirs: list[str]) -> None:
-    """Every DIR must exist: a mistyped path is an error, not an empty report."""
-    from pathlib import Path
-
-    missing = [d for d in dirs if not Path(d).is_dir()]
-    if missing:
-        raise FileNotFoundError(f"capture director{'y' if len(missing) == 1 else 'ies'} not found: {', '.join(missing)}")
-
-
-def _nothing_read(res, dirs: list[str]) -> str | None:
-    """The error when the DIRs gave no record (each was empty or not a capture set; warnings say which)."""
-    if dirs and res.records == 0:
-        return f"no capture records in {', '.join(dirs)} (see the warnings above): nothing to analyse"
-    return None
-
-
 def _kwargs(args: argparse.Namespace) -> dict:
     if isinstance(args.workers, int) and args.workers < 1:
         raise ValueError(f"--workers {args.workers}: must be >= 1")
@@ -82,9 +58,19 @@ def _kwargs(args: argparse.Namespace) -> dict:
     except ValueError:
         raise ValueError(f"--offsets {args.offsets!r}: expected comma-separated integers") from None
     split = (lambda s: None if s is None else [v.strip() for v in s.split(",") if v.strip()])
-    return {"workers": args.workers, "where": _where(args.where) or None, "formats": split(args.formats),
+    return {"workers": args.workers, "where": where_conditions(args.where) or None, "formats": split(args.formats),
             "mx_formats": split(args.mx_formats), "offsets": offsets, "sample_blocks": args.sample_blocks,
             "progress": not args.quiet}
+
+
+def _check_metrics(runs: list[str]) -> None:
+    """Every --metrics RUN must be a metrics JSONL or a run directory holding one."""
+    from fxquant.analysis.loss_curves import metrics_file
+
+    missing = [str(metrics_file(r)) for r in runs if not metrics_file(r).is_file()]
+    if missing:
+        raise FileNotFoundError(f"--metrics: no metrics JSONL at {', '.join(missing)} (give a metrics.jsonl file or "
+                                f"the run directory holding it)")
 
 
 def run_report(args: argparse.Namespace) -> int:
@@ -92,16 +78,17 @@ def run_report(args: argparse.Namespace) -> int:
 
     if not args.dirs and not args.metrics:
         raise ValueError("nothing to report: give capture DIRs and/or --metrics RUN")
-    _check_dirs(args.dirs)
+    check_dirs(args.dirs)
+    _check_metrics(args.metrics)
     res = report(args.dirs, args.out, metrics=args.metrics, reference=args.reference, last_n=args.last_n,
                  plots=not args.no_plots, **_kwargs(args))
     for p in res.problems:
         print(f"warning: {p}", file=sys.stderr)
     print(f"{res.records} records ({res.tensors} tensors, {res.bytes / 1e6:.1f} MB) with {res.workers} worker(s) "
           f"in {res.seconds:.1f} s -> {res.index}")
-    error = _nothing_read(res, args.dirs)
+    error = nothing_found(res.records, res.problems, args.dirs, args.where)
     if error:
-        print(f"fxquant report: error: {error}", file=sys.stderr)
+        print(f"fxquant report: error: {error}: nothing to analyse", file=sys.stderr)
         return 1
     return 0
 
@@ -113,14 +100,14 @@ def _analyse(args: argparse.Namespace, plots: bool = False):
 
     if not args.dirs:
         raise ValueError("give at least one capture DIR")
-    _check_dirs(args.dirs)
+    check_dirs(args.dirs)
     with tempfile.TemporaryDirectory() as tmp:
         res = report(args.dirs, tmp, plots=plots, **_kwargs(args))
         for p in res.problems:
             print(f"warning: {p}", file=sys.stderr)
-        error = _nothing_read(res, args.dirs)
+        error = nothing_found(res.records, res.problems, args.dirs, args.where)
         if error:
-            raise ValueError(error)
+            raise ValueError(f"{error}: nothing to analyse")
         return res.aggregator
 
 

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from fxquant.cli.options import check_dirs, nothing_found, where_conditions
+
 COLUMNS = ("format", "tensors", "sqnr_db", "rel_err", "mean_rel_err", "mse", "mae", "max_err", "cosine", "flushed_pct")
 
 
@@ -36,12 +38,12 @@ def run(args: argparse.Namespace) -> int:
 
     from fxquant.analysis.outputs import clean, fmt_num
     from fxquant.analysis.what_if import what_if
-    from fxquant.cli.report_cmd import _where
 
+    check_dirs(args.dirs)
     by = tuple(b.strip() for b in args.by.split(",") if b.strip())
-    res = what_if(args.dirs, args.formats, where=_where(args.where) or None, dim=args.dim, block_size=args.block_size,
-                  rounding=args.rounding, scale_mode=args.scale_mode, by=by, per_tensor=args.per_tensor,
-                  progress=not args.quiet)
+    res = what_if(args.dirs, args.formats, where=where_conditions(args.where) or None, dim=args.dim,
+                  block_size=args.block_size, rounding=args.rounding, scale_mode=args.scale_mode, by=by,
+                  per_tensor=args.per_tensor, progress=not args.quiet)
     for p in res.problems:
         print(f"warning: {p}", file=sys.stderr)
     if not res.records:
@@ -76,11 +78,15 @@ def register_plot(sub: argparse._SubParsersAction) -> None:
 
 def run_plot(args: argparse.Namespace) -> int:
     from fxquant.analysis.tensor_plots import plot_tensors
-    from fxquant.cli.report_cmd import _where
 
-    index, problems, n = plot_tensors(args.dirs, args.out, where=_where(args.where) or None,
+    check_dirs(args.dirs)
+    index, problems, n = plot_tensors(args.dirs, args.out, where=where_conditions(args.where) or None,
                                       max_tensors=args.max_tensors, cells=args.cells, heads=args.heads)
     for p in problems:
         print(f"warning: {p}", file=sys.stderr)
+    error = nothing_found(n, problems, args.dirs, args.where, what="records with a stored tensor")
+    if error:
+        print(f"fxquant plot-tensors: error: {error}: nothing drawn", file=sys.stderr)
+        return 1
     print(f"{n} tensor(s) drawn -> {index}")
     return 0

@@ -1,0 +1,54 @@
+"""Command-line pieces shared by several verbs: ``--where FIELD=V1,V2`` conditions, an integer >= 1 argparse
+type, the check that every capture DIR is a directory, and the error when the DIRs gave nothing to work on."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def where_conditions(items: list[str]) -> dict:
+    """``--where`` items -> CaptureSet.query conditions: ``FIELD=VALUE`` (integers as integers, ``None`` as None)
+    or ``FIELD=V1,V2`` (any of those values)."""
+    cond: dict = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--where {item!r}: expected FIELD=VALUE or FIELD=V1,V2")
+        vals = [int(v) if v.lstrip("-").isdigit() else (None if v == "None" else v) for v in value.split(",")]
+        cond[key] = vals if len(vals) > 1 else vals[0]
+    return cond
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type=``: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 1") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be >= 1")
+    return value
+
+
+def check_dirs(dirs: list[str]) -> None:
+    """Every DIR must be an existing directory: a mistyped path is an error, not an empty result."""
+    missing = [d for d in dirs if not Path(d).exists()]
+    if missing:
+        raise FileNotFoundError(f"capture director{'y' if len(missing) == 1 else 'ies'} not found: {', '.join(missing)}")
+    files = [d for d in dirs if not Path(d).is_dir()]
+    if files:
+        raise NotADirectoryError(f"not a directory (give capture directories): {', '.join(files)}")
+
+
+def nothing_found(found: int, problems: list[str], dirs: list[str], where: list[str],
+                  what: str = "capture records") -> str | None:
+    """The error when the DIRs gave ``found == 0`` of ``what``: the ``--where`` filter matched nothing, or the
+    DIRs were empty or skipped (the warnings printed before say why)."""
+    if not dirs or found:
+        return None
+    text = f"no {what} in {', '.join(dirs)}"
+    if where:
+        text += f" match --where {' '.join(where)}"
+    if problems:
+        text += " (see the warnings above)"
+    return text
