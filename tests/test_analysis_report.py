@@ -216,6 +216,30 @@ def test_newer_schema_version_and_hostile_files_are_skipped_with_a_reason(tmp_pa
     assert "Problems" in (tmp_path / "r/index.html").read_text()
 
 
+def test_a_rank_with_a_corrupt_manifest_is_left_out_and_the_other_ranks_still_count(tmp_path, capsys):
+    """A manifest line corrupted before the last one: that rank's records are left out and said so (report,
+    verify); the other rank's records are analysed; a torn last line elsewhere is listed too. Strict open
+    (capture.open without skip_bad_ranks) still refuses the set."""
+    write_set(tmp_path / "s", layers=1, ranks=2)
+    manifest = tmp_path / "s/rank-00000" / layout.MANIFEST
+    lines = manifest.read_text().splitlines()
+    rank1 = len((tmp_path / "s/rank-00001" / layout.MANIFEST).read_text().splitlines())
+    lines[1] = lines[1][:25]  # damaged in place, as a bad disk or a hand edit leaves it
+    manifest.write_text("\n".join(lines) + "\n")
+    torn = tmp_path / "s/rank-00001" / layout.MANIFEST
+    torn.write_bytes(torn.read_bytes()[:-20])
+    with pytest.raises(capture.CaptureReadError, match="manifest.jsonl:2: corrupt manifest line"):
+        capture.open(tmp_path / "s")
+    res = analysis.report([tmp_path / "s"], tmp_path / "r", plots=False, **FAST)
+    assert res.records == rank1 - 1  # rank 1 without its torn last line
+    text = "\n".join(res.problems)
+    assert "rank-00000 (all its records)" in text and "manifest.jsonl:2" in text
+    assert "rank-00001: 1 torn manifest line(s)" in text
+    assert main(["capture", "verify", str(tmp_path / "s")]) == 1
+    err = capsys.readouterr().err
+    assert "rank-00000: unreadable, its records left out" in err and "rank-00001: 1 torn manifest line(s)" in err
+
+
 @pytest.mark.parametrize("fmt", ["mxfp4_e2m1", "mxfp8_e4m3:scale_mode=rceil", "hifp8"])
 def test_clip_percentages_without_capture_statistics_match_the_reference(tmp_path, fmt):
     """what: full (no capture-time statistics): saturated/flushed % come from the histograms (floor MX,

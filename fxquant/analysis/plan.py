@@ -86,7 +86,7 @@ def open_sets(dirs: list[str | Path], problems: list[str]) -> dict[str, CaptureS
         if key in out:
             continue
         try:
-            out[key] = open_capture(d)
+            out[key] = open_capture(d, skip_bad_ranks=True)  # one unreadable rank: the others still count
         except (CaptureReadError, OSError, ValueError) as exc:
             msg = f"{d}: skipped, cannot be read as a capture set: {exc}"
             log.info(msg)  # in problems: the caller reports it (the CLIs print each once)
@@ -120,7 +120,7 @@ def build(dirs: list[str | Path], where: dict | None = None, workers: int = 1,
             seq = f.get("seq")
             order = (str(f.get("file") or ""), str(f.get("key") or ""), seq if isinstance(seq, int) else -1)
             units[site].append((order, f, root, rdir))
-    for root, cs in sets.items():  # files a .pt directory could not read (pt_reader: refused, not a payload)
+    for root, cs in sets.items():  # unreadable rank directories, torn lines; .pt files refused (pt_reader)
         problems.extend(f"{root}: skipped: {p}" for p in getattr(cs, "problems", ()))
     ordered = sorted(units.values(), key=lambda u: (u[0][2], u[0][3], min(x[0] for x in u)))  # (root, rdir, order)
     items_units: list[tuple[Item, ...]] = []

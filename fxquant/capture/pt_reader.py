@@ -130,6 +130,7 @@ class PtCaptureSet(CaptureSet):
         self.meta = _meta or {}
         self._index = records
         self.problems: list[str] = []
+        self.unreadable: dict[str, str] = {}  # no rank directories here (CaptureSet's field)
         if records is None and not self.root.is_dir():
             raise CaptureReadError(f"capture directory {self.root} does not exist")
 

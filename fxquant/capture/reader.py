@@ -100,13 +100,32 @@ def _check_shard(path: Path) -> None:
     raise CaptureReadError(f"{path} is not a valid safetensors file (truncated or corrupt header)")
 
 
+def _read_rank(d: Path) -> tuple[list[dict], int, dict, dict | None]:
+    """(manifest records, torn lines, run.json, COMMITTED or None) of one rank directory."""
+    recs, torn = _read_manifest(d / layout.MANIFEST)
+    out = []
+    for name in (layout.RUN_INFO, layout.COMMITTED):
+        path = d / name
+        try:
+            out.append(json.loads(path.read_text()) if path.is_file() else None)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise CaptureReadError(f"{path}: not JSON ({exc})") from None
+    return recs, torn, out[0] or {}, out[1]
+
+
 class CaptureSet:
     """Every record of a capture directory (all ranks), filterable; tensors load lazily."""
 
     def __init__(self, root: str | Path, records: list[Record] | None = None, _meta: dict | None = None,
-                 _handles: dict | None = None):
+                 _handles: dict | None = None, *, skip_bad_ranks: bool = False):
+        """Read every rank's manifest. A rank directory that cannot be read (a corrupt manifest line before its
+        last, an unreadable ``run.json``) raises ``CaptureReadError``; with ``skip_bad_ranks`` (the analysis) it
+        is left out instead (``unreadable``: rank directory -> why) and listed in ``problems`` and ``verify()``.
+        ``problems`` also lists torn last lines that were skipped."""
         self.root = Path(root)
         self._handles: dict[Path, object] = {} if _handles is None else _handles  # shared by query() results
+        self.unreadable: dict[str, str] = {}
+        self.problems: list[str] = []  # rank directories left out and torn lines skipped, one line each
         if records is not None:
             self._records, self.meta = records, _meta or {}
             return
@@ -117,18 +136,22 @@ class CaptureSet:
             raise CaptureReadError(f"{self.root} holds no rank-NNNNN directories: not an fxquant capture set")
         self._records, self.meta = [], {}
         for d in dirs:
-            recs, torn = _read_manifest(d / layout.MANIFEST)
-            committed = d / layout.COMMITTED
-            info = json.loads((d / layout.RUN_INFO).read_text()) if (d / layout.RUN_INFO).is_file() else {}
+            try:
+                recs, torn, info, committed = _read_rank(d)
+            except CaptureReadError as exc:
+                if not skip_bad_ranks:
+                    raise
+                self.unreadable[d.name] = str(exc)
+                continue
             version = info.get("format_version", layout.FORMAT_VERSION)
             if isinstance(version, int) and version > layout.FORMAT_VERSION:
                 log.warning("%s was written in capture format %d; this fxquant reads format %d and may misread it",
                             d, version, layout.FORMAT_VERSION)
-            self.meta[d.name] = {
-                "run": info, "committed": json.loads(committed.read_text()) if committed.is_file() else None,
-                "torn_lines": torn,
-            }
+            self.meta[d.name] = {"run": info, "committed": committed, "torn_lines": torn}
             self._records.extend(Record(r, d) for r in recs)
+        self.problems = [f"{name} (all its records): {why}" for name, why in self.unreadable.items()] + [
+            f"{name}: {m['torn_lines']} torn manifest line(s) (a crash mid-append)"
+            for name, m in self.meta.items() if m["torn_lines"]]
 
     def close(self) -> None:
         """Drop the open shard handles (their memory maps)."""
@@ -174,6 +197,7 @@ class CaptureSet:
 
         out = CaptureSet(self.root, [r for r in self._records if ok(r)], self.meta, self._handles)
         out._handles = self._handles
+        out.unreadable, out.problems = self.unreadable, self.problems
         return out
 
     def values(self, field_name: str) -> list:
@@ -213,7 +237,8 @@ class CaptureSet:
 
     def verify(self) -> list[str]:
         """Every problem found: checksums, missing/corrupt/partial/unreferenced shards, uncommitted ranks."""
-        problems: list[str] = []
+        problems: list[str] = [f"{name}: unreadable, its records left out: {why}"
+                               for name, why in self.unreadable.items()]
         referenced: set[Path] = set()
         for name, meta in self.meta.items():
             if meta["committed"] is None:
@@ -243,13 +268,14 @@ class CaptureSet:
         return sorted(set(problems), key=problems.index)
 
 
-def open_capture(root: str | Path) -> CaptureSet:
-    """An fxquant capture set, or a directory of the predecessor's ``.pt`` files (pt_reader.PtCaptureSet)."""
+def open_capture(root: str | Path, *, skip_bad_ranks: bool = False) -> CaptureSet:
+    """An fxquant capture set, or a directory of the predecessor's ``.pt`` files (pt_reader.PtCaptureSet);
+    ``skip_bad_ranks``: see ``CaptureSet``."""
     root = Path(root)
     if root.is_dir() and not any(p.is_dir() and p.name.startswith("rank-") for p in root.iterdir()):
         from fxquant.capture import pt_reader
 
         if pt_reader.has_pt_files(root):
             return pt_reader.PtCaptureSet(root)
-    return CaptureSet(root)
+    return CaptureSet(root, skip_bad_ranks=skip_bad_ranks)
 
