@@ -15,6 +15,7 @@ from experiments.launcher import resolve, supervise
 from fxquant.capture import compat
 from fxquant.cli import HelpFormatter, quiet_broken_pipe
 from fxquant.cli.collect_plan import collection_for
+from fxquant.cli.options import positive_int
 from fxquant.megatron_glue.config import AttentionKind
 from fxquant.lowering import Kernels
 from fxquant.megatron_glue.run_config import CompileBackend, capture_from_args
@@ -152,19 +153,23 @@ def cmd_matrix(args) -> int:
     out = Path(args.out)
     catalog.data_prefixes(args.data_prefix, args.datasets)  # refused once here, not once per run
     combos = list(itertools.product(args.models, args.datasets, args.schemes))
-    rows, records = [], []
-    for model, dataset, scheme in combos:
+    rows, records, launches = [], [], []
+    for model, dataset, scheme in combos:  # every cell resolved before any runs: a typo costs no training time
         name = f"{model}/{dataset}/{scheme}"
         try:
-            launch = _resolve(args, model, dataset, scheme, capture_per_run=True)
+            launches.append((name, model, dataset, scheme, _resolve(args, model, dataset, scheme, capture_per_run=True)))
         except (ValueError, TypeError, FileNotFoundError) as exc:
             records.append({"run": name, "status": "refused", "error": str(exc)})
             print(f"[refused] {name}: {exc}", flush=True)
-            continue
-        if args.dry_run:
+    if args.dry_run:  # nothing written: the commands and the refusals are the whole answer
+        for name, *_, launch in launches:
             print(launch.shell())
-            records.append({"run": name, "status": "dry-run", "run_dir": launch.run.output_dir})
-            continue
+        print(f"{len(launches)} run(s) resolved, {len(records)} refused")
+        return 1 if records else 0
+    if records:
+        print(f"error: {len(records)} of {len(combos)} run(s) refused (above); nothing was run", file=sys.stderr)
+        return 1
+    for name, model, dataset, scheme, launch in launches:
         print(f"[start] {name}", flush=True)
         outcome = supervise(launch, args.timeout, echo=False)
         losses = compare.read_losses(Path(launch.run.output_dir) / "metrics.jsonl")
@@ -181,10 +186,6 @@ def cmd_matrix(args) -> int:
         print(f"[{outcome.status}] {name} in {outcome.seconds:.0f}s" +
               (f": {outcome.error} (log {outcome.log})" if outcome.status == "failed" and outcome.error else ""),
               flush=True)
-    if args.dry_run:  # nothing written: the commands above and the refusals are the whole answer
-        refused = [r for r in records if r["status"] == "refused"]
-        print(f"{len(records) - len(refused)} run(s) resolved, {len(refused)} refused")
-        return 1 if refused else 0
     comparison = compare.against_bf16(records, last_n=args.last_n)
     for r in records:
         rows.append((r["run"], r["status"], r.get("iterations", ""), r.get("final_loss", ""), r.get("final_val_loss", ""),
@@ -197,7 +198,7 @@ def cmd_matrix(args) -> int:
     print(table)
     plot = compare.plot_curves(records, out / "loss_curves.svg")
     print(f"summary: {out / 'matrix_summary.json'}, {out / 'matrix_summary.txt'}" + (f", {plot}" if plot else ""))
-    failed = [r for r in records if r["status"] not in ("ok", "dry-run")]
+    failed = [r for r in records if r["status"] != "ok"]
     return 1 if failed else 0
 
 
@@ -222,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     matrix.add_argument("--schemes", nargs="+", default=list(catalog.PREDECESSOR_SCHEMES),
                         help="preset names or scheme YAML paths")
     matrix.add_argument("--timeout", type=float, default=1800.0, help="seconds per run before it is killed")
-    matrix.add_argument("--last-n", type=int, default=10, help="iterations in the 'last N' relative error")
+    matrix.add_argument("--last-n", type=positive_int, default=10, help="iterations in the 'last N' relative error")
     matrix.add_argument("--dry-run", action="store_true",
                         help="print each run's torchrun command; start and write nothing")
     _common(matrix)

@@ -149,6 +149,22 @@ def test_nproc_defaults_to_the_parallel_sizes_and_dry_run_writes_nothing(tmp_pat
     assert list(tmp_path.iterdir()) == []  # neither the run directory, launch.json, captures nor a summary
 
 
+def test_matrix_refuses_every_bad_cell_before_running_any(tmp_path, capsys):
+    """One mistyped model in a matrix: the command stops before the first run (nothing trained, nothing written),
+    naming each refused cell."""
+    from experiments.__main__ import main
+
+    out = tmp_path / "runs"
+    assert main(["matrix", "--models", "llama32-1b", "llama99", "--schemes", "bf16", "FA_mxfp9", "--iters", "2",
+                 "--out", str(out)]) == 1
+    captured = capsys.readouterr()
+    assert "[start]" not in captured.out and not out.exists()
+    assert captured.out.count("[refused]") == 3  # llama99 x 2 schemes, and llama32-1b x FA_mxfp9
+    assert "3 of 4 run(s) refused (above); nothing was run" in captured.err
+    with pytest.raises(SystemExit):
+        main(["matrix", "--models", "llama32-1b", "--last-n", "0", "--out", str(out)])
+
+
 def test_tensor_and_expert_parallel_mla_moe_refused_before_launch():
     from experiments.launcher import resolve
 
