@@ -136,12 +136,17 @@ def test_cli_verbs(sets, tmp_path, capsys):
     assert rc == 0 and (out / "index.html").is_file()
     assert _json(out / "report.json")["records"] == 2 * len(sent_q) * 2 // 3
     capsys.readouterr()
-    assert main(["quant-error", str(root / "mxfp8"), "-q", "--where", "role=weight"]) == 0
-    text = capsys.readouterr().out
+    assert main(["quant-error", str(root / "mxfp8"), "--where", "role=weight"]) == 0
+    captured = capsys.readouterr()
+    text = captured.out
+    assert "fxquant quant-error" in captured.err  # the progress bar names its verb
     assert "weight" in text and "input" not in text.split("\n", 2)[2] and "6 quantized operand(s)" in text
-    assert main(["mx-sweep", str(root / "mxfp8"), "-q", "--mx-formats", "mxfp4_e2m1", "--offsets=-1,0",
-                 "--formats", "hifp8"]) == 0
+    assert main(["mx-sweep", str(root / "mxfp8"), "-q", "--mx-formats", "mxfp4_e2m1", "--offsets=-1,0"]) == 0
     assert "recommended for mxfp4_e2m1" in capsys.readouterr().out
+    for argv in (["quant-error", "--formats", "hifp8"], ["quant-error", "--sample-blocks", "4"],
+                 ["mx-sweep", "--formats", "hifp8"], ["mx-sweep", "--sample-blocks", "0"]):
+        with pytest.raises(SystemExit):  # an option the verb does not use, or no study at all: refused
+            main([argv[0], str(root / "mxfp8"), *argv[1:]])
     assert main(["report", "--out", str(out)]) == 2  # nothing to report: a clear error, not a traceback
     assert main(["report", str(root / "mxfp8"), "--formats", "mxfp9", "-q", "--out", str(out)]) == 2
     assert "did you mean" in capsys.readouterr().err

@@ -129,13 +129,14 @@ def worker_pool(workers: int) -> cf.ProcessPoolExecutor | None:
 
 
 def run(plan: Plan, config: AnalysisConfig, workers: int, merge: Callable[[TaskResult], None],
-        progress: bool = True, pool: cf.ProcessPoolExecutor | None = None) -> list[int]:
+        progress: bool | str = True, pool: cf.ProcessPoolExecutor | None = None) -> list[int]:
     """Run every task, calling ``merge`` on results in task order; returns the PIDs that did the work.
+    ``progress``: a tqdm bar on stderr (a string: its label, default "fxquant report"), or none.
     With ``workers > 1`` the tasks run in ``pool`` (``worker_pool(workers)``; one is made and shut down
     here when not given)."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers={workers!r}: must be an int >= 1")
-    bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, desc="fxquant report", disable=not progress,
+    bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, desc=progress if isinstance(progress, str) else "fxquant report", disable=not progress,
                leave=False, dynamic_ncols=True)
     pids: list[int] = []
 

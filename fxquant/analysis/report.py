@@ -63,7 +63,7 @@ def _present_formats(p: plan.Plan) -> set[str]:
 def report(dirs: list[str | Path] | str | Path = (), out: str | Path = "fxquant-report", *, workers: int = 1,
            where: dict | None = None, formats: list[str] | None = None, mx_formats: list[str] | None = None,
            offsets: tuple[int, ...] = (-2, -1, 0, 1, 2), sample_blocks: int = 128, metrics: list = (),
-           reference: str = "bf16", last_n: int = 10, progress: bool = True, plots: bool = True,
+           reference: str = "bf16", last_n: int = 10, progress: bool | str = True, plots: bool = True,
            task_bytes: int = 64 << 20) -> ReportResult:
     """Analyse capture directories ``dirs`` (and training ``metrics``) into the report directory ``out``."""
     t0 = time.perf_counter()

@@ -12,25 +12,35 @@ import sys
 from fxquant.cli.options import check_dirs, nothing_found, positive_int, where_conditions
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("dirs", nargs="*", metavar="DIR", help="capture directories (fxquant.capture sets, or directories of the predecessor's .pt files)")
-    p.add_argument("-j", "--workers", type=int, default=1, help="worker processes that summarise the tensors and then draw the figures (default 1: all in this process)")
+def _common(p: argparse.ArgumentParser, *, figures: bool = False, study: bool = False, formats: bool = False) -> None:
+    """The options of a verb: every verb reads DIRs with workers and --where; ``study``: the MX scaling study's;
+    ``formats``: the over/underflow and distribution formats; ``figures``: its workers also draw figures."""
+    p.add_argument("dirs", nargs="*", metavar="DIR", help="capture directories (fxquant.capture sets, or "
+                   "directories of the predecessor's .pt files)")
+    p.add_argument("-j", "--workers", type=int, default=1, help="worker processes that summarise the tensors" +
+                   (" and then draw the figures" if figures else "") + " (default 1: all in this process)")
     p.add_argument("--where", action="append", default=[], metavar="FIELD=VALUE",
                    help="keep records whose manifest FIELD equals VALUE (repeatable; V1,V2 for any of several; "
                    "default: every record)")
-    p.add_argument("--formats", default=None, help="comma-separated formats for the over/underflow summary and the "
-                   "distribution pages (default: common formats plus those captured)")
-    p.add_argument("--mx-formats", default=None, help="comma-separated MX formats of the scaling study (default: "
-                   "mxfp8_e4m3, mxfp8_e5m2, mxfp4_e2m1 plus the MX formats captured)")
-    p.add_argument("--offsets", default="-2,-1,0,1,2", help="shared-exponent offsets of the MX study")
-    p.add_argument("--sample-blocks", type=int, default=128, help="32-element blocks sampled per tensor for the "
-                   "MX study and NVFP4 (0: no study)")
+    if formats:
+        p.add_argument("--formats", default=None, help="comma-separated formats for the over/underflow summary and "
+                       "the distribution pages (default: common formats plus those captured)")
+    if study:
+        p.add_argument("--mx-formats", default=None, help="comma-separated MX formats of the scaling study "
+                       "(default: mxfp8_e4m3, mxfp8_e5m2, mxfp4_e2m1 plus the MX formats captured)")
+        p.add_argument("--offsets", default="-2,-1,0,1,2", help="shared-exponent offsets of the MX study")
+    if study and formats:
+        p.add_argument("--sample-blocks", type=int, default=128, help="32-element blocks sampled per tensor for the "
+                       "MX study and NVFP4 (0: no study)")
+    elif study:
+        p.add_argument("--sample-blocks", type=positive_int, default=128, help="32-element blocks sampled per "
+                       "tensor for the study (>= 1)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (default: a tqdm bar on stderr)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("report", help="statistics, plots and index.html over capture sets and training runs")
-    _common(p)
+    _common(p, figures=True, study=True, formats=True)
     p.add_argument("-o", "--out", default="fxquant-report", help="report directory (default ./fxquant-report)")
     p.add_argument("--metrics", action="append", default=[], metavar="RUN",
                    help="a training run's metrics.jsonl or run directory (repeatable; default: no loss curves)")
@@ -45,7 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--json", action="store_true", help="print the per-site rows as JSON lines")
     q.set_defaults(func=run_quant_error)
     m = sub.add_parser("mx-sweep", help="MX scaling study: scale rules x exponent offsets, with a recommendation")
-    _common(m)
+    _common(m, study=True)
     m.add_argument("--json", action="store_true", help="print the study as JSON")
     m.set_defaults(func=run_mx_sweep)
 
@@ -53,14 +63,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _kwargs(args: argparse.Namespace) -> dict:
     if isinstance(args.workers, int) and args.workers < 1:
         raise ValueError(f"--workers {args.workers}: must be >= 1")
+    text = getattr(args, "offsets", "-2,-1,0,1,2")
     try:
-        offsets = tuple(int(v) for v in args.offsets.split(",") if v.strip())
+        offsets = tuple(int(v) for v in text.split(",") if v.strip())
     except ValueError:
-        raise ValueError(f"--offsets {args.offsets!r}: expected comma-separated integers") from None
+        raise ValueError(f"--offsets {text!r}: expected comma-separated integers") from None
     split = (lambda s: None if s is None else [v.strip() for v in s.split(",") if v.strip()])
-    return {"workers": args.workers, "where": where_conditions(args.where) or None, "formats": split(args.formats),
-            "mx_formats": split(args.mx_formats), "offsets": offsets, "sample_blocks": args.sample_blocks,
-            "progress": not args.quiet}
+    return {"workers": args.workers, "where": where_conditions(args.where) or None,
+            "formats": split(getattr(args, "formats", None)), "mx_formats": split(getattr(args, "mx_formats", None)),
+            "offsets": offsets, "sample_blocks": getattr(args, "sample_blocks", 0),
+            "progress": False if args.quiet else f"fxquant {args.verb}"}
 
 
 def _check_metrics(runs: list[str]) -> None:
@@ -117,8 +129,7 @@ def run_quant_error(args: argparse.Namespace) -> int:
     from fxquant.analysis import quant_error
     from fxquant.analysis.outputs import clean, fmt_num
 
-    args.sample_blocks = 0  # no MX study needed
-    agg = _analyse(args)
+    agg = _analyse(args)  # no --sample-blocks: no MX study
     if not agg.sites:
         print("note: no quantized copies among the selected records (the predecessor's .pt files hold high-precision "
               "tensors only); `fxquant what-if DIR` gives the error they would have in any format", file=sys.stderr)
