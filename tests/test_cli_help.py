@@ -3,11 +3,15 @@ that shows its default, and `fxquant schemes` lists the presets."""
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from fxquant.cli import HelpFormatter, build_parser, main
 
+REPO = Path(__file__).resolve().parents[1]
 VERBS = ("formats", "schemes", "capture", "report", "quant-error", "mx-sweep", "explain", "check-spec")
 
 
@@ -76,14 +80,9 @@ def test_schemes_lists_patterns_and_presets(capsys):
 @pytest.mark.parametrize("command", ["-m fxquant schemes --all", "-m fxquant formats"])
 def test_output_cut_short_by_head_is_not_a_traceback(command):
     """`fxquant ... | head -1`: the closed pipe ends the command quietly (status 141, as SIGPIPE would)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[1]
     proc = subprocess.run(f"{sys.executable} {command} | head -1; echo \"status ${{PIPESTATUS[0]}}\"",
-                          shell=True, executable="/bin/bash", cwd=repo, capture_output=True, text=True, timeout=120,
-                          env={"PYTHONPATH": str(repo), "PATH": "/usr/bin:/bin"})
+                          shell=True, executable="/bin/bash", cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr
     assert proc.stdout.splitlines()[-1] in ("status 141", "status 0")  # 0: all output fit the pipe's buffer
 
@@ -92,13 +91,8 @@ def test_output_cut_short_by_head_is_not_a_traceback(command):
 def test_help_and_formats_do_not_import_inductor(argv):
     """`fxquant --help` and `fxquant formats` stay quick: no verb module imports fxquant.lowering (and with it
     torch._inductor, seconds) when the parser is built."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "fxquant", *argv], cwd=repo, capture_output=True,
-                          text=True, timeout=120, env={"PYTHONPATH": str(repo), "PATH": "/usr/bin:/bin"})
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "fxquant", *argv], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr
     imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     assert {"fxquant.cli", "fxquant.cli.options"} <= imported  # the listing is real (verb modules are not in it:
@@ -126,3 +120,15 @@ def test_an_unwritable_output_path_is_a_one_line_error(tmp_path, capsys):
     assert err.startswith("fxquant report: error: ") and str(afile) in err and err.count("\n") == 1
     assert main(["report", "--metrics", str(run), "-o", str(afile / "sub"), "-q"]) == 2
     assert "fxquant report: error: Not a directory" in capsys.readouterr().err
+
+
+def test_prepare_data_prints_no_megatron_import_notices(tmp_path):
+    """megatron-core's four 'Transformer Engine and Apex are not installed' UserWarnings stay off the console."""
+    pytest.importorskip("megatron.core", reason="prepare-data imports megatron-core's dataset builder")
+    src = tmp_path / "docs.jsonl"
+    src.write_text('{"text": "hello world"}\n{"text": "more text"}\n')
+    proc = subprocess.run([sys.executable, "-m", "fxquant", "prepare-data", str(src), "--dataset", "wikipedia",
+                           "-o", str(tmp_path / "ds")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "ds.bin").is_file() and "2 documents" in proc.stdout
+    assert "Transformer Engine" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr

@@ -11,6 +11,7 @@ import importlib
 import logging
 import os
 import sys
+import warnings
 
 # Modules of fxquant.cli that provide verbs; add a new verb by adding its module here.
 _VERB_MODULES: tuple[str, ...] = ("formats_cmd", "schemes_cmd", "prepare_data_cmd", "check_spec_cmd", "capture_cmd",
@@ -66,11 +67,18 @@ def quiet_broken_pipe() -> int:
     return 141
 
 
+def quiet_megatron_import_notices() -> None:
+    """Hide megatron-core's import-time UserWarnings that Transformer Engine and Apex are absent (four per process,
+    each with a source line; it then uses its own implementations, which is what a CPU run wants)."""
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed", category=UserWarning)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    quiet_megatron_import_notices()
     try:
         status = int(args.func(args) or 0)
         sys.stdout.flush()  # a closed pipe shows here, not at the interpreter's exit
