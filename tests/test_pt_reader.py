@@ -97,6 +97,10 @@ def test_cli_verbs_read_pt_and_pickles_are_refused(tmp_path, capsys):
                  "--formats", "hifp8", "--sample-blocks", "8"]) == 0
     err = capsys.readouterr().err
     assert "evil.pt: refused: not loadable with weights_only=True" in err and "junk.pt" in err
+    assert err.count("evil.pt: refused") == 1  # said once (not logged and printed)
+    assert main(["capture", "ls", str(tmp_path / "logs" / "mxfp8")]) == 0
+    err = capsys.readouterr().err
+    assert err.count("evil.pt: refused") == 1 and err.count("junk.pt") == 1
     assert not marker.exists()
     rep = json.loads((tmp_path / "r/report.json").read_text())
     assert rep["records"] == 3 and len(rep["problems"]) == 2

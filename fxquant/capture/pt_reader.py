@@ -144,7 +144,7 @@ class PtCaptureSet(CaptureSet):
                     fields = fields_of(path, data, len(self._index), path.parent.name if path.parent != self.root
                                        else "unknown")
                 except CaptureReadError as exc:
-                    log.warning("%s", exc)
+                    log.info("%s", exc)  # in problems: the caller reports it (the CLIs print each once)
                     self.problems.append(str(exc))
                     continue
                 self._index.append(Record(fields, path.parent))

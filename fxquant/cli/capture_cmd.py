@@ -41,7 +41,11 @@ def _filtered(args):
 
     cs = capture.open(args.dir)
     cond = where_conditions(args.where)
-    return cs.query(**cond) if cond else cs
+    out = cs.query(**cond) if cond else cs
+    len(out)  # a .pt directory is indexed on first use: its refused files are known after this
+    for p in out.problems:  # torn lines skipped; .pt files refused
+        print(f"warning: {p}", file=sys.stderr)
+    return out
 
 
 def run_ls(args: argparse.Namespace) -> int:
