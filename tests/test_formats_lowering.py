@@ -116,27 +116,39 @@ CONSUMED_SPECS = [TensorQuant(f).spec() for f in MX + ["nvfp4"]] + [
     TensorQuant("mxfp8_e4m3", rounding="sr").spec(), TensorQuant("nvfp4", rounding="sr").spec()]
 
 
-def _consumed_check(spec: str, shape: tuple, dim: int) -> None:
+CONSUMERS = {"relu": lambda y: torch.relu(y) * 2.0, "none": lambda y: y * 1.0, "mm": lambda y: y @ torch.ones(
+    y.shape[-1], 3)}
+
+
+def _consumed_check(spec: str, shape: tuple, dim: int, consumer: str = "relu") -> None:
     x = torch.randn(shape, generator=torch.Generator().manual_seed(5)) * 3
+    use = CONSUMERS[consumer]
     torch._dynamo.reset()
-    fn = torch.compile(lambda t: torch.relu(torch.ops.fxquant.quantize(t, spec, dim, SEED)) * 2.0,
-                       backend=lowering.inductor_backend)
-    want = torch.relu(TensorQuant.from_spec(spec).quantize(x, dim, seed=SEED)) * 2.0
-    assert_bitwise_equal(fn(x), want, f"{spec} then relu, doubled, {shape} dim={dim}:")
+    fn = torch.compile(lambda t: use(torch.ops.fxquant.quantize(t, spec, dim, SEED)), backend=lowering.inductor_backend)
+    want = use(TensorQuant.from_spec(spec).quantize(x, dim, seed=SEED))
+    assert_bitwise_equal(fn(x), want, f"{spec} then {consumer}, {shape} dim={dim}:")
 
 
 @pytest.mark.parametrize("spec", CONSUMED_SPECS)
-def test_a_pointwise_consumer_of_a_partial_block_result_reads_every_block(spec):
-    """A block format's result with a short last block, read by a pointwise op Inductor fuses with it (here
-    relu, then a doubling: both exact), equals the reference in every block. Inductor's CPU code generation gets
-    the padded-blocks-then-slice form of this wrong (``fxquant.formats.mx.block_stage``), which the traced form
-    therefore does not use. One quantize per graph: with several, Inductor schedules them differently."""
-    _consumed_check(spec, (4, 50), -1)
+@pytest.mark.parametrize(("shape", "consumer"), [((4, 50), "relu"), ((1, 40), "none")])
+def test_a_consumer_of_a_partial_block_result_reads_every_block(spec, shape, consumer):
+    """A block format's result with a short last block, read by a pointwise op Inductor fuses with it (relu, then
+    a doubling: both exact) or by nothing, with several rows and with one, equals the reference in every block.
+    Inductor's CPU code generation gets two other traced forms of this wrong (``fxquant.formats.mx.block_stage``).
+    One quantize per graph: with several, Inductor schedules them differently and the defects hide."""
+    _consumed_check(spec, shape, -1, consumer)
 
 
-@pytest.mark.parametrize(("shape", "dim"), [((3, 33), -1), ((50, 3), 0), ((2, 5, 100), 1)])
-def test_a_pointwise_consumer_reads_every_block_along_other_dims_and_lengths(shape, dim):
-    _consumed_check(TensorQuant("mxfp8_e4m3").spec(), shape, dim)
+@pytest.mark.parametrize(("shape", "dim", "consumer"), [
+    ((3, 33), -1, "relu"), ((50, 3), 0, "relu"), ((2, 5, 100), 1, "relu"), ((1, 48), -1, "relu"),
+    ((1, 33), -1, "mm"), ((1, 80), -1, "none"), ((40, 1), 0, "none"), ((1, 1, 40), -1, "relu")])
+def test_a_consumer_reads_every_block_along_other_dims_lengths_and_single_rows(shape, dim, consumer):
+    _consumed_check(TensorQuant("mxfp8_e4m3").spec(), shape, dim, consumer)
+
+
+@pytest.mark.parametrize(("shape", "dim"), [((1, 24), -1), ((40, 1), 0)])
+def test_nvfp4_single_rows_with_a_partial_block(shape, dim):
+    _consumed_check(TensorQuant("nvfp4").spec(), shape, dim, "none")
 
 
 def test_format_quantize_compiled_by_plain_torch_compile_equals_eager_with_a_partial_block():

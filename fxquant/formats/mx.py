@@ -61,29 +61,45 @@ def block_stage(fmt: Format, x2: torch.Tensor, xb: torch.Tensor, amax: torch.Ten
     inverse scale and the scale, from the block amaxes and NVFP4's tensor amax) and ``fxquant::block_values`` per
     element (the scaled, rounded, rescaled values, scales broadcast to the elements).
 
-    With a short last block the traced element pass runs over ``x2`` itself, each element's scales gathered by its
-    block index, rather than over the zero-padded blocks followed by a slice ``[:, :L]``: Inductor's CPU code
-    generation miscompiles a pointwise computation over padded blocks that is sliced and then read by a fused
-    pointwise consumer (torch 2.13: only the first block's columns are written, with the first block's scale).
-    Plain torch shows it: ``torch.compile`` of ``relu((tp * (tp.abs().amax(-1, keepdim=True) + 1)).reshape(4,
-    64)[:, :50])``, ``tp = F.pad(t, (0, 14)).view(4, 2, 32)``, ``t`` of shape [4, 50], differs from eager
-    (tests/test_formats_lowering.py checks the traced form with such consumers)."""
+    With a short last block the traced form quantizes the full blocks and the short one as two blocked pieces of
+    ``x2`` (each its own amax, scales and values) and concatenates them, rather than working over zero-padded
+    blocks and slicing the result back to ``[:, :L]``: Inductor's CPU code generation miscompiles that slice when
+    a fused pointwise op reads it (torch 2.13: only the first block's columns are written, with the first block's
+    scale), and miscompiles the alternative of gathering each element's block scales when there is one row.
+    Plain torch shows both: ``torch.compile`` of ``relu((tp * (tp.abs().amax(-1, keepdim=True) + 1)).reshape(4,
+    64)[:, :50])`` with ``tp = F.pad(t, (0, 14)).view(4, 2, 32)`` for ``t`` of shape [4, 50], or of
+    ``t * s.squeeze(-1)[:, torch.arange(48) // 32]`` with ``s`` that amax over ``F.pad(t, (0, 16)).view(1, 2,
+    32)`` for ``t`` of shape [1, 48], differs from eager (tests/test_formats_lowering.py checks the traced form
+    with such shapes and consumers)."""
     length = x2.shape[1]
     if not _tracing():
         u = blocked_uniforms(opts, seed, x2, offset, fmt.block_size)
         return unblock(fmt.block_values(xb, amax, tensor_amax, u, opts).to(out_dtype), length)
+    if length % fmt.block_size == 0:
+        u = blocked_uniforms(opts, seed, x2, offset, fmt.block_size)
+        return unblock(_traced_values(fmt, xb, amax, tensor_amax, u, opts).to(out_dtype), length)
+    rows, full = x2.shape[0], length - length % fmt.block_size
+    u = draw_uniforms(opts.rounding, seed, x2.shape, x2.device, offset)
+    pieces = []
+    for lo, hi, size in ((0, full, fmt.block_size), (full, length, length - full)):
+        if hi == lo:
+            continue
+        xp = x2[:, lo:hi].reshape(rows, (hi - lo) // size, size)
+        up = None if u is None else u[:, lo:hi].reshape(xp.shape)
+        ap = xp.abs().amax(dim=-1, keepdim=True).to(amax.dtype)
+        pieces.append(_traced_values(fmt, xp, ap, tensor_amax, up, opts).to(out_dtype).reshape(rows, hi - lo))
+    return torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
+
+
+def _traced_values(fmt: Format, xb: torch.Tensor, amax: torch.Tensor, tensor_amax: torch.Tensor | None,
+                   u: torch.Tensor | None, opts: QuantOptions) -> torch.Tensor:
+    """``fmt.block_values`` of blocked ``xb`` as the two traced ops (``fxquant::block_scales`` per block, then
+    ``fxquant::block_values`` per element, scales broadcast to ``xb``)."""
     mode = None if opts.scale_mode is None else opts.scale_mode.value
     t = None if tensor_amax is None else tensor_amax.expand(amax.shape)
     inv, scale = torch.ops.fxquant.block_scales(amax, t, fmt.name, opts.rounding.value, mode)
-    if length % fmt.block_size == 0:
-        u = blocked_uniforms(opts, seed, x2, offset, fmt.block_size)
-        y = torch.ops.fxquant.block_values(xb, inv.expand(xb.shape), scale.expand(xb.shape), u, fmt.name,
-                                           opts.rounding.value)
-        return unblock(y.to(out_dtype), length)  # cast, then reshape: one loop over the blocks (not two)
-    block_of = torch.arange(length, device=x2.device) // fmt.block_size
-    u = draw_uniforms(opts.rounding, seed, x2.shape, x2.device, offset)
-    return torch.ops.fxquant.block_values(x2, inv.squeeze(-1)[:, block_of], scale.squeeze(-1)[:, block_of], u,
-                                          fmt.name, opts.rounding.value).to(out_dtype)
+    return torch.ops.fxquant.block_values(xb, inv.expand(xb.shape), scale.expand(xb.shape), u, fmt.name,
+                                          opts.rounding.value)
 
 
 def mx_scale_exponent(amax: torch.Tensor, elem: ElementSpec, mode: ScaleMode) -> torch.Tensor:
