@@ -152,6 +152,38 @@ def test_any_writer_failure_is_reported_counted_and_never_hangs(tmp_path, monkey
     assert cs.committed and len(cs) == 1 and cs.verify() == []
 
 
+def test_one_tensor_for_several_works_survives_a_writer_that_is_done_with_the_first(tmp_path, monkeypatch):
+    """One tensor tapped twice with different work (its quantized copies for fprop, blocked along dim -1, and for
+    wgrad, along dim 0; statistics only): the capture call shares one private copy between the works. The writer
+    may finish the first work, and release its hold on the copy, before the call has queued the second: the call
+    keeps its own hold until its loop ends (a training run with `stats_only` crashed with 'lease already returned
+    to its pool')."""
+    from fxquant.capture.spec import Component, Copy, Gemm, ModuleKind, Role
+    from fxquant.capture.tap import Tap, encode_taps
+    from fxquant.formats.tensor_quant import TensorQuant
+
+    spec = capture.load_spec("q.yaml", text="sections: [{name: q, points: [{component: linear, copies: [quantized]}],"
+                                            " what: stats}]\n")
+    qspec = TensorQuant("mxfp8_e4m3").spec()
+    taps = encode_taps([Tap(Component.LINEAR, Role.INPUT, "layers.0.mlp.down_proj", (0,), ModuleKind.FC2, 0,
+                            Copy.QUANTIZED, gemm, qspec, dim) for gemm, dim in ((Gemm.FPROP, -1), (Gemm.WGRAD, 0))])
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(2))
+    with capture.start(spec, tmp_path) as s:
+        real_put = s.writer.put
+
+        def put_and_drain(item):  # the writer thread processes each item before the call goes on
+            real_put(item)
+            s.writer.wait_idle()
+
+        monkeypatch.setattr(s.writer, "put", put_and_drain)
+        torch.ops.fxquant.capture(x, taps)
+    cs = capture.open(tmp_path)
+    assert sorted(r.gemm for r in cs) == ["fprop", "wgrad"] and cs.verify() == [] and s.summary["clean"]
+    for rec in cs:
+        q = TensorQuant("mxfp8_e4m3").quantize(x, -1 if rec.gemm == "fprop" else 0)
+        assert rec.stats["max"] == q.max().item() and rec.stats["min"] == q.min().item()
+
+
 def test_save_refuses_a_dtype_capture_sets_cannot_store(tmp_path):
     with capture.start(spec_text(end=3), tmp_path):
         with pytest.raises(TypeError, match="float8_e4m3fnuz"):

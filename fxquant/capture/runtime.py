@@ -181,9 +181,13 @@ class CaptureSession:
             plan = self._plans[key] = self._plan(decode_taps(tap_text), reference is None)
         x = x.detach()
         shared: dict = {}  # one private copy of x (and of reference) for every work of this call
-        for work, taps in plan:
-            if not self._emit(work, [(_tap_fields(tap), section) for tap, section in taps], x, reference, shared):
-                return
+        try:
+            for work, taps in plan:
+                if not self._emit(work, [(_tap_fields(tap), section) for tap, section in taps], x, reference, shared):
+                    return
+        finally:  # this call's own hold on the shared copies: the writer may be done with them before the loop is
+            for lease in shared.values():
+                lease.release()
 
     def _emit(self, work: Work, taps: list[tuple[dict, str]], x: torch.Tensor, reference: torch.Tensor | None,
               shared: dict) -> bool:
@@ -204,8 +208,8 @@ class CaptureSession:
         elif work.needs_source:  # CPU: a private copy now (trap 4), the tensor work in the writer thread
             held = 0
             source = shared.get("source")
-            if source is None:
-                source = shared["source"] = self.pool.copy(x)
+            if source is None:  # held by this item and by the capture call until its loop ends
+                source = shared["source"] = self.pool.copy(x).hold()
                 held = x.numel() * x.element_size()
             else:
                 source.hold()
@@ -213,7 +217,7 @@ class CaptureSession:
             if reference is not None and work.stats:
                 ref = shared.get("ref")
                 if ref is None:
-                    ref = shared["ref"] = self.pool.copy(reference.detach())
+                    ref = shared["ref"] = self.pool.copy(reference.detach()).hold()
                     held += reference.numel() * reference.element_size()
                 else:
                     ref.hold()
@@ -249,7 +253,12 @@ class CaptureSession:
                   "layer": layer, "role": name, "copy": "hp", "gemm": None, "phase": phase, "direction": direction,
                   "shard_dim": None, "blocked_dim": None}
         work = Work(store=True, stats=True, sampling=None, qspec=None, dim=None, flatten=False, requantize=False)
-        return self._emit(work, [(fields, "user")], x.detach(), None, {})
+        shared: dict = {}
+        try:
+            return self._emit(work, [(fields, "user")], x.detach(), None, shared)
+        finally:
+            for lease in shared.values():
+                lease.release()
 
     def _plan(self, taps: tuple[Tap, ...], requantize: bool) -> list[tuple[Work, list[tuple[Tap, str]]]]:
         """The distinct tensor work for the live taps of one call, each with the (tap, section name)s it serves:
