@@ -18,7 +18,7 @@ from fxquant.cli.collect_plan import collection_for
 from fxquant.cli.options import positive_int
 from fxquant.megatron_glue.config import AttentionKind
 from fxquant.lowering import Kernels
-from fxquant.megatron_glue.run_config import CompileBackend, capture_from_args
+from fxquant.megatron_glue.run_config import DEFAULT_CAPTURE_SUBDIR, CompileBackend, capture_from_args
 
 
 CUSTOM_QUANT_TYPE = "CUSTOM_QUANT_TYPE"  # the predecessor's environment variable naming a run's quant type
@@ -97,8 +97,13 @@ def _run_scheme(args) -> str:
 
 
 def _replacing_note(launch) -> str | None:
-    """A console note when this run will replace captures an earlier run left where it writes."""
+    """A console note when this run will replace captures an earlier run left where it writes, or (run without
+    --capture) leaves them beside metrics they do not belong to."""
     if launch.run.capture is None:
+        root = Path(launch.run.output_dir) / DEFAULT_CAPTURE_SUBDIR
+        if root.is_dir() and any(root.glob("rank-*")):
+            return (f"note: {root} holds an earlier run's captures; this run captures nothing and leaves them, so "
+                    f"they do not belong to its metrics (remove them, or capture with --capture)")
         return None
     root = launch.run.capture.root(launch.run.output_dir)
     earlier = sorted(root.glob("rank-*")) if root.is_dir() else []

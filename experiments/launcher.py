@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from experiments import catalog
-from fxquant.lowering import parse_kernels
+from fxquant.lowering import Kernels, parse_kernels
 from fxquant.megatron_glue import dataset_label
 from fxquant.megatron_glue.config import check_host_layout
 from fxquant.megatron_glue.sentinel import NonFinitePolicy
@@ -145,7 +145,7 @@ def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", varia
     if tcfg.global_batch_size % (tcfg.micro_batch_size * dp):
         raise ValueError(f"config {config!r}: global batch {tcfg.global_batch_size} is not divisible by "
                          f"micro batch {tcfg.micro_batch_size} x data-parallel size {dp}")
-    if tokenizer is None:
+    if tokenizer in (None, "byte"):
         if variant == "full":
             raise ValueError(f"model {model!r} (full size, vocab {mcfg.vocab_size}) needs --tokenizer DIR (a local "
                              f"HuggingFace tokenizer directory); the built-in byte tokenizer only fits --variant tiny")
@@ -164,6 +164,9 @@ def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", varia
                              f"{dataset}=PREFIX / ${ds.env} at it")
         dataset_label.check(dataset, prefix, tokenizer)
         data = DataConfig(DataKind.INDEXED, (prefix,), cache_dir=str(Path(out) / ".data-cache"))
+    if parse_kernels(kernels) is Kernels.TRITON and (device or run_device()) == "cpu":
+        raise ValueError("--kernels triton: the training processes run on the CPU here (no CUDA device), where the "
+                         "Triton kernels are not registered; allowed here: auto, inductor, reference")
     run_dir = Path(out).resolve() / mcfg.name / dataset / scheme  # absolute: torchrun runs in the repository
     run = RunConfig(model=mcfg, train=tcfg, data=data, output_dir=str(run_dir), tokenizer=tokenizer, scheme=scheme,
                     scheme_yaml=scheme_yaml, capture=capture, attention=attention, backend=backend,

@@ -282,3 +282,20 @@ def test_control_iter_zero_is_refused(verb, tmp_path, capsys):
                   str(tmp_path / "runs"), "--dry-run"])
         assert exit_.value.code == 2 and f"argument --control-iter: {bad}: must be >= 1" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_collect_tp_defaults_nproc_and_draw_visualize_dry_run_writes_nothing(tmp_path, capsys):
+    """`collect --tp 2` without --nproc runs tp*pp processes (as experiments run) instead of refusing an --nproc 1
+    the user never gave; `draw visualize --dry-run` prints the report command and writes nothing."""
+    from fxquant.cli import main
+
+    common = ["--tensor-save-dir", str(tmp_path / "logs"), "--out", str(tmp_path / "runs"), "--dry-run"]
+    assert main(["collect", "single", "mxfp8", "--tp", "2", *common]) == 0
+    out = capsys.readouterr().out
+    assert "--nproc-per-node=2" in out and _dry_config(out)["layout"]["tp"] == 2
+    from tests.analysis_helpers import write_tensors
+
+    write_tensors(tmp_path / "logs" / "mxfp8", [torch.randn(4, 32)])
+    assert main(["draw", "visualize", "--tensor-dir", str(tmp_path / "logs"), "--output-dir", str(tmp_path / "o"),
+                 "--dry-run"]) == 0
+    assert "[draw visualize] fxquant report" in capsys.readouterr().out and not (tmp_path / "o").exists()

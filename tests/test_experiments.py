@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.megatron
 pytest.importorskip("megatron.core", reason="needs megatron-core")
@@ -285,3 +287,24 @@ def test_zero_iterations_are_refused_not_replaced_by_the_config_default(flag, ca
         resolve(model="llama32-1b", dataset="mock", scheme="bf16", **{flag[2:].replace("-", "_"): 0})
     code, _, config, _ = _dry(["--model", "llama32-1b", flag, "2"], capsys)
     assert code == 0 and config["train"][{"--iters": "train_iters", "--eval-iters": "eval_iters"}[flag]] == 2
+
+
+def test_refusals_before_launch_for_byte_tokenizer_full_and_triton_on_cpu(capsys):
+    """Settings that could only fail inside the training processes are refused by the launcher, before torchrun."""
+    from experiments.__main__ import main
+
+    assert main(["run", "--model", "llama32-1b", "--variant", "full", "--tokenizer", "byte", "--dry-run"]) == 2
+    assert "built-in byte tokenizer only fits --variant tiny" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["run", "--model", "llama32-1b", "--kernels", "triton", "--dry-run"]) == 2
+        assert "--kernels triton: the training processes run on the CPU" in capsys.readouterr().err
+
+
+def test_a_run_without_capture_notes_an_earlier_runs_captures(tmp_path):
+    from experiments.__main__ import _replacing_note
+    from experiments.launcher import resolve
+
+    launch = resolve(model="llama32-1b", dataset="mock", scheme="bf16", out=str(tmp_path))
+    assert _replacing_note(launch) is None
+    (Path(launch.run.output_dir) / "captures" / "rank-00000").mkdir(parents=True)
+    assert "captures nothing and leaves them" in _replacing_note(launch)

@@ -288,3 +288,33 @@ def test_tensor_parallel_ranks_capture_row_parallel_linears(tmp_path):
                 (g0,), (g1,) = (cs.query(rank=rank, module=LINEARS[kind].format(layer), role="grad_output", copy="hp",
                                          micro_batch=mb) for rank in (0, 1))
                 assert torch.equal(cs.load(g0), cs.load(g1))
+
+
+def test_a_fresh_run_removes_stale_rank_directories_and_outputs(tmp_path):
+    """At iteration 0 each rank removes its own earlier captures, and rank 0 those of ranks this run does not have
+    (an earlier run with more processes): none of another run's records are mixed in. The logging rank removes
+    an earlier run's TensorBoard events and non-finite report; a resumed run keeps them."""
+    from fxquant.megatron_glue.parallel import ParallelInfo
+    from fxquant.megatron_glue.sentinel import REPORT_FILE
+    from fxquant.megatron_glue.train import TENSORBOARD_DIR, _MetricsSink
+    from fxquant.megatron_glue.training_capture import stale_rank_dirs
+
+    root = tmp_path / "captures"
+    for r in (0, 1, 2):
+        (root / f"rank-{r:05d}").mkdir(parents=True)
+    (root / "rank-notes").mkdir()
+
+    def info(rank: int, world: int) -> ParallelInfo:
+        return ParallelInfo(rank, world, 0, 1, 0, 1, rank, world, torch.device("cpu"))
+
+    assert [d.name for d in stale_rank_dirs(root, info(0, 1))] == ["rank-00000", "rank-00001", "rank-00002"]
+    assert [d.name for d in stale_rank_dirs(root, info(1, 2))] == ["rank-00001"]
+    assert [d.name for d in stale_rank_dirs(root, info(0, 2))] == ["rank-00000", "rank-00002"]
+
+    run_dir = tmp_path / "run"
+    for start, kept in ((5, True), (0, False)):
+        (run_dir / TENSORBOARD_DIR).mkdir(parents=True, exist_ok=True)
+        (run_dir / TENSORBOARD_DIR / "events.out").write_text("x")
+        (run_dir / REPORT_FILE).write_text("{}")
+        _MetricsSink(run_dir, start, True, False).close()
+        assert (run_dir / TENSORBOARD_DIR).exists() == kept and (run_dir / REPORT_FILE).exists() == kept

@@ -90,6 +90,9 @@ def test_control_iter_stops_and_resume_continues_identically(tmp_path):
     assert [json.loads(l)["iteration"] for l in metrics.read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
     with pytest.raises(ValueError, match="control_iter"):
         TrainConfig(control_iter=0)
+    # run again to the same end: the checkpoint is there already; said, not a silent run that trains nothing
+    with pytest.raises(ValueError, match="nothing to train: .*checkpoint at iteration 6, and this run trains to 6"):
+        train(_run(tmp_path, "split", iters=6, save_interval=3))
 
 
 def _torchrun(tmp_path, run, nproc: int) -> list[dict]:

@@ -84,7 +84,8 @@ def add_collection_arguments(p: argparse.ArgumentParser, modes: tuple[str, ...] 
     p.add_argument("--dtype", default=None, metavar="DTYPE",
                    help="the predecessor's training dtype: bf16 | fp32, passed as `experiments run --precision` "
                         "(default: bf16 on CUDA, fp32 on CPU); formats are chosen by quant type, not here")
-    p.add_argument("--nproc", type=int, default=1, metavar="N", help="processes (torchrun --nproc-per-node; default 1)")
+    p.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="processes (torchrun --nproc-per-node; default tp*pp, as `experiments run`)")
     p.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel size (default 1)")
     p.add_argument("--pp", type=int, default=1, metavar="P", help="pipeline-parallel size (default 1)")
     p.add_argument("--backend", default="aot_eager", choices=["inductor", "aot_eager", "eager"],
@@ -99,7 +100,8 @@ def add_collection_arguments(p: argparse.ArgumentParser, modes: tuple[str, ...] 
 def run_argv(args: argparse.Namespace, mode: str, collection: collect_plan.Collection) -> list[str]:
     """`python -m experiments run` arguments of one collection."""
     argv = ["run", "--model", args.model, "--variant", args.variant, "--dataset", args.dataset,
-            "--scheme", collection.scheme_arg, "--config", args.config, "--out", args.out, "--nproc", str(args.nproc),
+            "--scheme", collection.scheme_arg, "--config", args.config, "--out", args.out,
+            *(["--nproc", str(args.nproc)] if args.nproc is not None else []),
             "--tp", str(args.tp), "--pp", str(args.pp), "--backend", args.backend, "--attention", args.attention,
             "--timeout", str(args.timeout), "--save-tensors", "--tensor-save-dir", str(args.tensor_dir)]
     control_iter, micro_batches = args.control_iter, args.collect_micro_batches

@@ -65,6 +65,8 @@ def visualize(args: argparse.Namespace) -> int:
     if args.no_plots:
         argv.append("--no-plots")
     print(f"[draw visualize] fxquant {' '.join(argv)}", flush=True)
+    if args.dry_run:  # the command above is the whole answer
+        return 0
     return fxquant_main(argv)
 
 

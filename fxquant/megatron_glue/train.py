@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,13 +36,14 @@ from fxquant.megatron_glue.optim import HostOptimizer, MegatronOptimizerSetup, l
 from fxquant.megatron_glue.parallel import initialize_parallel
 from fxquant.megatron_glue.run_config import CompileBackend, RunConfig
 from fxquant.megatron_glue.schedule import forward_backward
-from fxquant.megatron_glue.sentinel import NonFiniteSentinel
+from fxquant.megatron_glue.sentinel import REPORT_FILE, NonFiniteSentinel
 from fxquant.megatron_glue.tokenizer import load_tokenizer
 from fxquant.megatron_glue.training_capture import TrainingCapture
 
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"  # SummaryWriter event files (--tensorboard)
 SITES_FILE = "fxquant_sites.json"  # what fxquant.compile matched and rewrote (logging rank's model)
 
 
@@ -89,6 +91,14 @@ class _MetricsSink:
         self.writer = None
         if not enabled:
             return
+        if start_iteration == 0:  # a fresh run replaces an earlier run's outputs, not only its metrics
+            for stale in (run_dir / TENSORBOARD_DIR, run_dir / REPORT_FILE):
+                if stale.exists():
+                    log.info("run starts at iteration 0: removing the earlier run's %s", stale)
+                    if stale.is_dir():
+                        shutil.rmtree(stale)
+                    else:
+                        stale.unlink()
         kept = []
         if self.path.is_file():  # a resumed run: keep what led up to the checkpoint, drop the rest
             kept = [line for line in self.path.read_text().splitlines()
@@ -97,7 +107,7 @@ class _MetricsSink:
         if tensorboard:  # RunConfig refused --tensorboard without the package
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+            self.writer = SummaryWriter(str(run_dir / TENSORBOARD_DIR))
 
     def write(self, record: dict) -> None:
         if not self.enabled:
@@ -149,6 +159,10 @@ def train(run: RunConfig, progress: Callable[[dict], None] | None = None) -> Tra
     if run.resume and checkpoint.latest_iteration(ckpt_dir) is not None:
         start, consumed, _ = checkpoint.load(ckpt_dir, model=model, optimizer=optimizer, scheduler=scheduler)
         log.info("resumed from %s at iteration %d", ckpt_dir, start)
+        if start >= t.train_iters:
+            raise ValueError(f"nothing to train: {ckpt_dir} holds a checkpoint at iteration {start}, and this run "
+                             f"trains to {t.train_iters}; raise --iters to go on, or remove {ckpt_dir} to start "
+                             "again")
     capture = None
     if run.capture is not None:  # after resume: the predecessor's window counts from the start iteration
         capture = TrainingCapture.open(run, info, layer_offset(model), start)

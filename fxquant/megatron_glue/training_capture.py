@@ -78,6 +78,19 @@ def rank_info(info: ParallelInfo, layer_offset: int):
                     layer_offset=layer_offset)
 
 
+def stale_rank_dirs(root: Path, info: ParallelInfo) -> list[Path]:
+    """The rank directories under ``root`` that this process removes when a run starts at iteration 0: its own,
+    and on rank 0 those of ranks this run does not have (an earlier run with more processes), which no process of
+    this run writes."""
+    from fxquant.capture import layout
+
+    own = [layout.rank_dir(root, info.rank)]
+    if info.rank == 0 and root.is_dir():
+        own += [d for d in sorted(root.glob("rank-*")) if d.is_dir() and d.name[5:].isdigit()
+                and int(d.name[5:]) >= info.world_size]
+    return [d for d in own if d.exists()]
+
+
 class TrainingCapture:
     """The capture session of one training process and the schedule's hooks into it (module docstring)."""
 
@@ -90,15 +103,14 @@ class TrainingCapture:
     @classmethod
     def open(cls, run: RunConfig, info: ParallelInfo, layer_offset: int, start_iteration: int) -> "TrainingCapture":
         from fxquant import capture
-        from fxquant.capture import layout
 
         config = run.capture
         spec = resolve_spec(config, start_iteration)
         root = config.root(run.output_dir)
-        stale = layout.rank_dir(root, info.rank)
-        if start_iteration == 0 and stale.exists():  # a fresh run replaces its captures, as it does its metrics
-            log.warning("capture: run starts at iteration 0; removing the earlier run's captures in %s", stale)
-            shutil.rmtree(stale)
+        if start_iteration == 0:  # a fresh run replaces its captures, as it does its metrics
+            for stale in stale_rank_dirs(root, info):
+                log.warning("capture: run starts at iteration 0; removing the earlier run's captures in %s", stale)
+                shutil.rmtree(stale)
         session = capture.start(spec, root, scheme=run.scheme, run_id=shared_run_id(info),
                                 rank=rank_info(info, layer_offset), start_iteration=start_iteration)
         log.info("capture: spec %r -> %s (rank %d, run id %s)", spec.name, session.dir, info.rank,
