@@ -92,6 +92,7 @@ class CompileState:
     _warned_no_session: bool = field(default=False, repr=False)
     _patch: object = field(default=None, repr=False)
     _calls: int = field(default=0, repr=False)
+    _first_call_checked: bool = field(default=False, repr=False)
     _breaks: dict = field(default_factory=dict, repr=False)
     _unimpl: dict = field(default_factory=dict, repr=False)
 
@@ -143,6 +144,10 @@ class CompileState:
             patch.__exit__(None, None, None)
         self.backend.raise_pending()
         issues = checks.recompile_limit_hits(self._unimpl, _unimplemented_counts())
+        if not self._first_call_checked:
+            self._first_call_checked = True
+            if not self.backend.reports:  # Dynamo skipped the whole frame: no graph, so nothing is quantized
+                issues += checks.no_graph_compiled(type(self.model).__name__, self._unimpl, _unimplemented_counts())
         if len(self.backend.reports) > self.checked_reports:
             self.checked_reports = len(self.backend.reports)
             issues += self._check_new_graphs()
@@ -206,6 +211,10 @@ def compile(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        how = "fxquant.compile" if hasattr(model, STATE_ATTR) else "torch.compile"
+        raise TypeError(f"model is already compiled ({how}); pass the module it wraps, model._orig_mod, to compile "
+                        "it with this scheme")
     spec = None if capture is None else _capture_spec(capture)
     if capture_dir is not None and spec is None:
         raise ValueError("capture_dir is only meaningful with a capture spec (capture=...)")

@@ -148,7 +148,9 @@ class FxquantBackend:
         except ValueError as exc:
             return self.refusal(exc)
         if self.inner is Inner.AOT_EAGER:
-            from torch._dynamo.backends.debugging import aot_eager, boxed_nop
+            from functorch.compile import min_cut_rematerialization_partition
+            from torch._dynamo.backends.common import aot_autograd
+            from torch._dynamo.backends.debugging import boxed_nop
 
             from fxquant.passes.effects import direct_capture_calls
 
@@ -156,8 +158,11 @@ class FxquantBackend:
                 direct_capture_calls(g)
                 return boxed_nop(g, inputs)
 
-            return aot_eager(gm, example_inputs, fw_compiler=nop, bw_compiler=nop,
-                             decompositions=lowering.decompositions(kernels))
+            # torch's aot_eager with fxquant's decompositions for ``kernels``: aot_eager itself drops a
+            # ``decompositions`` argument (it builds its aot_autograd backend without one)
+            return aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=min_cut_rematerialization_partition,
+                                keep_inference_input_mutations=True,
+                                decompositions=lowering.decompositions(kernels))(gm, example_inputs)
         from torch._inductor.compile_fx import compile_fx
 
         from fxquant import cpp_prebuild, isa_probe

@@ -1,14 +1,15 @@
 """Runtime counters: ``fxquant::quantize`` calls expected vs executed per step (issue 3, item 5).
 
 Expected comes from the rewrite passes (each SiteMeta's ``quantize_calls``: forward, backward) of the
-graphs currently in use; executed is measured, not inferred: the calls of the ``fxquant::quantize`` op
-that the dispatcher records while the block runs (torch.profiler, CPU activity; the op is dispatched by
+graphs currently in use; executed is measured, not inferred: the calls of the ``fxquant::quantize`` op (and
+of ``fxquant::quantize_reference``, which ``kernels="reference"`` lowers it to) that the dispatcher records
+while the block runs (torch.profiler, CPU activity; the op is dispatched by
 eager, aot_eager and Inductor-generated code alike, and by the autograd engine's threads). Count a step that
 compiles nothing (tracing dispatches the op as well; such a count is flagged ``compiled``). A shortfall
 means some quantization did not run (a frame fell back to eager, a graph was skipped); an excess, that
 a graph ran more often than once per step (e.g. a module called twice) or the model quantizes by itself.
-Graphs compiled with ``kernels="inductor"`` quantize in Inductor-generated code and dispatch no op: they
-count in ``fused`` (from the passes), not in expected or executed.
+Graphs compiled with ``kernels="inductor"`` quantize in lowered ATen ops (Inductor-generated code, or aot_eager's
+ATen calls) and dispatch no op: they count in ``fused`` (from the passes), not in expected or executed.
 
     >>> with fxquant.counters.count_quantize_calls(compiled) as count:
     ...     loss = compiled(batch).loss; loss.backward()
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-OP_NAME = "fxquant::quantize"
+OP_NAMES = ("fxquant::quantize", "fxquant::quantize_reference")  # the op, and the reference it may lower to
 
 
 @dataclass
@@ -49,13 +50,13 @@ class QuantizeCount:
         part = f"{self.expected_forward} forward + {self.expected_backward} backward" if self.backward else (
             f"{self.expected_forward} forward")
         note = " (graphs were compiled during this step, so tracing calls are included; count a later step)"
-        fused = f"; {self.fused} more quantizes compiled into Inductor's kernels" if self.fused else ""
+        fused = f"; {self.fused} more quantizes lowered into ATen ops (kernels='inductor')" if self.fused else ""
         return f"fxquant::quantize calls: expected {self.expected} ({part}), executed {self.executed}{fused}" + (
             note if self.compiled else "")
 
 
 def count_events(events: object) -> int:
-    return sum(1 for e in events if e.name == OP_NAME)
+    return sum(1 for e in events if e.name in OP_NAMES)
 
 
 @contextlib.contextmanager

@@ -2,11 +2,14 @@
 outputs and gradients), bf16 == plain torch.compile, dynamic shapes, graph breaks, runtime counters."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 import fxquant
 from fxquant.counters import count_quantize_calls
+from fxquant.lowering import Kernels
 from tests.models import make_llama, make_tokens, next_token_loss
 
 
@@ -134,6 +137,39 @@ def test_runtime_counters_expected_equals_executed(backend):
         with count_quantize_calls(model, backward=False) as fwd_only, torch.no_grad():
             model(tokens)
     assert not fwd_only.compiled and fwd_only.executed == fwd_only.expected_forward
+
+
+def test_aot_eager_honours_kernels_and_the_counters_follow():
+    """Under aot_eager, kernels="inductor" runs the quantizes as ATen ops (no op call: counted as fused) and
+    "reference" calls fxquant::quantize_reference (counted as executed); the values are the same bit for bit."""
+    base = make_llama()
+    tokens = make_tokens(base.cfg)
+    outs = {}
+    for kernels in ("reference", "inductor", "auto"):
+        torch._dynamo.reset()
+        model = fxquant.compile(copy.deepcopy(base), "linear_mxfp8", backend="aot_eager", kernels=kernels,
+                                strict=True)
+        run_step(model, tokens)
+        with count_quantize_calls(model) as count:
+            outs[kernels] = run_step(model, tokens)
+        assert count.ok and count.executed == count.expected
+        used = fxquant.compile_state(model).kernels()
+        if kernels == "inductor":
+            assert used == [Kernels.INDUCTOR] * len(used) and count.expected == 0 and count.fused > 0
+        else:
+            assert Kernels.INDUCTOR not in used and count.expected > 0 and count.fused == 0
+    for kernels in ("inductor", "auto"):
+        (logits, loss, grads), (want_logits, want_loss, want_grads) = outs[kernels], outs["reference"]
+        assert torch.equal(logits, want_logits) and torch.equal(loss, want_loss)
+        assert all(torch.equal(grads[n], want_grads[n]) for n in want_grads)
+
+
+def test_compiling_a_compiled_module_says_what_to_pass():
+    model = fxquant.compile(make_llama(), "linear_mxfp8", backend="aot_eager")
+    with pytest.raises(TypeError, match=r"already compiled \(fxquant.compile\); pass the module it wraps"):
+        fxquant.compile(model, "linear_hifp8")
+    with pytest.raises(TypeError, match=r"already compiled \(torch.compile\)"):
+        fxquant.compile(torch.compile(make_llama()), "linear_hifp8")
 
 
 def test_counters_flag_a_step_that_skips_the_compiled_graph(caplog):

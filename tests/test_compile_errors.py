@@ -175,6 +175,30 @@ def test_strict_raises_when_a_frame_hits_the_recompile_limit(caplog):
     assert "recompile limit" in caplog.text
 
 
+class _LSTMHead(torch.nn.Module):
+    """An LSTM (which Dynamo refuses, skipping the whole frame) before a Linear the scheme selects."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.fc = torch.nn.LSTM(32, 32, batch_first=True), torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.fc(self.rnn(x)[0])
+
+
+def test_a_call_that_compiles_no_graph_is_an_error_under_strict_and_a_warning_otherwise(caplog):
+    """Dynamo skips the frame (LSTM) and runs it eagerly: nothing is quantized, said on the first call."""
+    x = torch.randn(3, 5, 32)
+    torch._dynamo.reset()
+    with pytest.raises(QuantizationError, match="the call of _LSTMHead compiled no graph.*LSTM"):
+        fxquant.compile(_LSTMHead(), "linear_mxfp8", backend="aot_eager", strict=True)(x)
+    torch._dynamo.reset()
+    lenient = fxquant.compile(_LSTMHead(), "linear_mxfp8", backend="aot_eager")
+    with caplog.at_level("WARNING", logger="fxquant"):
+        lenient(x)
+    assert "compiled no graph: Dynamo ran it eagerly, so nothing in it is quantized" in caplog.text
+
+
 def test_explain_lists_sites_and_unmatched_ops():
     text = str(fxquant.explain(WithSplit(), torch.randn(4, 32), scheme="linear_mxfp8"))
     assert "down_proj" in text and "fc2" in text and "x=mxfp8_e4m3" in text

@@ -145,6 +145,15 @@ def check_rules_match(scheme: Scheme, sites: list[SiteMeta]) -> None:
         raise error
 
 
+def no_graph_compiled(model: str, before: dict[str, int], after: dict[str, int]) -> list[str]:
+    """The issue when a model's first call compiled no graph at all (Dynamo skipped the frame and ran it eagerly,
+    unquantized), with the reasons Dynamo counted during the call."""
+    reasons = [key.splitlines()[0] for key, n in after.items() if n > before.get(key, 0)]
+    return [f"the call of {model} compiled no graph: Dynamo ran it eagerly, so nothing in it is quantized"
+            + (f" (Dynamo: {'; '.join(reasons[:3])})" if reasons else "")
+            + "; compile the modules it can trace (e.g. the part after the unsupported op) instead"]
+
+
 def recompile_limit_hits(before: dict[str, int], after: dict[str, int]) -> list[str]:
     return [
         "a frame hit Dynamo's recompile limit and now runs eagerly, unquantized (raise "
