@@ -246,3 +246,12 @@ def test_describe_lists_every_gemm() -> None:
         assert f" {gemm} " in text
     assert "ds=hifp8" in text and "p=-" in text
     assert "no rules" in schemes.get("bf16").describe()
+
+
+def test_an_unmatched_rule_names_the_root_module_readably():
+    """The root module's path is '' (a model that is itself an nn.Linear): shown by name, not as an empty entry."""
+    from fxquant.schemes.rules import UnmatchedRule
+
+    rule = schemes.get("linear_mxfp8").rules[0]
+    text = str(UnmatchedRule(0, rule, ("", "fc"), "no module path matches"))
+    assert text.endswith("nearest module paths: <the model itself>, fc")

@@ -163,7 +163,8 @@ class UnmatchedRule:
 
     def __str__(self) -> str:
         where = f" ({self.rule.where})" if self.rule.where else ""
-        near = f"; nearest module paths: {', '.join(self.nearest)}" if self.nearest else ""
+        shown = [p if p else "<the model itself>" for p in self.nearest]  # '' is the root module's path
+        near = f"; nearest module paths: {', '.join(shown)}" if shown else ""
         return f"rule {self.index}{where} [{self.rule.selector.describe()}] matched no site: {self.reason}{near}"
 
 
