@@ -267,8 +267,11 @@ def explain(model: nn.Module, *example_args: object, scheme: str | Path | Scheme
     layers = LayerNumbering.of_model(model, layer_offset=layer_offset, num_layers=num_layers)
     fx_backend = FxquantBackend(resolved, inner=Inner.EAGER, root=model, dry_run=True, layers=layers)
     # Grad mode on, as in training: Megatron's linears are traced as autograd_function_apply then.
+    before = _unimplemented_counts()
     torch.compile(model, backend=fx_backend)(*example_args, **example_kwargs)
     fx_backend.raise_pending()
+    if not fx_backend.reports:  # Dynamo skipped the frame: say so, rather than "no linear op was found"
+        raise ValueError(checks.no_graph_compiled(type(model).__name__, before, _unimplemented_counts())[0])
     sites, unmatched = fx_backend.current_sites(), fx_backend.unmatched_ops()
     checks.check_model_has_sites(sites, unmatched, type(model).__name__)
     checks.check_rules_match(resolved, sites)  # as compile: a rule with a selector must match a site

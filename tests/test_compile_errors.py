@@ -197,6 +197,9 @@ def test_a_call_that_compiles_no_graph_is_an_error_under_strict_and_a_warning_ot
     with caplog.at_level("WARNING", logger="fxquant"):
         lenient(x)
     assert "compiled no graph: Dynamo ran it eagerly, so nothing in it is quantized" in caplog.text
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match="the call of _LSTMHead compiled no graph"):
+        fxquant.explain(_LSTMHead(), x, scheme="linear_mxfp8")
 
 
 def test_explain_lists_sites_and_unmatched_ops():
