@@ -22,11 +22,13 @@ training loop advances its counters: ``set_iteration``, ``set_micro_batch`` / ``
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -133,7 +135,7 @@ class CaptureSession:
         self._base = {"run_id": config.run_id, "scheme": config.scheme, **config.rank.coords()}
         self.iteration, self.micro_batch = config.start_iteration, 0
         self.seq, self.reserved_bytes = seq_before, 0
-        self._first_seq = seq_before  # the budget's tensor count is this session's
+        self._first_seq = seq_before  # budget.tensors counts the records from this seq on
         self.stop_reason: str | None = None
         self._raised = False
         self._closed = False
@@ -180,14 +182,10 @@ class CaptureSession:
         if plan is None:
             plan = self._plans[key] = self._plan(decode_taps(tap_text), reference is None)
         x = x.detach()
-        shared: dict = {}  # one private copy of x (and of reference) for every work of this call
-        try:
+        with _shared_copies() as shared:  # one private copy of x (and of reference) for every work of this call
             for work, taps in plan:
                 if not self._emit(work, [(_tap_fields(tap), section) for tap, section in taps], x, reference, shared):
                     return
-        finally:  # this call's own hold on the shared copies: the writer may be done with them before the loop is
-            for lease in shared.values():
-                lease.release()
 
     def _emit(self, work: Work, taps: list[tuple[dict, str]], x: torch.Tensor, reference: torch.Tensor | None,
               shared: dict) -> bool:
@@ -253,12 +251,8 @@ class CaptureSession:
                   "layer": layer, "role": name, "copy": "hp", "gemm": None, "phase": phase, "direction": direction,
                   "shard_dim": None, "blocked_dim": None}
         work = Work(store=True, stats=True, sampling=None, qspec=None, dim=None, flatten=False, requantize=False)
-        shared: dict = {}
-        try:
+        with _shared_copies() as shared:
             return self._emit(work, [(fields, "user")], x.detach(), None, shared)
-        finally:
-            for lease in shared.values():
-                lease.release()
 
     def _plan(self, taps: tuple[Tap, ...], requantize: bool) -> list[tuple[Work, list[tuple[Tap, str]]]]:
         """The distinct tensor work for the live taps of one call, each with the (tap, section name)s it serves:
@@ -371,6 +365,18 @@ class CaptureSession:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def _shared_copies() -> Iterator[dict]:
+    """The private copies (``Lease``s) one capture call shares between its works, held by the call itself until
+    it has queued them all: the writer may be done with the first work's item before the next is queued."""
+    shared: dict = {}
+    try:
+        yield shared
+    finally:
+        for lease in shared.values():
+            lease.release()
 
 
 def _tap_fields(tap: Tap) -> dict:

@@ -50,6 +50,10 @@ class Item:
     source: Lease | None = None  # each released once by the writer when done with it
     reference: Lease | None = None
 
+    @property
+    def record_count(self) -> int:
+        return 1 if isinstance(self.records, dict) else len(self.records)
+
 
 @dataclass
 class _Buffered:
@@ -119,7 +123,7 @@ class ShardWriter:
             for lease in (item.source, item.reference):
                 if lease is not None:
                     lease.release()
-            self.state.dropped += 1 if isinstance(item.records, dict) else len(item.records)
+            self.state.dropped += item.record_count
 
     def _enqueue(self, obj: object) -> bool:
         """Put ``obj`` on the queue, waiting while it is full, unless the writer thread has ended."""
@@ -180,7 +184,7 @@ class ShardWriter:
                     entry = self._prepare(item)
                 except Exception as exc:  # noqa: BLE001 - any failure stops capture (the session applies on_error)
                     self._fail(exc, f"capture preparation failed in the writer thread: {type(exc).__name__}: {exc}")
-                    self.state.dropped += 1 if isinstance(item.records, dict) else len(item.records)
+                    self.state.dropped += item.record_count
                     entry = None
                 if entry is None:  # stopped (before, or by a failed preparation): dropped
                     continue

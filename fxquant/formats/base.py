@@ -8,6 +8,7 @@ from an explicit seed).
 from __future__ import annotations
 
 import abc
+import functools
 import inspect
 from dataclasses import dataclass, field
 
@@ -103,6 +104,12 @@ def draw_uniforms(
 CHUNK_ELEMENTS = 1 << 18
 
 
+@functools.lru_cache(maxsize=None)
+def _option_names(cls: type) -> tuple[str, ...]:
+    """The keyword options of a format class's ``resolve`` (read once per class: quantize validates every call)."""
+    return tuple(n for n, p in inspect.signature(cls.resolve).parameters.items() if p.kind is p.KEYWORD_ONLY)
+
+
 class _StraightThrough(torch.autograd.Function):
     """``values(x)`` forward (computed without autograd), the gradient passed to ``x`` unchanged backward."""
 
@@ -170,7 +177,7 @@ class Format(abc.ABC):
     def _prepare(self, x: torch.Tensor, dim: int, seed: int | None, **options: object) -> tuple[int, QuantOptions, int]:
         """Validate the call: (dim normalised, resolved options, the stochastic-rounding seed)."""
         d = check_tensor(x, dim)
-        allowed = [n for n, p in inspect.signature(self.resolve).parameters.items() if p.kind is p.KEYWORD_ONLY]
+        allowed = _option_names(type(self))
         unknown = [k for k in options if k not in allowed]
         if unknown:
             raise TypeError(f"{self.name} has no option {unknown[0]!r}; its options: {', '.join(allowed)}, seed")
