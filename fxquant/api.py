@@ -14,6 +14,7 @@ reads it, ``fxquant.counters`` uses it for the expected-vs-executed quantize cou
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,6 +89,7 @@ class CompileState:
     model: nn.Module
     strict: bool
     capture_session: object = None  # the session ``compile(capture_dir=...)`` started, if any
+    options: dict = field(default_factory=dict, repr=False)  # compile's keyword arguments but capture_dir
     checked_reports: int = 0
     _warned_no_session: bool = field(default=False, repr=False)
     _patch: object = field(default=None, repr=False)
@@ -236,11 +238,25 @@ def compile(
         from fxquant import capture as capture_api
 
         session = capture_api.start(spec, capture_dir, scheme=resolved.name)  # closed at exit if never closed
-    state = CompileState(fx_backend, model, strict, capture_session=session)
+    options = dict(capture=spec, backend=backend, strict=strict, dynamic=dynamic, layer_offset=layer_offset,
+                   num_layers=num_layers, attention=attention, kernels=kernels)
+    state = CompileState(fx_backend, model, strict, capture_session=session, options=options)
     object.__setattr__(compiled, STATE_ATTR, state)
+    # torch's OptimizedModule deep-copies as a bare torch.compile of the copied model (its __reduce__): no hooks,
+    # no state. copy.deepcopy looks __deepcopy__ up on the instance, so the copy is compiled again the same way.
+    object.__setattr__(compiled, "__deepcopy__", functools.partial(_deepcopy_compiled, state))
     compiled.register_forward_pre_hook(state.before_call)
     compiled.register_forward_hook(state.after_call, always_call=True)
     return compiled
+
+
+def _deepcopy_compiled(state: CompileState, memo: dict) -> nn.Module:
+    """``copy.deepcopy`` of a module ``compile`` returned: ``compile`` of a deep copy of its model, with the same
+    scheme and options. Its graphs compile again on its first call; it has no capture session of its own."""
+    if state.capture_session is not None:
+        log.warning("fxquant: the deep copy of a module compiled with capture_dir= has no capture session of its own; "
+                    "its capture taps write to the session active when it runs, whose iteration it does not advance")
+    return compile(copy.deepcopy(state.model, memo), state.scheme, **state.options)
 
 
 def compile_state(compiled: nn.Module) -> CompileState:

@@ -172,6 +172,28 @@ def test_compiling_a_compiled_module_says_what_to_pass():
         fxquant.compile(torch.compile(make_llama()), "linear_hifp8")
 
 
+def test_deep_copy_of_a_compiled_module_is_compiled_the_same_way():
+    """copy.deepcopy keeps the scheme, options, state and counters (torch's OptimizedModule alone copies to a bare
+    torch.compile: no fxquant state, no hooks); the copy's parameters are its own."""
+    base = make_llama()
+    tokens = make_tokens(base.cfg)
+    model = fxquant.compile(base, "linear_mxfp8", backend="aot_eager", kernels="reference", strict=True)
+    first = run_step(model, tokens)
+    clone = copy.deepcopy(model)
+    state = fxquant.compile_state(clone)
+    assert state is not fxquant.compile_state(model) and state.model is clone._orig_mod
+    assert state.model is not base and state.scheme.name == "linear_mxfp8" and state.strict
+    run_step(clone, tokens)
+    with count_quantize_calls(clone) as count:
+        got = run_step(clone, tokens)
+    assert count.ok and count.executed == count.expected > 0
+    assert fxquant.compile_state(clone).kernels() and Kernels.INDUCTOR not in fxquant.compile_state(clone).kernels()
+    assert_bitwise(first, got)
+    with torch.no_grad():
+        next(clone._orig_mod.parameters()).mul_(2)
+    assert torch.equal(run_step(model, tokens)[1], first[1])
+
+
 def test_counters_flag_a_step_that_skips_the_compiled_graph(caplog):
     model = fxquant.compile(make_llama(), "linear_hifp8", backend="aot_eager")
     tokens = make_tokens(make_llama().cfg)
