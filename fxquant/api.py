@@ -117,6 +117,11 @@ class CompileState:
         lowered with ``kernels="inductor"`` make none: their quantizes are generated code, ``fused_quantizes``)."""
         return self.backend.expected_calls()
 
+    def uncapturable(self) -> list[str]:
+        """The points the capture spec selects that the compiled graphs do not offer (e.g. a quantized copy of an
+        operand the scheme keeps in high precision), one line each, without repeats; logged as WARNING per graph."""
+        return list(dict.fromkeys(line for report in self.backend.tap_reports for line in report.unavailable))
+
     def fused_quantizes(self) -> tuple[int, int]:
         """(forward, backward) quantizes per step that Inductor compiled into its own kernels."""
         return self.backend.fused_calls()

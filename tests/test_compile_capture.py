@@ -83,4 +83,7 @@ def test_points_that_cannot_be_captured_give_one_warning_per_graph(tmp_path, cap
     assert len(unavailable) > len(warnings) >= 1
     assert len(warnings) == sum(1 for r in reports if r.unavailable)
     assert "cannot be captured in this graph" in warnings[0].getMessage()
+    listed = compile_state(compiled).uncapturable()
+    assert len(listed) == len(set(unavailable)) and set(listed) == set(unavailable)
+    assert any(".probs" in line for line in listed)  # fused SDPA has no probabilities to tap
     compile_state(compiled).capture_session.close()

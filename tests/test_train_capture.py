@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -76,6 +77,8 @@ def test_predecessor_env_capture_during_training(tmp_path, monkeypatch, capsys):
     assert fxquant_main(["capture", "verify", str(root)]) == 0
     summary_line = next(line for line in out.splitlines() if line.startswith("capture rank 0:"))
     assert f"{len(cs)} records" in summary_line and str(root) in summary_line
+    # the spec asks for quantized copies of P.V's operands, which this scheme keeps in high precision
+    assert re.search(r"; \d+ selected point\(s\) not in the compiled graphs", summary_line)
     assert {(r.iteration, r.micro_batch) for r in cs} == {(0, 0), (0, 1), (1, 0), (1, 1)}
     assert cs.values("scheme") == [SCHEME] and len(cs.values("run_id")) == 1
     coords = {(r.rank, r.world_size, r.tp_rank, r.tp_size, r.pp_rank, r.pp_size, r.dp_rank, r.dp_size) for r in cs}

@@ -242,7 +242,9 @@ def train(run: RunConfig, progress: Callable[[dict], None] | None = None) -> Tra
         if sink is not None:
             sink.close()
     if capture is not None:
-        result.capture = capture.close()
+        from fxquant.api import compile_state
+
+        result.capture = dict(capture.close(), uncapturable=len(compile_state(compiled).uncapturable()))
     if compiled is not model and info.is_logging_rank:
         result.sites = write_sites_report(compiled, run_dir / SITES_FILE)
     return result

@@ -168,11 +168,15 @@ class TrainingCapture:
 
 
 def describe(summary: dict) -> str:
-    """One line per rank: records, bytes, shards, where, and why capture stopped early if it did."""
+    """One line per rank: records, bytes, shards, where, why capture stopped early if it did, and how many selected
+    points the compiled graphs did not offer."""
     line = (f"capture rank {summary['rank']}: {summary['records']} records, {summary['bytes'] / 1e6:.2f} MB in "
             f"{summary['shards']} shard(s) -> {summary['dir']}")
     if summary.get("stop_reason"):
         line += f" (stopped: {summary['stop_reason']})"
     if summary.get("error"):
         line += f" (error: {summary['error']})"
+    if summary.get("uncapturable"):
+        line += (f"; {summary['uncapturable']} selected point(s) not in the compiled graphs (the log's 'cannot be "
+                 "captured' warnings name them)")
     return line
