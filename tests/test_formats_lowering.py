@@ -8,6 +8,8 @@ costs a few compiles, not one per option.
 """
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -151,13 +153,19 @@ def test_nvfp4_single_rows_with_a_partial_block(shape, dim):
     _consumed_check(TensorQuant("nvfp4").spec(), shape, dim, "none")
 
 
-def test_format_quantize_compiled_by_plain_torch_compile_equals_eager_with_a_partial_block():
-    """``Format.quantize`` (its own final cast reads the result) under plain ``torch.compile``, a short last block."""
+def test_format_quantize_compiled_by_plain_torch_compile_equals_eager_with_a_partial_block(monkeypatch):
+    """``Format.quantize`` (its own final cast reads the result) under plain ``torch.compile``, a short last block;
+    tracing it warns of nothing (Dynamo warns once per process, e.g. of a cache-wrapped function it traces)."""
+    monkeypatch.setattr(torch._dynamo.utils, "warn_once_cache", set())
     x = torch.randn(4, 50, generator=torch.Generator().manual_seed(6))
     for name in ("mxfp8_e4m3", "nvfp4"):
         fmt = formats.get(name)
         torch._dynamo.reset()
-        assert_bitwise_equal(torch.compile(lambda t: fmt.quantize(t), fullgraph=True)(x), fmt.quantize(x), name)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = torch.compile(lambda t: fmt.quantize(t, rounding="rne"), fullgraph=True)(x)
+        assert [str(w.message) for w in caught if "dynamo" in w.filename.lower()] == [], name
+        assert_bitwise_equal(got, fmt.quantize(x), name)
 
 
 HYPOTHESIS_SPECS = [TensorQuant("mxfp8_e4m3").spec(), TensorQuant("mxfp4_e2m1", rounding="sr").spec(),

@@ -8,7 +8,6 @@ from an explicit seed).
 from __future__ import annotations
 
 import abc
-import functools
 import inspect
 from dataclasses import dataclass, field
 
@@ -104,12 +103,6 @@ def draw_uniforms(
 CHUNK_ELEMENTS = 1 << 18
 
 
-@functools.lru_cache(maxsize=None)
-def _option_names(cls: type) -> tuple[str, ...]:
-    """The keyword options of a format class's ``resolve`` (read once per class: quantize validates every call)."""
-    return tuple(n for n, p in inspect.signature(cls.resolve).parameters.items() if p.kind is p.KEYWORD_ONLY)
-
-
 class _StraightThrough(torch.autograd.Function):
     """``values(x)`` forward (computed without autograd), the gradient passed to ``x`` unchanged backward."""
 
@@ -128,6 +121,14 @@ class Format(abc.ABC):
     name: str
     block_size: int | None = None
     canonical_float32 = True  # False: _quantize/_encode_canonical accept the input dtype as it is
+    option_names: tuple[str, ...] = ()  # the keyword options of the class's ``resolve``, set per class
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        # Read once per class, not per call (quantize validates every call) and not through a cache wrapper,
+        # which Dynamo warns about when it traces a compiled quantize.
+        super().__init_subclass__(**kwargs)
+        params = inspect.signature(cls.resolve).parameters.values()
+        cls.option_names = tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY)
 
     # -- options -----------------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -177,7 +178,7 @@ class Format(abc.ABC):
     def _prepare(self, x: torch.Tensor, dim: int, seed: int | None, **options: object) -> tuple[int, QuantOptions, int]:
         """Validate the call: (dim normalised, resolved options, the stochastic-rounding seed)."""
         d = check_tensor(x, dim)
-        allowed = _option_names(type(self))
+        allowed = self.option_names
         unknown = [k for k in options if k not in allowed]
         if unknown:
             raise TypeError(f"{self.name} has no option {unknown[0]!r}; its options: {', '.join(allowed)}, seed")
