@@ -159,7 +159,7 @@ class Format(abc.ABC):
         rows, length = x2.shape
         step = max(1, chunk_elements // max(length, 1))
         if rows <= step or x2.device.type != "cpu" or torch.compiler.is_compiling():
-            return self._quantize_canonical(x2, opts, seed)
+            return self._quantize_canonical(x2, opts, seed, out_dtype=out_dtype)
         ctx = self._tensor_context(x2, opts)
         out = torch.empty(x2.shape, dtype=out_dtype, device=x2.device)
         for r0 in range(0, rows, step):
