@@ -179,6 +179,11 @@ def test_bad_arguments_are_refused() -> None:
         flash_attention_reference(q[0], q[0], q[0], aq=mx)
     with pytest.raises(ValueError, match="multiple of key/value heads"):
         flash_attention_reference(make((1, 3, 8, 16), 0), q, q, aq=mx)
+    with pytest.raises(ValueError, match=r"has no query heads \(\[B, Hq, Lq, d\] needs Hq >= 1"):
+        flash_attention_reference(make((1, 0, 8, 16), 0), q, q, aq=mx)  # its backward gave dK of 0 heads
+    empty_d = make((1, 2, 8, 0), 0)
+    with pytest.raises(ValueError, match="has no head dim"):
+        flash_quantized_attention(empty_d, empty_d, empty_d, aq=mx)  # the default scale divided by sqrt(0)
     with pytest.raises(TypeError, match="AttentionQuant"):
         flash_attention_reference(q, q, q, aq="FA_mxfp8")
     with pytest.raises(ValueError, match="impl="):

@@ -71,6 +71,20 @@ def test_kernel_registry_runs_the_reference_for_it():
     from fxquant import kernels
 
     assert not kernels.has_kernel(formats.get("hifp8_legacy_clamp")) and kernels.has_kernel(formats.get("hifp8"))
+    assert not kernels.has_kernel("hifp8_legacy_clamp") and kernels.has_kernel("hifp8")  # names too
+    with pytest.raises(ValueError, match="hifp9"):
+        kernels.has_kernel("hifp9")
+    with pytest.raises(TypeError, match="a Format or a format name"):
+        kernels.has_kernel(3)
+    from fxquant.kernels.flash_attention_spec import QGEMM_KERNEL, operand_code
+
+    legacy = TensorQuant("hifp8_legacy_clamp")
+    with pytest.raises(ValueError, match=r"inside the flash-attention kernel \(a compatibility format that only the"):
+        operand_code(legacy, "q")
+    with pytest.raises(ValueError, match=r"inside the quantizing GEMM kernel .*\(a compatibility format"):
+        operand_code(legacy, "a", QGEMM_KERNEL)
+    with pytest.raises(ValueError, match=r"\(NVFP4's tensor scale needs the amax of a whole tensor\)"):
+        operand_code(TensorQuant("nvfp4"), "q")
     x = torch.tensor([1e-9, -3.0])
     tq = TensorQuant("hifp8_legacy_clamp")
     assert_bitwise_equal(kernels._quantize_op_impl(x, tq.spec(), -1), tq.quantize(x))

@@ -241,6 +241,21 @@ def test_bad_input_raises_like_the_reference() -> None:
         kernels.quantize([1.0], tq)  # type: ignore[arg-type]
 
 
+def test_gradient_is_straight_through_like_the_reference() -> None:
+    """``kernels.quantize`` is differentiable as ``Format.quantize`` is: the gradient reaches x unchanged, also when
+    another leaf needs one (the kernel's own result has no autograd history)."""
+    x = make_input((3, 64), 71, non_finite=False).to(DEVICE).requires_grad_()
+    w = torch.randn(3, 64, generator=torch.Generator().manual_seed(3)).to(DEVICE).requires_grad_()
+    tq = TensorQuant("mxfp4_e2m1")
+    y = kernels.quantize(x, tq)
+    assert y.requires_grad
+    (y * w).sum().backward()
+    assert_bitwise_equal(x.grad, w.detach())
+    assert_bitwise_equal(w.grad, tq.quantize(x.detach()))
+    with torch.no_grad():
+        assert not kernels.quantize(x, tq).requires_grad
+
+
 def test_input_is_not_modified() -> None:
     x = make_input((4, 64), 61, non_finite=True).to(DEVICE)
     before = x.clone()

@@ -63,18 +63,31 @@ def check_interpreter_loops() -> None:
 def quantize(x: torch.Tensor, tq, dim: int = -1, seed: int | None = None) -> torch.Tensor:
     """Fake-quantize ``x`` along ``dim`` per the TensorQuant ``tq`` with the Triton kernels.
 
-    Same contract and result as ``tq.quantize(x, dim, seed=seed)``; ``x`` must be a CUDA tensor, or a CPU
-    tensor when the kernels run in Triton's interpreter.
+    Same contract and result as ``tq.quantize(x, dim, seed=seed)``, the straight-through gradient included;
+    ``x`` must be a CUDA tensor, or a CPU tensor when the kernels run in Triton's interpreter.
     """
+    from fxquant.formats.base import _StraightThrough
     from fxquant.kernels import launch
 
-    return launch.quantize(x, tq, dim, seed)
+    def values(t: torch.Tensor) -> torch.Tensor:
+        return launch.quantize(t, tq, dim, seed)
+
+    if isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled():  # launch checks bad input
+        return _StraightThrough.apply(x, values)
+    return values(x)
 
 
 def has_kernel(fmt) -> bool:
-    """Whether Triton kernels implement ``fmt`` (the compatibility formats of formats/legacy.py are reference-only)."""
+    """Whether Triton kernels implement ``fmt``, a Format or a format name (the compatibility formats of
+    formats/legacy.py are reference-only)."""
+    from fxquant import formats
+    from fxquant.formats.base import Format
     from fxquant.formats.legacy import LegacyClampFormat
 
+    if isinstance(fmt, str):
+        fmt = formats.get(fmt)  # an unknown name raises, with the known ones
+    if not isinstance(fmt, Format):
+        raise TypeError(f"has_kernel takes a Format or a format name, got {type(fmt).__name__}")
     return not isinstance(fmt, LegacyClampFormat)
 
 

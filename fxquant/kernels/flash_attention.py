@@ -59,6 +59,10 @@ def check_inputs(q: object, k: object, v: object, scale: object) -> tuple[int, f
             f"flash_quantized_attention: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not "
             "fit [B, Hq, Lq, d], [B, Hk, Lk, d], [B, Hk, Lk, dv]"
         )
+    if hq == 0 or d == 0:
+        what = "query heads" if hq == 0 else "head dim"
+        raise ValueError(f"flash_quantized_attention: q of shape {tuple(q.shape)} has no {what} ([B, Hq, Lq, d] needs "
+                         "Hq >= 1 and d >= 1)")
     if hk == 0 or hq % hk:
         raise ValueError(f"flash_quantized_attention: query heads ({hq}) must be a multiple of key/value heads ({hk})")
     if lk == 0:

@@ -21,6 +21,7 @@ import enum
 from dataclasses import dataclass
 
 from fxquant.formats.element import BF16, E2M1, E2M3, E3M2, E4M3, E5M2, FP16, HIF8, INT8, ElementSpec
+from fxquant.formats.legacy import LegacyClampFormat
 from fxquant.formats.mx import MXFormat
 from fxquant.formats.options import Rounding, ScaleMode, Scaling
 from fxquant.formats.scalar import ElementFormat
@@ -78,10 +79,14 @@ class Operand(enum.Enum):
         return getattr(getattr(getattr(aq, mm), gemm), side)
 
 
-def operand_code(tq: TensorQuant | None, where: str = "operand") -> int:
+QGEMM_KERNEL = "the quantizing GEMM kernel (fxquant.kernels.qgemm)"  # operand_code's messages, for qgemm's operands
+
+
+def operand_code(tq: TensorQuant | None, where: str = "operand", kernel: str = "the flash-attention kernel") -> int:
     """The kernel constexpr of one operand: ``KIND | ELEM << 2 | RND << 6 | SMODE << 8 | OVF << 11``.
 
-    0 means "not quantized". Raises ValueError for what the kernel cannot compute from a tile.
+    0 means "not quantized". Raises ValueError for what the kernel (named ``kernel`` in messages) cannot compute
+    from a tile.
     """
     if tq is None:
         return 0
@@ -90,7 +95,7 @@ def operand_code(tq: TensorQuant | None, where: str = "operand") -> int:
     fmt, opts = tq.fmt, tq.options
     if opts.rounding not in ROUNDINGS:
         raise ValueError(
-            f"{where}: rounding={opts.rounding.value!r} is not supported inside the flash-attention kernel; "
+            f"{where}: rounding={opts.rounding.value!r} is not supported inside {kernel}; "
             f"allowed: {[r.value for r in ROUNDINGS]} (stochastic rounding needs a random stream per tile "
             "that the kernel does not define: use fxquant.qfunctions.quantized_sdpa)"
         )
@@ -102,16 +107,18 @@ def operand_code(tq: TensorQuant | None, where: str = "operand") -> int:
         if opts.scaling is not Scaling.NONE:
             raise ValueError(
                 f"{where}: {tq.spec()!r} uses scaling='tensor', which needs the amax of a whole tensor; "
-                "the flash-attention kernel quantizes tiles (allowed: scaling='none')"
+                f"{kernel} quantizes tiles (allowed: scaling='none')"
             )
         spec = fmt.element
         ovf = int(spec.has_inf and not opts.saturate and opts.rounding is not Rounding.RZ)
         kind, smode = Kind.ELEMENT, 0
     else:
+        why = ("a compatibility format that only the reference implements" if isinstance(fmt, LegacyClampFormat)
+               else "NVFP4's tensor scale needs the amax of a whole tensor")
         raise ValueError(
-            f"{where}: format {tq.format!r} is not supported inside the flash-attention kernel (NVFP4's tensor "
-            "scale needs the amax of a whole tensor); allowed: element formats (hifp8, fp8_e4m3, fp8_e5m2, bf16, "
-            "fp16) and MX formats (mxfp8_e4m3, mxfp8_e5m2, mxfp6_*, mxfp4_e2m1, mxint8)"
+            f"{where}: format {tq.format!r} is not supported inside {kernel} ({why}); allowed: element formats "
+            "(hifp8, fp8_e4m3, fp8_e5m2, bf16, fp16) and MX formats (mxfp8_e4m3, mxfp8_e5m2, mxfp6_*, mxfp4_e2m1, "
+            "mxint8)"
         )
     elem = ELEMENT_TABLE.index(fmt.element)
     return int(kind) | elem << 2 | ROUNDINGS.index(opts.rounding) << 6 | smode << 8 | ovf << 11

@@ -30,7 +30,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from fxquant.formats.tensor_quant import TensorQuant
 from fxquant.kernels import check_interpreter_loops
 from fxquant.kernels._primitives import load_f32, store_from_f32
-from fxquant.kernels.flash_attention_spec import bf16_exact, operand_code
+from fxquant.kernels.flash_attention_spec import QGEMM_KERNEL, bf16_exact, operand_code
 from fxquant.kernels.flash_attention_tiles import mm, quant_tile
 
 IO_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -77,7 +77,7 @@ def interpreted() -> bool:
 def supported(tq: TensorQuant | None) -> str | None:
     """Why ``tq`` cannot be quantized on load (None: it can)."""
     try:
-        operand_code(tq, "operand")
+        operand_code(tq, "operand", QGEMM_KERNEL)
     except ValueError as exc:
         return str(exc)
     return None
@@ -109,7 +109,7 @@ def qgemm(a: torch.Tensor, b: torch.Tensor, a_tq: TensorQuant | None, b_tq: Tens
         raise ValueError(f"qgemm: the kernel was built for {'the interpreter (CPU)' if INTERPRETED else 'CUDA'}; got {a.device}")
     if INTERPRETED:
         check_interpreter_loops()
-    codes = [operand_code(tq, f"qgemm operand {n}") for n, tq in (("a", a_tq), ("b", b_tq))]
+    codes = [operand_code(tq, f"qgemm operand {n}", QGEMM_KERNEL) for n, tq in (("a", a_tq), ("b", b_tq))]
     m, k = a.shape
     n = b.shape[1]
     c = torch.empty(m, n, dtype=a.dtype, device=a.device)

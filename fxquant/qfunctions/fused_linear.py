@@ -43,10 +43,10 @@ def _spec(tq: TensorQuant | None) -> str:
 @functools.lru_cache(maxsize=256)
 def _check_specs(a_spec: str, b_spec: str) -> None:
     """Refuse, on every device, what the fused kernel cannot quantize per tile (so all devices agree)."""
-    from fxquant.kernels.flash_attention_spec import operand_code
+    from fxquant.kernels.flash_attention_spec import QGEMM_KERNEL, operand_code
 
-    operand_code(_tq(a_spec), "quantized_mm operand a")
-    operand_code(_tq(b_spec), "quantized_mm operand b")
+    operand_code(_tq(a_spec), "quantized_mm operand a", QGEMM_KERNEL)
+    operand_code(_tq(b_spec), "quantized_mm operand b", QGEMM_KERNEL)
 
 
 def _reference_mm(a: torch.Tensor, b: torch.Tensor, a_spec: str, b_spec: str) -> torch.Tensor:
@@ -97,13 +97,13 @@ def restore_reference(device: str) -> None:
 
 def unsupported_reason(lq: LinearQuant) -> str | None:
     """Why ``lq`` cannot run fused (None: it can)."""
-    from fxquant.kernels.flash_attention_spec import operand_code
+    from fxquant.kernels.flash_attention_spec import QGEMM_KERNEL, operand_code
 
     for gemm in ("fprop", "dgrad", "wgrad"):
         g = getattr(lq, gemm)
         for side in ("a", "b"):
             try:
-                operand_code(getattr(g, side), f"{gemm}.{side}")
+                operand_code(getattr(g, side), f"{gemm}.{side}", QGEMM_KERNEL)
             except ValueError as exc:
                 return str(exc)
     return None
