@@ -58,6 +58,20 @@ def test_aot_eager_equals_eager_reference_bitwise(scheme):
 
 
 @pytest.mark.slow
+def test_aot_eager_equals_eager_reference_bitwise_under_autocast():
+    """torch.autocast(bf16): AOT traces the backward under the forward's autocast state, the eager reference's
+    autograd functions run it outside autocast and cast the backward GEMMs' operands themselves: the same bits."""
+    tokens = make_tokens(make_llama().cfg)
+    runs = []
+    for backend in ("eager", "aot_eager"):
+        torch._dynamo.reset()
+        model = fxquant.compile(make_llama(), "linear_mxfp8", backend=backend, strict=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            runs.append(run_step(model, tokens))
+    assert runs[0][0].dtype == torch.bfloat16
+    assert_bitwise(*runs)
+
+
 def test_bf16_is_bit_identical_to_plain_torch_compile():
     tokens = make_tokens(make_llama().cfg)
     plain = run_step(torch.compile(make_llama()), tokens)

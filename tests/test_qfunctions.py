@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import fxquant
 from fxquant import formats, schemes
 from fxquant.formats.tensor_quant import TensorQuant
 from fxquant.qfunctions import quantized_baddbmm, quantized_bmm, quantized_linear, quantized_matmul, quantized_sdpa
@@ -69,6 +70,54 @@ def test_linear_mx_equals_hand_formula_with_block_axes(fmt: str) -> None:
     assert not torch.equal(dx, (q(dy2, fmt, 1) @ q(w, fmt, 1)).reshape(x.shape))
     assert not torch.equal(dw, q(dy2, fmt, 1).t() @ q(x2, fmt, 0))
     assert not torch.equal(dw, q(dy2, fmt, 0).t() @ q(x2, fmt, 1))
+
+
+def test_linear_and_matmul_under_autocast_run_every_gemm_in_the_autocast_dtype() -> None:
+    """Under torch.autocast the forward GEMM casts its quantized operands to bf16 and the backward runs outside
+    autocast: the backward GEMMs cast theirs too (they mixed bf16 and float32 and failed), and each gradient
+    reaches its float32 input as float32."""
+    fmt, bf = "mxfp8", torch.bfloat16
+    lq = schemes.get(f"linear_{fmt}").linear_for(LIN_SITE)
+    x, w = spread(6, 64).requires_grad_(), spread(32, 64, seed=1).requires_grad_()
+    with torch.autocast("cpu", dtype=bf):
+        y = quantized_linear(x, w, None, lq)
+    dy = spread(6, 32, seed=2).to(bf)
+    y.backward(dy)
+    assert y.dtype == bf and x.grad.dtype == w.grad.dtype == torch.float32
+    assert torch.equal(y, F.linear(q(x.detach(), fmt, -1).to(bf), q(w.detach(), fmt, 1).to(bf)))
+    assert torch.equal(x.grad, (q(dy, fmt, 1) @ q(w.detach(), fmt, 0).to(bf)).float())
+    assert torch.equal(w.grad, (q(dy, fmt, 0).t() @ q(x.detach(), fmt, 0).to(bf)).float())
+    mq = MatmulQuant(*(GemmQuant(TensorQuant(fmt), TensorQuant(fmt)) for _ in range(3)))
+    a, b = spread(2, 8, 64).requires_grad_(), spread(64, 32, seed=3).requires_grad_()
+    with torch.autocast("cpu", dtype=bf):
+        c = quantized_matmul(a, b, mq)
+    c.backward(spread(2, 8, 32, seed=4).to(bf))
+    assert c.dtype == bf and a.grad.dtype == b.grad.dtype == torch.float32
+
+
+def test_linear_with_a_vector_weight_is_the_one_row_linear() -> None:
+    """F.linear accepts a 1-D weight [K] (the result drops N = 1): quantized as the weight [1, K], compiled too."""
+    fmt = "mxfp8"
+    lq = schemes.get(f"linear_{fmt}").linear_for(LIN_SITE)
+    x, w, b, dy = spread(3, 5, 64), spread(64, seed=1), torch.randn(()), spread(3, 5, seed=2)
+    y, dx, dw, db = run_linear(x, w, b, lq, dy)
+    y1, dx1, dw1, db1 = run_linear(x, w[None], b.reshape(1), lq, dy[..., None])
+    assert y.shape == (3, 5) and dw.shape == (64,) and db.shape == ()
+    assert torch.equal(y, y1.squeeze(-1)) and torch.equal(dx, dx1) and torch.equal(dw, dw1[0]) and torch.equal(db, db1[0])
+    assert torch.equal(y, F.linear(q(x, fmt, -1), q(w[None], fmt, 1), b.reshape(1)).squeeze(-1))
+
+    class Pool(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.score = torch.nn.Parameter(w.clone())
+
+        def forward(self, h):
+            return F.linear(h, self.score)
+
+    torch._dynamo.reset()
+    compiled = fxquant.compile(Pool(), "linear_mxfp8", backend="aot_eager", strict=True)
+    assert torch.equal(compiled(x).detach(), F.linear(q(x, fmt, -1), q(w[None], fmt, 1)).squeeze(-1))
+    assert [s.status.value for s in fxquant.compile_state(compiled).sites()] == ["rewritten"]
 
 
 def test_linear_operands_quantized_independently_per_gemm() -> None:

@@ -51,24 +51,33 @@ def _check_matmul_args(a: object, b: object, mq: object, fn: str) -> None:
         raise TypeError(f"{fn}: mq must be a fxquant.schemes.MatmulQuant, got {type(mq).__name__}")
 
 
+def qc(x: torch.Tensor, spec: str | None, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """``q(x, spec, dim)`` cast to ``dtype``: a backward GEMM's operand in the dtype its forward GEMM ran in (under
+    ``torch.autocast`` the forward's GEMM casts its quantized operands to the autocast dtype and the backward runs
+    outside autocast, so the backward casts them itself; autograd casts each gradient back to its input's dtype)."""
+    return q(x, spec, dim).to(dtype)
+
+
 class _QuantizedMatmulFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a: torch.Tensor, b: torch.Tensor, specs: Specs) -> torch.Tensor:
         ctx.specs = specs
         ctx.save_for_backward(a, b)
-        return torch.matmul(q(a, specs[0], -1), q(b, specs[1], -2))
+        out = torch.matmul(q(a, specs[0], -1), q(b, specs[1], -2))
+        ctx.gemm_dtype = out.dtype
+        return out
 
     @staticmethod
     def backward(ctx, dc: torch.Tensor):
         a, b = ctx.saved_tensors
-        s = ctx.specs
+        s, dt = ctx.specs, ctx.gemm_dtype
         da = db = None
         if ctx.needs_input_grad[0]:
-            da = torch.matmul(q(dc, s[2], -1), q(b, s[3], -1).transpose(-2, -1))
+            da = torch.matmul(qc(dc, s[2], -1, dt), qc(b, s[3], -1, dt).transpose(-2, -1))
             if da.shape != a.shape:
                 da = da.sum_to_size(a.shape)
         if ctx.needs_input_grad[1]:
-            db = torch.matmul(q(a, s[4], -2).transpose(-2, -1), q(dc, s[5], -2))
+            db = torch.matmul(qc(a, s[4], -2, dt).transpose(-2, -1), qc(dc, s[5], -2, dt))
             if db.shape != b.shape:
                 db = db.sum_to_size(b.shape)
         return da, db, None
