@@ -77,8 +77,8 @@ def test_block_relative_histogram_gives_the_reference_saturation_and_flush_count
     ref = capture_stats.compute(tq.quantize(x, 0), x, tq, 0)  # blocks along dim 0
     cfg = AnalysisConfig(formats=(name,), mx_formats=(), sample_blocks=0)
     s = summarize(0, {"blocked_dim": 0, "copy": "hp", "role": "output"}, x, cfg)
-    numel, nonzero, flushed, saturated = flow_counts(s, name).tolist()
-    assert (numel, nonzero) == (x.numel(), int((x != 0).sum()))
+    numel, nonzero, flushed, saturated, nonfinite = flow_counts(s, name).tolist()
+    assert (numel, nonzero, nonfinite) == (x.numel(), int((x != 0).sum()), 0)
     assert 100 * saturated / numel == pytest.approx(ref["saturated_pct"], abs=1e-12)
     assert 100 * flushed / nonzero == pytest.approx(ref["flushed_pct"], abs=1e-12)
 
@@ -90,7 +90,7 @@ def test_element_format_counts_match_the_reference():
         q = tq.quantize(x)
         ref = capture_stats.compute(q, x, tq, -1)
         s = summarize(0, {"copy": "hp", "role": "output"}, x, AnalysisConfig((name,), (), sample_blocks=0))
-        numel, nonzero, flushed, saturated = flow_counts(s, name).tolist()
+        numel, nonzero, flushed, saturated, _ = flow_counts(s, name).tolist()
         assert 100 * saturated / numel == pytest.approx(ref["saturated_pct"], abs=1e-12)
         assert flushed == int(((q == 0) & (x != 0)).sum()) + (1 if name == "hifp8" else 0)  # HiF8: the -2^-23 tie rounds away, counted flushed
 
@@ -156,3 +156,125 @@ def test_bf16_pattern_path_equals_the_float32_path():
             assert m16[k] == m32[k], k
         assert m16["mean"] == pytest.approx(m32["mean"], rel=1e-6)
         assert m16["std"] == pytest.approx(t.float()[torch.isfinite(t.float())].double().std().item(), rel=1e-9)
+
+
+def test_study_and_nvfp4_sample_leave_out_the_pads_of_short_blocks():
+    """Rows of 33 elements: 2 blocks each, the second holding 1 element and 31 pads. Every statistic counts
+    the 2112 elements of the tensor, as the capture statistics of fxquant.formats' own quantization do."""
+    x = torch.randn(64, 33, generator=torch.Generator().manual_seed(0)) * 100
+    blocks = mx_study.sample_blocks(x, 1, 10**6, 0)
+    assert blocks.values.shape == (128, 32) and blocks.numel == x.numel() == 2112
+    sums = mx_study.study(blocks, ("mxfp8_e4m3",), (0,))[("mxfp8_e4m3", "floor", 0)]
+    row = mx_study.metrics("mxfp8_e4m3", "floor", 0, "all", sums, float(x.abs().max()))
+    q = formats.get("mxfp8_e4m3").quantize(x, -1)
+    ref = capture_stats.compute(q, x, TensorQuant.from_spec("mxfp8_e4m3"), -1)
+    err = (q.double() - x.double())
+    assert row.n == 2112 and ref["saturated_pct"] > 1
+    assert row.mse == pytest.approx(ref["mse"], rel=1e-12) and row.mae == pytest.approx(err.abs().mean().item())
+    assert row.saturated_pct == pytest.approx(ref["saturated_pct"], rel=1e-12)
+    assert row.psnr_db == pytest.approx(10 * math.log10(x.abs().max().item() ** 2 / ref["mse"]), rel=1e-12)
+    nv = mx_study.nvfp4_sample(blocks, float(x.abs().max()))
+    q4 = formats.get("nvfp4").quantize(x, -1)
+    ref4 = capture_stats.compute(q4, x, TensorQuant.from_spec("nvfp4"), -1)
+    assert nv[0] == 2112 and nv[1] == 2112
+    assert 100 * nv[3] / nv[0] == pytest.approx(ref4["saturated_pct"], rel=1e-12) and nv[3] > 0
+    assert 100 * nv[2] / nv[1] == pytest.approx(ref4["flushed_pct"], rel=1e-12)
+
+
+def test_sampled_clip_percentages_leave_out_the_pads_of_short_blocks():
+    """Blocked along dim 0 of 33 rows (the reference path, not the histograms): the saturated share is of the
+    tensor's elements, as the capture statistics give it, not of the zero-padded blocks."""
+    from fxquant.analysis import summary
+
+    x = torch.randn(33, 64, generator=torch.Generator().manual_seed(1)) * 10
+    tq = TensorQuant.from_spec("mxfp4_e2m1")
+    q = tq.quantize(x, 0)
+    ref = capture_stats.compute(q, x, tq, 0)
+    got = summary._clip_stats(q, x, {"qspec": tq.spec(), "blocked_dim": 0}, None)
+    assert ref["saturated_pct"] > 1 and got["clip_source"] == "reference"
+    assert got["saturated_pct"] == pytest.approx(ref["saturated_pct"], rel=1e-12)
+    assert got["flushed_pct"] == pytest.approx(ref["flushed_pct"], rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp4_e2m1"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_holding_nan_or_inf_are_counted_apart_not_as_flushed(name, dtype):
+    """MX quantizes a block holding a NaN or an Inf to NaN: its elements are neither flushed nor saturated
+    nor non-zero, but counted in nonfinite_blocks; the other blocks' counts equal the reference's."""
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(16, 70, generator=g) * torch.exp2(torch.randint(-8, 8, (16, 70), generator=g).float())).to(dtype)
+    x[0, 3], x[1, 40], x[2, 66], x[3, 0] = math.inf, -math.inf, math.nan, 0.0  # 66: in the short last block
+    tq = TensorQuant(name)
+    q = tq.quantize(x.float(), -1)
+    cfg = AnalysisConfig(formats=(name,), mx_formats=(), sample_blocks=0)
+    s = summarize(0, {"copy": "hp", "role": "output"}, x, cfg)
+    numel, nonzero, flushed, saturated, nonfinite = flow_counts(s, name).tolist()
+    xf = x.float()
+    good = torch.isfinite(q)  # the blocks without NaN/Inf
+    assert nonfinite == int((~good).sum()) == 32 + 32 + 6 and numel == x.numel()
+    assert nonzero == int((good & (xf != 0)).sum())
+    assert flushed == int((good & (xf != 0) & (q == 0)).sum())
+    ref = capture_stats.compute(tq.quantize(torch.where(good, xf, 0.0), -1), torch.where(good, xf, 0.0), tq, -1)
+    assert 100 * saturated / numel == pytest.approx(ref["saturated_pct"], abs=1e-12) and saturated > 0
+
+
+@pytest.mark.parametrize("threshold", [127 / 64, 65504.0])
+def test_counts_at_thresholds_inside_a_bin_are_labelled_upper_bounds(threshold):
+    """127/64 (MXINT8) and 65504 (fp16) are no bin edges: their bin counts whole, so the count is an upper
+    bound (exact False) that holds every value truly beyond the threshold."""
+    j = bins.mag_bin_of(threshold)
+    lo, hi = bins.upper_edges()[j - 1], bins.upper_edges()[j]
+    assert lo < threshold < hi
+    inside = [(lo + threshold) / 2, (threshold + hi) / 2, -(threshold + hi) / 2]  # both sides, in the same bin
+    x = torch.cat([_data(), torch.tensor(inside, dtype=torch.float32)])
+    mag = bins.magnitude(_hist(x)[0])
+    above, exact = bins.count_above(mag, threshold)
+    at_most, exact2 = bins.count_at_most(mag, threshold)
+    assert not exact and not exact2
+    assert above == int((x.abs() > lo).sum()) >= int((x.abs() > threshold).sum()) + 1
+    assert at_most == int(((x.abs() <= hi) & (x != 0)).sum()) >= int(((x.abs() <= threshold) & (x != 0)).sum()) + 2
+
+
+def test_mxint8_saturation_is_an_upper_bound_holding_the_reference_count():
+    """MXINT8's max normal 127/64 lies inside the bin (1.9375, 2]: the saturated count is that bin's count,
+    never below the reference's (it was 0 when the bin was left out), and the overflow table says so."""
+    from fxquant.analysis.overflow import _method
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 256, generator=g)
+    x[:, 0] = 1.995 * 2.0 ** torch.randint(-3, 3, (256,), generator=g).float()  # (127/64, 2) after scaling
+    tq = TensorQuant("mxint8")
+    ref = capture_stats.compute(tq.quantize(x, -1), x, tq, -1)
+    s = summarize(0, {"copy": "hp", "role": "output"}, x, AnalysisConfig(("mxint8",), (), sample_blocks=0))
+    saturated = int(flow_counts(s, "mxint8")[3])
+    blocks = x.abs().reshape(256, -1, 32)
+    elem = blocks / torch.exp2(torch.floor(torch.log2(blocks.amax(-1, keepdim=True))))  # floor scale, emax 0
+    assert round(ref["saturated_pct"] * x.numel() / 100) == int((elem > 127 / 64).sum()) > 0
+    assert saturated == int((elem > 1.9375).sum()) >= int((elem > 127 / 64).sum())
+    assert "saturated is an upper bound (1.984375" in _method("mxint8") and _method("mxfp8_e4m3").endswith("exact")
+
+
+def test_quantile_accuracy_statement_holds_for_normals_and_subnormals():
+    """What global_stats.json says about quantile accuracy is what the bins give: within 6.25 % for normal
+    float32 values; for subnormals within 2**-130 absolute, where the relative error can exceed 6.25 %."""
+    from fxquant.analysis.stats_report import QUANTILE_ACCURACY
+
+    g = torch.Generator().manual_seed(9)
+    qs = (0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99)
+    normal = torch.randn(1 << 14, generator=g) * 100
+    sub = torch.rand(1 << 14, generator=g) * 2.0**-128  # float32 subnormals
+    worst_sub_rel = 0.0
+    for x, subnormal in ((normal, False), (sub, True)):
+        got = bins.quantiles(_hist(x)[0], qs)
+        xs = x.double().sort().values
+        for q in qs:
+            k = min(int(q * x.numel()), x.numel() - 2)
+            true, err = min(((xs[i].item(), abs(got[f"q{q:g}"] - xs[i].item())) for i in (k - 1, k, k + 1)),
+                            key=lambda t: t[1])  # exact in rank: at one of the order statistics around q * n
+            if subnormal:
+                assert err <= 2.0**-130
+                worst_sub_rel = max(worst_sub_rel, err / abs(true))
+            else:
+                assert err <= abs(true) / 16
+    assert worst_sub_rel > 1 / 16  # the 6.25 % bound does not reach subnormals, and the statement says so
+    assert "6.25%" in QUANTILE_ACCURACY and "2**-130" in QUANTILE_ACCURACY and "subnormal" in QUANTILE_ACCURACY

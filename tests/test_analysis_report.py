@@ -245,7 +245,7 @@ def test_a_rank_with_a_corrupt_manifest_is_left_out_and_the_other_ranks_still_co
     assert "rank-00000: unreadable, its records left out" in err and "rank-00001: 1 torn manifest line(s)" in err
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4_e2m1", "mxfp8_e4m3:scale_mode=rceil", "hifp8"])
+@pytest.mark.parametrize("fmt", ["mxfp4_e2m1", "mxfp8_e4m3:scale_mode=rceil", "hifp8", "mxint8"])
 def test_clip_percentages_without_capture_statistics_match_the_reference(tmp_path, fmt):
     """what: full (no capture-time statistics): saturated/flushed % come from the histograms (floor MX,
     element formats) or the reference (other scale rules) and equal the capture's own statistics."""
@@ -298,3 +298,114 @@ def test_capture_ls_and_export_where_take_any_of_several_values_as_report_does(s
     assert f"wrote {2 * len(sent_q) // 3} .pt files" in capsys.readouterr().out
     assert main(["capture", "ls", str(root / "mxfp8"), "--where", "role"]) == 2
     assert "expected FIELD=VALUE or FIELD=V1,V2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("quantized_first", [False, True])
+def test_a_site_called_twice_per_step_pairs_each_quantized_copy_with_its_own_call(tmp_path, quantized_first):
+    """One module called twice in one step (shared weights, recompute): each call writes its high-precision
+    record and quantized copy (in either order within the call); each copy is scored against its own call's
+    tensor, not the first call's."""
+    from fxquant.capture.runtime import RankInfo
+    from fxquant.capture.spec import Component, Copy, Gemm, ModuleKind, Role
+    from fxquant.capture.tap import Tap
+    from fxquant.formats.tensor_quant import TensorQuant
+    from tests.analysis_helpers import spec
+
+    g = torch.Generator().manual_seed(3)
+    calls = [torch.randn(16, 64, generator=g), 100 * torch.randn(16, 64, generator=g) + 50]
+    tq = TensorQuant.from_spec("mxfp8_e4m3")
+    module = "decoder.layers.0.mlp.linear_fc1"
+    hp = Tap(Component.LINEAR, Role.INPUT, module, (0,), ModuleKind.FC1, 0)
+    qt = Tap(Component.LINEAR, Role.INPUT, module, (0,), ModuleKind.FC1, 0, copy=Copy.QUANTIZED,
+             gemm=Gemm.FPROP, qspec=tq.spec(), dim=-1)
+    with capture.start(spec("full"), tmp_path / "c", scheme="s", rank=RankInfo(0, 1), run_id="r") as s:
+        s.set_iteration(0)
+        for x in calls:
+            writes = [lambda: torch.ops.fxquant.capture(x, hp.encode()),
+                      lambda: torch.ops.fxquant.capture(tq.quantize(x, -1), qt.encode(), x)]
+            for w in (writes[::-1] if quantized_first else writes):
+                w()
+    analysis.report([tmp_path / "c"], tmp_path / "r", plots=False, **FAST)
+    sites = sorted(_json(tmp_path / "r/quant_error/sites.json")["sites"], key=lambda s: s["seq"])
+    assert len(sites) == 2
+    for s, x in zip(sites, calls):
+        x = x.double()
+        err = tq.quantize(x.float(), -1).double() - x
+        assert s["sqnr_db"] == pytest.approx(10 * math.log10(x.square().sum() / err.square().sum()), rel=1e-6)
+        assert s["max_err"] == pytest.approx(err.abs().max().item(), rel=1e-6)
+
+
+SAMPLED_SPEC = """\
+sections:
+  - name: all
+    points: [{component: linear}]
+    when: {iterations: {start: 0, end: 100}}
+    what: both
+    sampling: {first_rows: 2}
+"""
+
+
+def test_sampled_records_take_whole_tensor_moments_and_label_sampled_quantiles(tmp_path):
+    """Only the first 2 rows stored (all zero), capture-time statistics of all 64: the moments and the exponent
+    histogram describe the whole tensor; the quantiles say they cover the 128 stored elements only."""
+    from fxquant.analysis import summary
+    from fxquant.capture.runtime import RankInfo
+    from fxquant.capture.spec import Component, ModuleKind, Role
+    from fxquant.capture.tap import Tap
+
+    x = torch.cat([torch.zeros(2, 64), 1000 + torch.randn(62, 64, generator=torch.Generator().manual_seed(0))])
+    spec = capture.load_spec("s.yaml", text=SAMPLED_SPEC)
+    with capture.start(spec, tmp_path / "c", scheme="bf16", rank=RankInfo(0, 1), run_id="r") as s:
+        s.set_iteration(0)
+        tap = Tap(Component.LINEAR, Role.INPUT, "decoder.layers.0.mlp.linear_fc1", (0,), ModuleKind.FC1, 0)
+        torch.ops.fxquant.capture(x, tap.encode())
+    analysis.report([tmp_path / "c"], tmp_path / "r", plots=False, **FAST)
+    st = _json(tmp_path / "r/stats/global_stats.json")
+    g = st["groupings"]["overall"][0]
+    xd = x.double()
+    assert g["numel"] == 4096 and g["zero_fraction"] == 128 / 4096
+    assert g["mean"] == pytest.approx(xd.mean().item(), rel=1e-9)
+    assert g["std"] == pytest.approx(xd.std().item(), rel=1e-6) and g["amax"] == xd.abs().max().item()
+    assert (g["histogram_numel"], g["sampled_tensors"]) == (128, 1) and "sampled" in st["quantile_coverage"]
+    assert "* quantiles over stored sampled rows" in (tmp_path / "r/stats/global_stats.txt").read_text()
+    cs = capture.open(tmp_path / "c")
+    rec = next(iter(cs))
+    config = summary.AnalysisConfig(("hifp8",), ("mxfp8_e4m3",), sample_blocks=0)
+    s = summary.summarize(0, rec.fields, cs.load(rec), config)
+    binade = summary.dense(s.binade, 256)
+    assert s.sampled and binade.sum() == 4096 and binade[127 + 9] == 62 * 64  # every |x| in [512, 1024)
+
+
+@pytest.mark.parametrize("what", ["both", "stats"])
+def test_quant_error_summary_pools_sqnr_over_sites_lossless_ones_included(tmp_path, what):
+    """Three operands, the first exactly representable (SQNR inf): the summary's SQNR is the pooled
+    10 log10(sum x^2 / sum e^2) over all three, from the tensors or from the capture-time statistics alone,
+    not the mean of the two finite ones."""
+    from fxquant.capture.runtime import RankInfo
+    from fxquant.capture.spec import Component, Copy, Gemm, ModuleKind, Role
+    from fxquant.capture.tap import Tap
+    from fxquant.formats.tensor_quant import TensorQuant
+    from tests.analysis_helpers import spec
+
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randint(-8, 8, (16, 64), generator=g).float(), torch.randn(16, 64, generator=g),
+          3 * torch.randn(16, 64, generator=g)]
+    tq = TensorQuant.from_spec("mxfp8_e4m3")
+    with capture.start(spec(what), tmp_path / "c", scheme="s", rank=RankInfo(0, 1), run_id="r") as s:
+        s.set_iteration(0)
+        for layer, x in enumerate(xs):
+            m = f"decoder.layers.{layer}.mlp.linear_fc1"
+            torch.ops.fxquant.capture(x, Tap(Component.LINEAR, Role.INPUT, m, (0,), ModuleKind.FC1, layer).encode())
+            tap = Tap(Component.LINEAR, Role.INPUT, m, (0,), ModuleKind.FC1, layer, copy=Copy.QUANTIZED,
+                      gemm=Gemm.FPROP, qspec=tq.spec(), dim=-1)
+            torch.ops.fxquant.capture(tq.quantize(x, -1), tap.encode(), x)
+    analysis.report([tmp_path / "c"], tmp_path / "r", **FAST)
+    d = _json(tmp_path / "r/quant_error/sites.json")
+    assert [s["source"] for s in d["sites"]] == ["tensors" if what == "both" else "manifest"] * 3
+    assert d["sites"][0]["sqnr_db"] == "inf"
+    e2 = sum((tq.quantize(x, -1).double() - x.double()).square().sum().item() for x in xs)
+    r2 = sum(x.double().square().sum().item() for x in xs)
+    row = d["summary"][0]
+    assert row["sqnr_db_pooled"] == pytest.approx(10 * math.log10(r2 / e2), rel=1e-6)
+    assert row["lossless_sites"] == 1 and row["operands"] == 3
+    assert "pooled over captures" in (tmp_path / "r/quant_error/heatmap_sqnr_db_s.svg").read_text()

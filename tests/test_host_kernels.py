@@ -130,3 +130,25 @@ def test_backend_switch(monkeypatch):
     monkeypatch.setenv("FXQUANT_HOST_KERNELS", "fortran")
     with pytest.raises(ValueError, match="FXQUANT_HOST_KERNELS='fortran'"):
         host.backend()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [32, 7])
+def test_blocks_holding_nan_or_inf_go_to_their_own_relative_bin(dtype, block):
+    """Every element of a block with a NaN or an Inf (a short last block included) lands in REL_NONFINITE,
+    in the compiled kernel and its twin alike; the other blocks are binned as before."""
+    x = torch.randn(5, 70, generator=torch.Generator().manual_seed(8)).to(dtype)
+    x[0, 1], x[1, 69], x[2, 33], x[4, 2] = math.inf, math.nan, -math.inf, 0.0
+    counts = host.f32_counts if dtype == torch.float32 else host.bf16_counts
+    twin = host.f32_counts_torch if dtype == torch.float32 else host.bf16_counts_torch
+    c, t = counts(x, block), twin(x, block)
+    assert np.array_equal(c.rel, t.rel)
+    bad, clean = 0, x.clone()
+    for row, col in ((0, 1), (1, 69), (2, 33)):
+        b0 = col // block * block
+        bad += min(b0 + block, 70) - b0
+        clean[row, b0:b0 + block] = 0.0  # the same tensor with zero blocks in their place
+    assert c.rel[host.REL_NONFINITE] == bad and c.rel.sum() == x.numel()
+    rest = counts(clean, block).rel
+    assert np.array_equal(np.delete(c.rel, [host.REL_ZERO, host.REL_NONFINITE]),
+                          np.delete(rest, [host.REL_ZERO, host.REL_NONFINITE]))

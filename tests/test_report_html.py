@@ -3,6 +3,7 @@ loss curves from metrics JSONL with the mean relative error against bf16."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -51,6 +52,27 @@ def test_loss_curves_mean_relative_error(tmp_path):
     assert rows["FA_linear_mxfp4"]["mre_last_2"] == pytest.approx(0.1) and rows["bf16"]["mre_all"] is None
     assert "training/curves.svg" in res.files and "training/relative_error.svg" in res.files
     assert any("missing" in p for p in res.problems)
+
+
+def test_a_diverged_run_has_an_infinite_loss_error_counting_its_nonfinite_iterations(tmp_path):
+    """Loss NaN from iteration 10 on (iterations 1..30): every error is infinite there, not left out; the last
+    N are the last N logged iterations, not the last N finite ones."""
+    from fxquant.analysis.loss_curves import loss_error
+
+    ref = [5.0 - 0.1 * i for i in range(30)]
+    diverged = [v if i < 9 else float("nan") for i, v in enumerate(ref)]
+    runs = [analysis.load_run(_metrics(tmp_path / "a", ref, "bf16")),
+            analysis.load_run(_metrics(tmp_path / "b", diverged, "FA_linear_mxfp4"))]
+    assert analysis.mean_relative_error(runs[1], runs[0]) == math.inf
+    assert loss_error(runs[1], runs[0], last_n=10) == (math.inf, 10)
+    assert loss_error(runs[1], runs[0], last_n=22) == (math.inf, 21)
+    healed = analysis.load_run(_metrics(tmp_path / "c", diverged[:9] + ref[9:], "healed"))
+    assert loss_error(healed, runs[0], last_n=10) == (0.0, 0)
+    analysis.report([], tmp_path / "r", metrics=[tmp_path / "a", tmp_path / "b"], last_n=10, plots=False,
+                    progress=False)
+    rows = {r["run"]: r for r in json.loads((tmp_path / "r/training/loss_vs_reference.json").read_text())["runs"]}
+    row = rows["FA_linear_mxfp4"]
+    assert (row["mre_all"], row["mre_last_10"], row["nonfinite_loss"]) == ("inf", "inf", 21)
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (scripts/ensure_chromium.sh)")

@@ -95,3 +95,31 @@ def test_cli_refuses_missing_directories_and_unknown_group_fields(tmp_path, caps
     with pytest.raises(ValueError, match="by='rol': unknown record field.*did you mean 'role'"):
         what_if(tmp_path / "cap", ["hifp8"], by=("rol",))
     assert main(["what-if", str(tmp_path / "cap"), "--formats", "hifp8", "--by", "layer", "-q"]) == 0
+
+
+def test_overflow_to_inf_is_counted_and_not_reported_as_lossless(tmp_path):
+    """bf16 values above fp16's 65504 become Inf in fp16: inf_pct counts them (nan_pct does not), and the
+    error metrics are unbounded, not the lossless numbers of the elements that stayed finite."""
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    x[0, :8] = 1e5
+    write_tensors(tmp_path / "cap", [x])
+    rows = {r["format"]: r for r in what_if(tmp_path / "cap", "fp16,fp8_e4m3", by=()).rows}
+    fp16 = rows["fp16"]
+    assert fp16["inf_pct"] == 100 * 8 / 1024 and fp16["nan_pct"] == 0.0
+    assert fp16["sqnr_db"] == -math.inf and fp16["cosine"] is None
+    assert fp16["rel_err"] == fp16["mse"] == fp16["rmse"] == fp16["mae"] == fp16["max_err"] == math.inf
+    assert fp16["mean_rel_err"] == math.inf
+    e4m3 = rows["fp8_e4m3"]  # saturates: finite everywhere, a finite error
+    assert e4m3["inf_pct"] == e4m3["nan_pct"] == 0.0 and 0 < e4m3["sqnr_db"] < 1
+    fine = what_if(tmp_path / "cap", "fp8_e4m3", by=(), per_tensor=True).tensors[0]
+    assert fine["sqnr_db"] == e4m3["sqnr_db"]
+
+
+def test_the_table_shows_nan_and_inf_percentages(tmp_path, capsys):
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    x[0, :8] = 1e5
+    write_tensors(tmp_path / "cap", [x])
+    assert main(["what-if", str(tmp_path / "cap"), "--formats", "fp16", "-q"]) == 0
+    header, _, row = capsys.readouterr().out.splitlines()[:3]
+    cells = dict(zip(header.split(), row.split()))
+    assert cells["inf_pct"] == f"{100 * 8 / 1024:.4g}" and float(cells["nan_pct"]) == 0

@@ -29,7 +29,7 @@ MOMENT_GROUPINGS = (("copy", "layer", "rank"), ("copy", "direction", "role"), ("
 # the per-layer / per-rank / per-tensor-type pages (layer_pages.py): moments and exponent histograms only
 LAYER_PAGE_GROUPING = ("layer", "rank", "component", "direction", "role", "copy", "format")
 FLOW_KEY = ("scheme", "copy", "component", "layer", "rank", "direction", "role")
-FLOW_FIELDS = ("numel", "nonzero", "flushed", "saturated")
+FLOW_FIELDS = ("numel", "nonzero", "flushed", "saturated", "nonfinite_blocks")
 
 
 def key_of(fields: dict, names: tuple[str, ...]) -> tuple:
@@ -47,6 +47,7 @@ class Group:
     signed: np.ndarray | None = None
     binade: np.ndarray | None = None
     rel: np.ndarray | None = None
+    sampled: int = 0  # records whose signed/block-relative histograms hold only their stored sampled rows
 
 
 def format_thresholds(name: str) -> tuple[float, float, int | None]:
@@ -56,22 +57,35 @@ def format_thresholds(name: str) -> tuple[float, float, int | None]:
     return e.max_normal, e.min_subnormal / 2, (e.emax if isinstance(fmt, MXFormat) else None)
 
 
+def counts_exact(name: str) -> tuple[bool, bool]:
+    """(saturated count exact?, flushed count exact?) of format ``name`` read off the histograms: exact when its
+    threshold is a bin edge, else an upper bound (bins.count_above / count_at_most); NVFP4 comes from samples."""
+    sat_t, flush_t, _ = format_thresholds(name)
+    return bins.edge_index(sat_t) is not None, bins.edge_index(flush_t) is not None
+
+
 def flow_counts(s: RecordSummary, name: str) -> np.ndarray | None:
-    """[numel, nonzero, flushed, saturated] of one record for one format (floor scale for MX)."""
+    """[numel, nonzero, flushed, saturated, nonfinite_blocks] of one record for one format (floor scale for
+    MX); flushed and saturated are upper bounds where ``counts_exact`` says so. For block formats, the
+    elements of blocks holding a NaN or an Inf (NaN after quantization) count in numel and nonfinite_blocks
+    only; element formats have no blocks (0)."""
     if name == "nvfp4":
-        return None if s.nvfp4 is None else s.nvfp4[[0, 1, 2, 3]].astype(np.int64)
+        return None if s.nvfp4 is None else s.nvfp4[[0, 1, 2, 3, 4]].astype(np.int64)
     if s.signed is None:
         return None
     sat_t, flush_t, emax = format_thresholds(name)
     signed = dense(s.signed, bins.NSIGNED)
     mag = bins.magnitude(signed)
+    nonfinite_blocks = 0
     if emax is not None:
-        mag = bins.element_domain(dense(s.rel, bins.NREL), emax)
+        rel = dense(s.rel, bins.NREL)
+        mag = bins.element_domain(rel, emax)
+        nonfinite_blocks = int(rel[bins.REL_NONFINITE])
     numel = int(mag.sum())
     nonzero = numel - int(mag[0]) - int(mag[bins.NAN_FIRST:].sum())
     sat, _ = bins.count_above(mag, sat_t)
     fl, _ = bins.count_at_most(mag, flush_t)
-    return np.array([numel, nonzero, fl, sat], dtype=np.int64)
+    return np.array([numel + nonfinite_blocks, nonzero, fl, sat, nonfinite_blocks], dtype=np.int64)
 
 
 class Aggregator:
@@ -118,6 +132,7 @@ class Aggregator:
                 continue
             if signed is not None:
                 g.signed = signed.copy() if g.signed is None else g.signed + signed
+                g.sampled += s.sampled
             if binade is not None:
                 g.binade = binade.copy() if g.binade is None else g.binade + binade
             if rel is not None and grouping in DIST_GROUPINGS:
@@ -143,5 +158,5 @@ def site_row(f: dict, q: dict) -> dict:
     row = {k: f.get(k) for k in ("scheme", "format", "qspec", "component", "module", "kind", "layer", "role", "gemm",
                                  "direction", "rank", "iteration", "micro_batch", "seq")}
     row.update({k: q.get(k) for k in ("sqnr_db", "mse", "cosine", "max_err", "saturated_pct", "flushed_pct",
-                                      "source", "problem")})
+                                      "source", "problem", "err_sq", "ref_sq")})
     return row

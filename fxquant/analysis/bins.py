@@ -14,13 +14,15 @@ by addition across tensors, processes and runs:
 * **block-relative bins**: an element's magnitude bin minus ``16 * E_b``, ``E_b`` the exponent field
   of its 32-element block's amax (all-zero blocks use 255). Shifting it by ``16 * (127 + emax)`` gives
   the element-domain bins of any MX format under the OCP ``floor`` scale rule, because the shared scale
-  is a power of two (FORMATS.md, "MX block formats"). Zeros sit in a bin of their own.
+  is a power of two (FORMATS.md, "MX block formats"). Zeros sit in a bin of their own (``REL_ZERO``); every
+  element of a block holding a NaN or an Inf, which MX quantizes to NaN, in another (``REL_NONFINITE``).
 
 The binning itself is one pass per tensor in fxquant.kernels.host (``f32_counts``; bfloat16 tensors are
 counted per 16-bit pattern by ``bf16_counts`` and folded onto the same bins here, their low 16 float32
 bits being zero). Quantiles interpolate linearly inside one bin: exact in rank, and within one bin in value,
-i.e. a relative error of at most 1/16 = 6.25 % (zero exact). Float32 subnormals (< 2**-126) are binned
-linearly, which only matters for formats whose thresholds lie that low (bf16).
+i.e. a relative error of at most 1/16 = 6.25 % for normal float32 magnitudes (zero exact). Float32 subnormals
+(< 2**-126) are binned linearly, 16 bins of width 2**-130: there a quantile is within 2**-130 in absolute value,
+whatever its relative error.
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ import math
 
 import numpy as np
 
-from fxquant.kernels.host import NBINADE, NMAG, NREL, NSIGNED, REL_OFFSET, REL_ZERO, SUB  # noqa: F401  (re-exported)
+from fxquant.kernels.host import (  # noqa: F401  (re-exported)
+    NBINADE, NMAG, NREL, NSIGNED, REL_NONFINITE, REL_OFFSET, REL_ZERO, SUB)
 
 NAN_FIRST = 4081  # magnitude bins >= this are NaN
 INF_BIN = 4080  # Inf (and finite values above 1.9375 * 2**127)
@@ -71,26 +74,28 @@ def magnitude(signed: np.ndarray) -> np.ndarray:
 
 
 def count_above(mag: np.ndarray, threshold: float) -> tuple[int, bool]:
-    """(count of finite |x| > threshold, exact?) from magnitude bins."""
+    """(count of finite |x| > threshold, exact?) from magnitude bins. A threshold that is no bin edge (MXINT8's
+    127/64, fp16's 65504) gives an upper bound: its own bin, which holds values on both sides, counts whole."""
     j = mag_bin_of(threshold)
     exact = _UPPER[j] == threshold
-    start = j + 1 if exact else j + 1  # bins wholly above; a non-edge threshold ignores its own bin
+    start = j + 1 if exact else j
     return int(mag[start:INF_BIN].sum()), bool(exact)
 
 
 def count_at_most(mag: np.ndarray, threshold: float) -> tuple[int, bool]:
-    """(count of non-zero |x| <= threshold, exact?) from magnitude bins."""
+    """(count of non-zero |x| <= threshold, exact?) from magnitude bins; an upper bound (the threshold's own
+    bin counted whole) when the threshold is no bin edge."""
     j = mag_bin_of(threshold)
     exact = _UPPER[j] == threshold
-    stop = j + 1 if exact else j  # a non-edge threshold leaves out its own bin
-    return int(mag[1:stop].sum()), bool(exact)
+    return int(mag[1:j + 1].sum()), bool(exact)
 
 
 def element_domain(rel: np.ndarray, emax: int) -> np.ndarray:
     """Magnitude bins of the MX element values (floor scale, element exponent of max normal ``emax``).
 
     Element bin = relative bin + 16 * (127 + emax); bins falling off either end are clamped into the
-    first non-zero / last finite bin. Zeros go to bin 0.
+    first non-zero / last finite bin. Zeros go to bin 0. The elements of blocks holding a NaN or an Inf
+    (``rel[REL_NONFINITE]``) are left out.
     """
     out = np.zeros(NMAG, dtype=np.int64)
     shift = SUB * (127 + emax) - REL_OFFSET

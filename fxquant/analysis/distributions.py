@@ -18,7 +18,7 @@ import torch
 
 from fxquant import formats
 from fxquant.analysis import bins
-from fxquant.analysis.aggregate import FLOW_KEY, Aggregator, format_thresholds
+from fxquant.analysis.aggregate import FLOW_KEY, Aggregator, counts_exact, format_thresholds
 from fxquant.analysis import svg
 from fxquant.analysis.outputs import Job, Outputs, slug, sort_key
 from fxquant.formats.element import HiF8
@@ -201,7 +201,10 @@ def format_page(agg: Aggregator, name: str, copy: str, out: Outputs) -> dict:
              if layers[k].signed is not None}
     quant["overall"] = bins.quantiles(agg.groups[("copy",)][(copy,)].signed, agg.config.quantiles)
     sat_t, flush_t, _ = format_thresholds(name)
-    info.update({"max_normal": sat_t, "flush_threshold": flush_t, "quantiles": quant})
+    sat_exact, flush_exact = counts_exact(name)
+    info.update({"max_normal": sat_t, "flush_threshold": flush_t, "quantiles": quant,
+                 "counts": {"saturated": "exact" if sat_exact else "upper bound (max normal inside a bin)",
+                            "flushed": "exact" if flush_exact else "upper bound (threshold inside a bin)"}})
     if isinstance(formats.get(name).element, HiF8):
         info["mantissa_regions"] = [{"lo": lo, "hi": hi, "mantissa_bits": m}
                                     for lo, hi, m in mantissa_regions(formats.get(name).element)]
@@ -223,7 +226,10 @@ def _layer_rank(agg: Aggregator, out: Outputs, name: str, copy: str, d: str, sec
     ranks = sorted({k[1] for k in cells}, key=sort_key)
     fig, axes = svg.subplots(1, 2, panel=(max(90.0, 70.0 * len(ranks)), max(160.0, 16.0 * len(layers))),
                              title=f"{name}: layer x rank, {copy} tensors")
-    for ax, col, label in ((axes[0], 2, "flushed to zero (% of non-zero)"), (axes[1], 3, "saturated (% of elements)")):
+    sat_exact, flush_exact = counts_exact(name)
+    bound = " (upper bound)"
+    for ax, col, label in ((axes[0], 2, "flushed to zero (% of non-zero)" + ("" if flush_exact else bound)),
+                           (axes[1], 3, "saturated (% of elements)" + ("" if sat_exact else bound))):
         data = np.full((len(layers), len(ranks)), np.nan)
         for (l, r), c in cells.items():
             denom = c[1] if col == 2 else c[0]

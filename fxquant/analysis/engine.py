@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from fxquant.analysis.plan import Plan, Task
+from fxquant.analysis.plan import Plan, Task, sources
 from fxquant.analysis.summary import AnalysisConfig, RecordSummary, summarize
 from fxquant.capture.reader import CaptureReadError, CaptureSet, Record, open_capture
 
@@ -84,18 +84,20 @@ def run_task(task: Task, config: AnalysisConfig, sets: _Sets | None = None) -> T
             except (CaptureReadError, OSError, ValueError) as exc:
                 out.problems.append(f"{item.rank_dir}: record seq={item.fields.get('seq')}: {exc}")
                 tensors[item.index] = False  # unreadable: skipped, not summarised
-        hp = next((tensors[i.index] for i in unit
-                   if i.fields.get("copy", "hp") != "quantized" and isinstance(tensors.get(i.index), torch.Tensor)), None)
-        hp_summary = None
+        source = sources(unit)  # quantized record -> its own call's high-precision record
+        done: dict[int, RecordSummary] = {}
         for item in sorted(unit, key=lambda i: i.fields.get("copy", "hp") == "quantized"):  # hp first
             t = tensors[item.index]
             if t is False:
                 continue
+            src = source.get(item.index)
+            partner = tensors.get(src.index) if src is not None else None
+            partner = partner if isinstance(partner, torch.Tensor) else None
             try:
-                s = summarize(item.index, item.fields, t, config, partner=hp, seed=item.seed,
-                              partner_summary=hp_summary)
-                if hp_summary is None and item.fields.get("copy", "hp") != "quantized" and t is not None:
-                    hp_summary = s
+                s = summarize(item.index, item.fields, t, config, partner=partner, seed=item.seed,
+                              partner_summary=done.get(src.index) if partner is not None else None)
+                if t is not None:
+                    done[item.index] = s
                 out.summaries.append(s)
             except (ValueError, TypeError, RuntimeError, AttributeError, KeyError) as exc:  # a malformed record
                 out.problems.append(f"{item.rank_dir}: record seq={item.fields.get('seq')}: cannot summarise: {exc}")

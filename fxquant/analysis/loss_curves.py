@@ -8,7 +8,9 @@ directory name. Runs that would share a label (one scheme on two models) are lab
 Each run is compared with the reference run (label or scheme ``reference``) of its own model and dataset;
 a run with no such reference is not compared, and ``problems`` says so. Mean relative error
 ``mean(|loss - loss_ref| / |loss_ref|)`` is taken over the iterations both runs logged (all of them, and
-the last N of those).
+the last N of those), except where the reference's loss is zero or not finite; a run whose loss is NaN or
+Inf where the reference's is finite (a diverged run) gets ``inf``, and ``nonfinite_loss`` counts those
+iterations (``loss_error``).
 """
 from __future__ import annotations
 
@@ -136,16 +138,31 @@ def problems(runs: list[Run], reference: str) -> list[str]:
             for r in runs if _first_reference(r, runs, reference) is None]
 
 
-def mean_relative_error(run: Run, ref: Run, last_n: int | None = None) -> float | None:
+def loss_error(run: Run, ref: Run, last_n: int | None = None) -> tuple[float | None, int]:
+    """(mean relative loss error, non-finite iterations) of ``run`` against ``ref``.
+
+    Over the iterations both runs logged (the last ``last_n`` of them when given), leaving out those where the
+    reference's loss is zero or not finite. An iteration where ``run``'s loss is NaN or Inf while the
+    reference's is finite has an infinite relative error: the mean is then ``inf``, and the second value counts
+    those iterations. None when no iteration is left."""
     if last_n is not None and (isinstance(last_n, bool) or not isinstance(last_n, int) or last_n < 1):
         raise ValueError(f"last_n={last_n!r}: must be an integer >= 1 (or None: every iteration)")
     a, b = run.series("loss"), ref.series("loss")
-    its = sorted(i for i in a.keys() & b.keys() if b[i] != 0 and math.isfinite(a[i]) and math.isfinite(b[i]))
+    its = sorted(a.keys() & b.keys())
     if last_n is not None:
         its = its[-last_n:]
+    its = [i for i in its if b[i] != 0 and math.isfinite(b[i])]
     if not its:
-        return None
-    return float(np.mean([abs(a[i] - b[i]) / abs(b[i]) for i in its]))
+        return None, 0
+    nonfinite = sum(1 for i in its if not math.isfinite(a[i]))
+    if nonfinite:
+        return math.inf, nonfinite
+    return float(np.mean([abs(a[i] - b[i]) / abs(b[i]) for i in its])), 0
+
+
+def mean_relative_error(run: Run, ref: Run, last_n: int | None = None) -> float | None:
+    """``mean(|loss - loss_ref| / |loss_ref|)``: the first value of ``loss_error``."""
+    return loss_error(run, ref, last_n)[0]
 
 
 def compare(runs: list[Run], reference: str = "bf16", last_n: int = 10) -> list[dict]:
@@ -155,10 +172,11 @@ def compare(runs: list[Run], reference: str = "bf16", last_n: int = 10) -> list[
         loss = r.series("loss")
         final = loss[max(loss)] if loss else None
         ref = reference_of(r, runs, reference)
+        mre, nonfinite = (None, None) if ref is None else loss_error(r, ref)
         rows.append({"run": r.label, "path": str(r.path), "iterations": len(loss), "final_loss": final,
-                     "reference": None if ref is None else ref.label,
-                     "mre_all": None if ref is None else mean_relative_error(r, ref),
-                     f"mre_last_{last_n}": None if ref is None else mean_relative_error(r, ref, last_n)})
+                     "reference": None if ref is None else ref.label, "mre_all": mre,
+                     f"mre_last_{last_n}": None if ref is None else mean_relative_error(r, ref, last_n),
+                     "nonfinite_loss": nonfinite})
     return rows
 
 

@@ -10,6 +10,9 @@ offset is applied to the shared exponent itself. Sums (squared error, energy, do
 max error, saturated and flushed counts) are kept per configuration and merged across tensors; the
 recommendation is the configuration with the highest SQNR (ties: floor, then the smallest |k|).
 
+Blocks cut short by the end of a row are zero-padded to 32 elements, as MX pads them; the pads are marked
+(``Blocks.valid``) and count in no statistic (element count, MSE, MAE, saturated %, RMSE, PSNR).
+
 The NVFP4 over/underflow estimate also comes from this sample (NVFP4's block scales are not powers of
 two, so no histogram can give it): the sample is quantized together with one block holding the
 tensor's amax, so the per-tensor scale is the one the whole tensor would get.
@@ -31,13 +34,34 @@ FIELDS = ("n", "err_sq", "ref_sq", "q_sq", "dot", "abs_err", "max_err", "saturat
 MODES: tuple[ScaleMode, ...] = (ScaleMode.FLOOR, ScaleMode.RCEIL, ScaleMode.CEIL, ScaleMode.EVEN)
 
 
-def sample_blocks(x: torch.Tensor, dim: int, max_blocks: int, seed: int, block: int = 32) -> torch.Tensor:
-    """Up to ``max_blocks`` blocks of ``block`` elements along ``dim`` (float32 ``[n, block]``), zero-padded
-    like a short MX block; when there are more, evenly spaced blocks from a seeded starting offset."""
+@dataclass(frozen=True)
+class Blocks:
+    """Sampled blocks of one tensor: ``values`` float32 ``[n, block]``, a short last block of a row zero-padded
+    like a short MX block; ``valid`` bool ``[n, block]``, False at those pads (which are no elements of the
+    tensor and count in no statistic)."""
+
+    values: torch.Tensor
+    valid: torch.Tensor
+
+    @property
+    def numel(self) -> int:
+        """Elements of the tensor in the sample (pads excluded)."""
+        return int(self.valid.sum())
+
+    def finite_rows(self) -> "Blocks":
+        """The blocks without NaN or Inf."""
+        keep = torch.isfinite(self.values).all(dim=-1)
+        return Blocks(self.values[keep], self.valid[keep])
+
+
+def sample_blocks(x: torch.Tensor, dim: int, max_blocks: int, seed: int, block: int = 32) -> Blocks:
+    """Up to ``max_blocks`` blocks of ``block`` elements along ``dim``, zero-padded like a short MX block (the
+    pads marked invalid); when there are more, evenly spaced blocks from a seeded starting offset."""
     x = x.detach()
     x = x.reshape(1) if x.dim() == 0 else x
     x2 = x.movedim(dim, -1).reshape(-1, x.shape[dim])
-    nper = -(-x2.shape[1] // block)
+    length = x2.shape[1]
+    nper = -(-length // block)
     total = x2.shape[0] * nper
     if total > max_blocks:  # gather the chosen blocks before any conversion: never copy the whole tensor
         g = torch.Generator().manual_seed(seed)
@@ -45,14 +69,15 @@ def sample_blocks(x: torch.Tensor, dim: int, max_blocks: int, seed: int, block: 
         idx = torch.arange(max_blocks) * (total // max_blocks) + start
         rows, cols = idx // nper, (idx % nper) * block
         offs = cols.unsqueeze(1) + torch.arange(block)
-        valid = offs < x2.shape[1]
-        picked = x2[rows.unsqueeze(1), offs.clamp(max=x2.shape[1] - 1)].float()
-        return torch.where(valid, picked, 0.0).contiguous()
+        valid = offs < length
+        picked = x2[rows.unsqueeze(1), offs.clamp(max=length - 1)].float()
+        return Blocks(torch.where(valid, picked, 0.0).contiguous(), valid)
     x2 = x2.float()
-    pad = (-x2.shape[1]) % block
+    pad = (-length) % block
     if pad:
         x2 = torch.nn.functional.pad(x2, (0, pad))
-    return x2.reshape(-1, block).contiguous()
+    valid = (torch.arange(nper * block) < length).expand(x2.shape[0], -1)
+    return Blocks(x2.reshape(-1, block).contiguous(), valid.reshape(-1, block).contiguous())
 
 
 def quantize_configs(xb: torch.Tensor, fmt: MXFormat, modes: tuple[ScaleMode, ...],
@@ -75,49 +100,57 @@ def quantize_with_offset(xb: torch.Tensor, fmt: MXFormat, mode: ScaleMode, k: in
     return q[0, 0], p[0, 0]
 
 
-def study(xb: torch.Tensor, mx_formats: tuple[str, ...], offsets: tuple[int, ...]) -> dict[tuple, np.ndarray]:
-    """Sums per (format, scale_mode, offset) over the finite blocks of ``xb``."""
-    xb = xb[torch.isfinite(xb).all(dim=-1)]
+def study(blocks: Blocks, mx_formats: tuple[str, ...], offsets: tuple[int, ...]) -> dict[tuple, np.ndarray]:
+    """Sums per (format, scale_mode, offset) over the finite blocks of ``blocks``, pads excluded."""
+    blocks = blocks.finite_rows()
+    xb, valid = blocks.values, blocks.valid
     out: dict[tuple, np.ndarray] = {}
     if xb.numel() == 0:
         return out
     xd = xb.double()
-    nonzero = xb != 0
-    ref_sq, n_nonzero = float(xd.square().sum()), int(nonzero.sum())
+    nonzero = (xb != 0) & valid
+    n, ref_sq, n_nonzero = blocks.numel, float(xd.square().sum()), int(nonzero.sum())
     for name in mx_formats:
         fmt = formats.get(name)
         q, p = quantize_configs(xb, fmt, MODES, offsets)
         qd = q.double()
-        err = qd - xd
+        err = torch.where(valid, qd - xd, 0.0)  # a pad is 0 and quantizes to 0: masked all the same
         dims = (-2, -1)
         rows = torch.stack([
-            err.square().sum(dims), qd.square().sum(dims), (qd * xd).sum(dims), err.abs().sum(dims),
-            err.abs().amax(dims),
-            ((p.abs() == fmt.element.max_normal) & (xb.abs() > q.abs())).sum(dims).double(),
+            err.square().sum(dims), torch.where(valid, qd, 0.0).square().sum(dims), (qd * xd).sum(dims),
+            err.abs().sum(dims), err.abs().amax(dims),
+            ((p.abs() == fmt.element.max_normal) & (xb.abs() > q.abs()) & valid).sum(dims).double(),
             (nonzero & (q == 0)).sum(dims).double(),
         ], dim=-1).numpy()  # [M, K, 7]
         for i, mode in enumerate(MODES):
             for j, k in enumerate(offsets):
                 e2, q2, dot, ae, me, sat, fl = rows[i, j].tolist()
                 out[(fmt.name, mode.value, int(k))] = np.array(
-                    [xb.numel(), e2, ref_sq, q2, dot, ae, me, sat, fl, n_nonzero], dtype=np.float64)
+                    [n, e2, ref_sq, q2, dot, ae, me, sat, fl, n_nonzero], dtype=np.float64)
     return out
 
 
-def nvfp4_sample(xb: torch.Tensor, tensor_amax: float) -> np.ndarray | None:
-    """[n, nonzero, flushed, saturated] of NVFP4 on sampled blocks, with the whole tensor's scale."""
-    xb = xb[torch.isfinite(xb).all(dim=-1)]
+def nvfp4_sample(blocks: Blocks, tensor_amax: float) -> np.ndarray | None:
+    """[n, nonzero, flushed, saturated, in non-finite blocks] of NVFP4 on sampled blocks (pads excluded), with
+    the whole tensor's scale. The elements of a 16-element NVFP4 block holding a NaN or an Inf (NaN after
+    quantization) count in n and in the last entry only."""
+    xb, valid = blocks.values, blocks.valid
     if xb.numel() == 0 or not math.isfinite(tensor_amax):
         return None
     fmt = formats.get("nvfp4")
+    rows = xb.shape[0]
+    bad = ~torch.isfinite(xb).reshape(rows, -1, fmt.block_size).all(dim=-1, keepdim=True)
+    bad = bad.expand(rows, -1, fmt.block_size).reshape(xb.shape)
     extra = torch.zeros(1, xb.shape[1])
     extra[0, 0] = tensor_amax
-    both = torch.cat([xb, extra])
+    both = torch.cat([torch.where(bad, 0.0, xb), extra])
     q = fmt.quantize(both, -1)[:-1]
     p = fmt.element.decode(fmt.encode(both, -1).codes)[:-1]
-    nonzero = xb != 0
-    sat = (p.abs() == fmt.element.max_normal) & (xb.abs() > q.abs())
-    return np.array([xb.numel(), int(nonzero.sum()), int((nonzero & (q == 0)).sum()), int(sat.sum())], dtype=np.int64)
+    ok = valid & ~bad
+    nonzero = (xb != 0) & ok
+    sat = (p.abs() == fmt.element.max_normal) & (xb.abs() > q.abs()) & ok
+    return np.array([blocks.numel, int(nonzero.sum()), int((nonzero & (q == 0)).sum()), int(sat.sum()),
+                     int((valid & bad).sum())], dtype=np.int64)
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,12 @@
 For each format, of the high-precision tensors: *saturated* = finite elements whose magnitude after the
 format's scaling exceeds its max normal; *flushed* = non-zero elements that round to zero (magnitude at
 most half the smallest subnormal). Element formats are taken unscaled; MX formats after their OCP
-``floor`` block scale; both are read exactly off the fixed-bin histograms (every threshold but
-MXINT8's 127/64 and fp16's 65504 is a bin edge; a value exactly at HiF8's 2**-23 tie counts as
-flushed). NVFP4 comes from the sampled blocks (its block scales are not powers of two): marked
-``sampled``.
+``floor`` block scale; both are read exactly off the fixed-bin histograms (a value exactly at HiF8's
+2**-23 tie counts as flushed), except where a threshold is no bin edge (MXINT8's 127/64, fp16's 65504):
+there the count is an upper bound, the threshold's bin counted whole, and ``method`` says so. NVFP4 comes
+from the sampled blocks (its block scales are not powers of two): marked ``sampled``. In block formats a
+block holding a NaN or an Inf quantizes to NaN: its elements are counted apart (``nonfinite_blocks``), in
+``numel`` but not in ``nonzero``, flushed or saturated.
 """
 from __future__ import annotations
 
@@ -15,8 +17,7 @@ from collections import defaultdict
 import numpy as np
 from tabulate import tabulate
 
-from fxquant.analysis import bins
-from fxquant.analysis.aggregate import FLOW_KEY, Aggregator, format_thresholds
+from fxquant.analysis.aggregate import FLOW_KEY, Aggregator, counts_exact, format_thresholds
 from fxquant.analysis import svg
 from fxquant.analysis.outputs import Outputs, fmt_num, slug, sort_key
 
@@ -27,9 +28,16 @@ def _method(name: str) -> str:
     if name == "nvfp4":
         return "sampled blocks"
     sat_t, flush_t, emax = format_thresholds(name)
-    exact = bins.edge_index(sat_t) is not None and bins.edge_index(flush_t) is not None
+    sat_exact, flush_exact = counts_exact(name)
     base = "floor block scale" if emax is not None else "unscaled"
-    return f"{base}, {'exact' if exact else 'within one bin'}"
+    bounds = [f"{what} is an upper bound ({t:.10g} lies inside a histogram bin, counted whole)"
+              for what, t, exact in (("saturated", sat_t, sat_exact), ("flushed", flush_t, flush_exact)) if not exact]
+    return f"{base}, {'; '.join(bounds) if bounds else 'exact'}"
+
+
+def _nonfinite_blocks(name: str, c: np.ndarray) -> int | None:
+    """Elements of blocks holding a NaN or an Inf; None for element formats (no blocks)."""
+    return int(c[4]) if name == "nvfp4" or format_thresholds(name)[2] is not None else None
 
 
 def _pct(c: np.ndarray) -> tuple[float | None, float | None]:
@@ -63,7 +71,8 @@ def write(agg: Aggregator, out: Outputs, plots: bool = True) -> dict:
             continue
         fl, sat = _pct(c)
         rows.append({"format": name, "numel": int(c[0]), "nonzero": int(c[1]), "flushed": int(c[2]),
-                     "flushed_pct": fl, "saturated": int(c[3]), "saturated_pct": sat, "method": _method(name)})
+                     "flushed_pct": fl, "saturated": int(c[3]), "saturated_pct": sat,
+                     "nonfinite_blocks": _nonfinite_blocks(name, c), "method": _method(name)})
     detail = []
     by = ("scheme", "layer", "direction", "role")
     for key, per in sorted(rollup(agg, copy, by).items(), key=lambda kv: tuple(sort_key(v) for v in kv[0])):
@@ -73,15 +82,20 @@ def write(agg: Aggregator, out: Outputs, plots: bool = True) -> dict:
                 continue
             fl, sat = _pct(c)
             detail.append({**dict(zip(by, key)), "format": name, "numel": int(c[0]), "nonzero": int(c[1]),
-                           "flushed": int(c[2]), "flushed_pct": fl, "saturated": int(c[3]), "saturated_pct": sat})
+                           "flushed": int(c[2]), "flushed_pct": fl, "saturated": int(c[3]), "saturated_pct": sat,
+                           "nonfinite_blocks": _nonfinite_blocks(name, c)})
     result = {"copy": copy, "summary": rows, "by_layer_direction_role": detail}
     out.json("overflow/summary.json", result, SECTION, "Summary (JSON)")
-    head = ["format", "numel", "nonzero", "flushed", "flushed_pct", "saturated", "saturated_pct", "method"]
+    head = ["format", "numel", "nonzero", "flushed", "flushed_pct", "saturated", "saturated_pct", "nonfinite_blocks",
+            "method"]
     out.csv("overflow/summary.csv", head, [[r[h] for h in head] for r in rows], SECTION, "Summary (CSV)")
-    dhead = [*by, "format", "numel", "nonzero", "flushed", "flushed_pct", "saturated", "saturated_pct"]
+    dhead = [*by, "format", "numel", "nonzero", "flushed", "flushed_pct", "saturated", "saturated_pct",
+             "nonfinite_blocks"]
     out.csv("overflow/by_layer_direction_role.csv", dhead, [[r[h] for h in dhead] for r in detail], SECTION,
             "Per layer x direction x role (CSV)")
-    txt = (f"Over/underflow of {copy} tensors per format (flushed % of non-zero elements, saturated % of all)\n\n"
+    txt = (f"Over/underflow of {copy} tensors per format (flushed % of non-zero elements, saturated % of all; "
+           "block formats: nonfinite_blocks = elements of blocks holding a NaN or an Inf, NaN after quantization, "
+           "which are neither flushed nor saturated nor counted as non-zero)\n\n"
            + tabulate([[r[h] if isinstance(r[h], str) else fmt_num(r[h]) for h in head] for r in rows], headers=head,
                       disable_numparse=True))
     out.text("overflow/summary.txt", txt, SECTION, "Summary (text)")

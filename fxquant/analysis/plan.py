@@ -1,7 +1,8 @@
 """Planning an analysis: open capture sets, filter records, refuse what cannot be read, cut the work into tasks.
 
 A *unit* is every record of one site at one moment (rank directory, rank, iteration, micro-batch, module,
-role): the high-precision tensor and the quantized copies of it, so a worker can pair them. Units are
+role): the high-precision tensors and the quantized copies of them, so a worker can pair them (``sources``:
+a site called several times per step has one high-precision record per call). Units are
 sorted by shard file and key (sequential reads) and packed into *tasks* of about ``task_bytes`` of
 stored tensors; each task goes to one worker. A directory of the predecessor's ``.pt`` files opens through
 ``fxquant.capture.pt_reader`` like a capture set. Records of a rank directory written by a newer capture
@@ -91,6 +92,38 @@ def open_sets(dirs: list[str | Path], problems: list[str]) -> dict[str, CaptureS
             msg = f"{d}: skipped, cannot be read as a capture set: {exc}"
             log.info(msg)  # in problems: the caller reports it (the CLIs print each once)
             problems.append(msg)
+    return out
+
+
+def sources(unit: tuple[Item, ...]) -> dict[int, Item | None]:
+    """The high-precision source of each quantized record of ``unit`` (plan index -> Item, None without one).
+
+    One capture call writes a tensor's high-precision record and its quantized copies with consecutive
+    ``seq``, each (copy, GEMM, section) once; a site called several times in one step (shared weights,
+    recompute, ``capture.save`` under one name) repeats the pattern. Walking the unit in ``seq`` order, a
+    record whose (copy, GEMM, section) the current call already has opens the next call; each quantized
+    record is paired with the high-precision record of its own call."""
+    def seq(item: Item) -> int:
+        v = item.fields.get("seq")
+        return v if isinstance(v, int) else -1
+
+    calls: list[list[Item]] = []
+    seen: set[tuple] = set()
+    for item in sorted(unit, key=seq):
+        f = item.fields
+        key = (f.get("copy", "hp"), f.get("gemm"), f.get("section"))
+        if not calls or key in seen:
+            calls.append([])
+            seen = set()
+        calls[-1].append(item)
+        seen.add(key)
+    out: dict[int, Item | None] = {}
+    for call in calls:
+        hp = [i for i in call if i.fields.get("copy", "hp") != "quantized"]
+        stored = [i for i in hp if i.fields.get("key") is not None]
+        for item in call:
+            if item.fields.get("copy", "hp") == "quantized":
+                out[item.index] = (stored or hp or [None])[0]
     return out
 
 

@@ -111,7 +111,7 @@ def report(dirs: list[str | Path] | str | Path = (), out: str | Path = "fxquant-
              ("filters", repr(where) if where else "none"),
              ("workers", f"{workers} (PIDs {sorted(set(pids))})"),
              ("formats", ", ".join(config.formats)), ("MX study formats", ", ".join(config.mx_formats)),
-             ("quantile accuracy", "exact in rank, within one 1/16-binade bin (<= 6.25 %) in value"),
+             ("quantile accuracy", stats_report.QUANTILE_ACCURACY),
              ("training runs", ", ".join(r.label for r in runs) or "none")]
     outputs.json("report.json", {"facts": dict(facts), "problems": agg.problems, "workers": workers,
                                  "worker_pids": sorted(set(pids)), "records": agg.records, "tensors": agg.tensors,

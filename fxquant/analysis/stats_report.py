@@ -2,7 +2,8 @@
 
 Statistics per scheme, quant type (format of a quantized copy; "-" for high-precision tensors), layer,
 rank, component, module kind, role, direction (forward/backward), phase and copy, each with quantiles
-from the fixed-bin sketch (bins.py: exact in rank, within 6.25 % in value).
+from the fixed-bin sketch (bins.py: exact in rank, within 6.25 % in value for normal float32 magnitudes,
+within 2**-130 absolute for subnormals), over the stored elements (``quantile_coverage``).
 """
 from __future__ import annotations
 
@@ -14,6 +15,13 @@ from fxquant.analysis.aggregate import COMPARE_GROUPING, STAT_GROUPINGS, Aggrega
 from fxquant.analysis.outputs import Outputs, fmt_num, sort_key
 
 SECTION = "Global statistics"
+QUANTILE_ACCURACY = ("exact in rank and within one histogram bin in value: relative error <= 6.25% for normal "
+                     "float32 magnitudes (>= 2**-126); float32 subnormals share 16 bins of equal width 2**-130, "
+                     "so below 2**-126 the error is up to 2**-130 absolute (any relative error)")
+QUANTILE_COVERAGE = ("over the histogram_numel elements of stored tensors: the moments (numel, min, max, mean, "
+                     "std, amax) cover whole tensors, capture-time statistics included, while a record stored "
+                     "as sampled rows adds only those rows to the histogram (sampled_tensors counts them) and a "
+                     "statistics-only record adds none")
 
 
 def group_stats(agg: Aggregator, grouping: tuple[str, ...]) -> list[dict]:
@@ -22,14 +30,16 @@ def group_stats(agg: Aggregator, grouping: tuple[str, ...]) -> list[dict]:
         g = agg.groups[grouping][key]
         d = {"group": dict(zip(grouping, key)), **g.moments.to_dict()}
         d["quantiles"] = bins.quantiles(g.signed, agg.config.quantiles) if g.signed is not None else None
+        d["histogram_numel"] = int(g.signed.sum()) if g.signed is not None else 0
+        d["sampled_tensors"] = g.sampled
         rows.append(d)
     return rows
 
 
 def write(agg: Aggregator, out: Outputs, plots: bool = True) -> dict:
     result = {"/".join(g) or "overall": group_stats(agg, g) for g in STAT_GROUPINGS}
-    out.json("stats/global_stats.json", {"groupings": result, "quantile_accuracy":
-             "quantiles are exact in rank and within one histogram bin (relative error <= 6.25%) in value"},
+    out.json("stats/global_stats.json", {"groupings": result, "quantile_accuracy": QUANTILE_ACCURACY,
+                                         "quantile_coverage": QUANTILE_COVERAGE},
              SECTION, "Global statistics (JSON)")
     qs = agg.config.quantiles
     show_q = [q for q in qs if q in (0.01, 0.5, 0.99)] or list(qs[:3])
@@ -40,12 +50,17 @@ def write(agg: Aggregator, out: Outputs, plots: bool = True) -> dict:
         for d in result[name]:
             label = "/".join("-" if v is None else str(v) for v in d["group"].values()) or "all"
             qd = d["quantiles"] or {}
+            mark = "*" if d["sampled_tensors"] else ""
             rows.append([label, d["tensors"], d["numel"], d["nan"], d["inf"], fmt_num(d["zero_fraction"]),
                          fmt_num(d["min"]), fmt_num(d["max"]), fmt_num(d["mean"]), fmt_num(d["std"]),
-                         fmt_num(d["amax"]), *[fmt_num(qd.get(f"q{q:g}")) for q in show_q]])
+                         fmt_num(d["amax"]), d["histogram_numel"],
+                         *[fmt_num(qd.get(f"q{q:g}")) + mark for q in show_q]])
         parts.append(f"== by {name} ==\n" + tabulate(
             rows, headers=[name, "tensors", "numel", "nan", "inf", "zero frac", "min", "max", "mean", "std", "amax",
-                           *[f"q{q:g}" for q in show_q]], disable_numparse=True))
+                           "q over", *[f"q{q:g}" for q in show_q]], disable_numparse=True))
+    if any(d["sampled_tensors"] for rows in result.values() for d in rows):
+        parts.append("* quantiles over stored sampled rows (see quantile_coverage in global_stats.json)")
+    parts.append(f"quantiles: {QUANTILE_ACCURACY}; {QUANTILE_COVERAGE}")
     out.text("stats/global_stats.txt", "\n\n".join(parts), SECTION, "Global statistics (text)")
     if plots:
         _binade_plots(agg, out)

@@ -3,7 +3,11 @@
 ``summarize(record, tensor, config, partner)`` returns a ``RecordSummary``: moments, the signed,
 binade and block-relative histograms (bins.py, sent sparse), the quantization error of a quantized GEMM
 operand against its high-precision partner, the MX scaling-study sums and the NVFP4 sample counts.
-A statistics-only record is summarised from the manifest (moments and the exponent histogram only).
+A statistics-only record is summarised from the manifest (moments and the exponent histogram only). A
+record with capture-time statistics takes its moments from them; when only sampled rows were stored
+(``sample`` in the manifest) its exponent histogram comes from them too (the whole tensor), while the
+signed and block-relative histograms, and the quantiles read from them, cover the stored rows only
+(``RecordSummary.sampled``).
 Only these summaries travel back to the parent; tensors never do.
 """
 from __future__ import annotations
@@ -73,6 +77,7 @@ class RecordSummary:
     study: dict = field(default_factory=dict)
     nvfp4: np.ndarray | None = None
     problems: list[str] = field(default_factory=list)
+    sampled: bool = False  # signed/block-relative histograms (and the study) are over the stored sampled rows only
 
 
 def binade_from_exp_hist(exp_hist: dict, zeros: int) -> np.ndarray:
@@ -101,20 +106,27 @@ def summarize(index: int, fields: dict, tensor: torch.Tensor | None, config: Ana
         s = RecordSummary(index, fields, m)
         if stats and stats.get("exp_hist") is not None:
             s.binade = sparse(binade_from_exp_hist(stats["exp_hist"], m.zeros))
+        if fields.get("copy", "hp") == "quantized":
+            s.qerr = manifest_error(stats, numel)
         return s
     x = tensor if tensor.dtype in (torch.float32, torch.bfloat16) else tensor.float()
     d = block_dim(fields, x.dim())
     signed, binade, rel, m = tensor_counts(x, d)
-    if stats is not None and fields.get("sample") is None and stats.get("min", 0) is not None:
-        mm = moments.from_manifest(stats, numel)  # the whole tensor, as the capture saw it
-        mm.zeros = m.zeros
+    sampled = fields.get("sample") is not None  # only some rows stored; the capture-time stats saw them all
+    if stats is not None:
+        mm = moments.from_manifest(stats, math.prod(fields.get("shape") or [0]) if sampled else numel)
+        if not sampled:
+            mm.zeros = m.zeros  # the stored tensor's count is exact
+        elif stats.get("exp_hist") is not None:
+            binade = binade_from_exp_hist(stats["exp_hist"], mm.zeros)
         m = mm
-    s = RecordSummary(index, fields, m, signed=sparse(signed), binade=sparse(binade), rel=sparse(rel))
+    s = RecordSummary(index, fields, m, signed=sparse(signed), binade=sparse(binade), rel=sparse(rel),
+                      sampled=sampled)
     copy = fields.get("copy", "hp")
     if copy == "quantized" and partner is not None:
         s.qerr = operand_error(x, partner, fields, partner_summary)
     elif copy == "quantized":
-        s.qerr = manifest_error(stats)
+        s.qerr = manifest_error(stats, numel)
     if copy != "quantized" and fields.get("role") in OPERAND_ROLES and config.sample_blocks and x.numel():
         xb = mx_study.sample_blocks(x, d, config.sample_blocks, seed)
         s.study = mx_study.study(xb, config.mx_formats, config.offsets)
@@ -179,12 +191,34 @@ def bf16_patterns(patterns: np.ndarray) -> tuple[np.ndarray, np.ndarray, moments
                                            amax=float(max(abs(lo), abs(hi))), tensors=1)
 
 
-def manifest_error(stats: dict | None) -> dict | None:
-    """Quantization error of a quantized operand from the capture-time statistics (no max error there)."""
+def manifest_error(stats: dict | None, numel: int = 0) -> dict | None:
+    """Quantization error of a quantized operand from the capture-time statistics (no max error there), with
+    the error and reference energies (sums of squares) they imply, for pooling across sites."""
     if not stats or stats.get("mse") is None and stats.get("sqnr_db") is None:
         return None
-    return {k: stats.get(k) for k in ("mse", "sqnr_db", "cosine", "saturated_pct", "flushed_pct")} | {
+    out = {k: stats.get(k) for k in ("mse", "sqnr_db", "cosine", "saturated_pct", "flushed_pct")} | {
         "max_err": None, "source": "manifest"}
+    return out | _manifest_energies(stats, numel)
+
+
+def _manifest_energies(stats: dict, numel: int) -> dict:
+    """{"err_sq", "ref_sq"} from a quantized copy's statistics: err_sq = mse x its finite elements; ref_sq from
+    the SQNR, or, where the error is zero (q equals its source), the copy's own sum of squares."""
+    mse, sqnr = stats.get("mse"), stats.get("sqnr_db")
+    nf = numel - int(stats.get("nan_count") or 0) - int(stats.get("inf_count") or 0)
+    if not isinstance(mse, (int, float)) or nf <= 0:
+        return {}
+    e2 = float(mse) * nf
+    if sqnr is None:
+        return {"err_sq": e2, "ref_sq": 0.0}
+    if not isinstance(sqnr, (int, float)):
+        return {}
+    if math.isfinite(sqnr) and e2 > 0:
+        return {"err_sq": e2, "ref_sq": e2 * 10.0 ** (sqnr / 10.0)}
+    mean, std = stats.get("mean"), stats.get("std")
+    if e2 == 0 and isinstance(mean, (int, float)) and isinstance(std, (int, float)):
+        return {"err_sq": 0.0, "ref_sq": float(std) ** 2 * (nf - 1) + nf * float(mean) ** 2}
+    return {}
 
 
 def operand_error(q: torch.Tensor, x: torch.Tensor, fields: dict, partner_summary: "RecordSummary | None" = None) -> dict:
@@ -210,9 +244,10 @@ def operand_error(q: torch.Tensor, x: torch.Tensor, fields: dict, partner_summar
 
 def _clip_stats(q: torch.Tensor, x: torch.Tensor, fields: dict, hp: "RecordSummary | None") -> dict:
     """Saturated % and flushed % of a quantized copy: exact from its partner's histograms where the format
-    allows (MX with the floor rule blocked along the partner's last dim, unscaled element formats), else
+    allows (MX with the floor rule blocked along the partner's last dim, unscaled element formats, thresholds
+    on bin edges), else
     from the reference on sampled blocks (``clip_source: sampled``)."""
-    from fxquant.analysis.aggregate import flow_counts
+    from fxquant.analysis.aggregate import counts_exact, flow_counts
     from fxquant.formats.mx import MXFormat
     from fxquant.formats.options import ScaleMode, Scaling
 
@@ -220,7 +255,7 @@ def _clip_stats(q: torch.Tensor, x: torch.Tensor, fields: dict, hp: "RecordSumma
     o = tq.options
     d = block_dim(fields, q.dim())
     is_mx = isinstance(tq.fmt, MXFormat)
-    exact = tq.format != "nvfp4" and o.scaling is Scaling.NONE and (
+    exact = tq.format != "nvfp4" and o.scaling is Scaling.NONE and all(counts_exact(tq.format)) and (
         not is_mx or (o.scale_mode is ScaleMode.FLOOR and d == q.dim() - 1 and x.shape[-1] == q.shape[-1]))
     if exact and hp is not None:
         c = flow_counts(hp, tq.format)
@@ -230,12 +265,15 @@ def _clip_stats(q: torch.Tensor, x: torch.Tensor, fields: dict, hp: "RecordSumma
     from fxquant.capture import stats as capture_stats
 
     ref = x.detach().reshape(q.shape).float()
+    n = ref.numel()
     if is_mx:  # whole blocks along the blocked dim, the same ones from both tensors
-        ref = mx_study.sample_blocks(ref, d, 2048, 0)
-        qq = mx_study.sample_blocks(q.float(), d, 2048, 0)
+        blocks = mx_study.sample_blocks(ref, d, 2048, 0)
+        ref, n = blocks.values, blocks.numel
+        qq = mx_study.sample_blocks(q.float(), d, 2048, 0).values
         d = -1
     else:
         qq = q.float()
     cs = capture_stats.compute(qq, ref, tq, d)
-    return {"saturated_pct": cs["saturated_pct"], "flushed_pct": cs["flushed_pct"],
-            "clip_source": "sampled" if is_mx and ref.numel() < q.numel() else "reference"}
+    # pads (zero in both) are never saturated nor non-zero: only the saturated share's denominator changes
+    return {"saturated_pct": cs["saturated_pct"] * ref.numel() / n if n else 0.0, "flushed_pct": cs["flushed_pct"],
+            "clip_source": "sampled" if is_mx and n < q.numel() else "reference"}

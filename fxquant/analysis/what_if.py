@@ -9,7 +9,12 @@ manifest fields) it sums over the tensors, in float64, over elements where both 
 
     sqnr_db = 10 log10(sum x^2 / sum e^2)     e = q - x
     rel_err = ||e|| / ||x||                   mean_rel_err = mean |e| / |x| over x != 0
-    mse, rmse, mae, max_err, cosine(q, x), flushed_pct (non-zero x that became 0), nan_pct (q NaN, x not)
+    mse, rmse, mae, max_err, cosine(q, x), flushed_pct (non-zero x that became 0)
+
+and counts the finite x that the format made NaN (``nan_pct``) or Inf (``inf_pct``: overflow of a format
+without saturation, such as fp16), in % of all elements. Such an element's error is unbounded: when a group
+has any, its error metrics say so (sqnr_db -inf; rel_err, mean_rel_err, mse, rmse, mae, max_err inf;
+cosine None) instead of describing the other elements only.
 
 Tensors are loaded one at a time and never held together. ``per_tensor=True`` also returns one row per
 (tensor, format).
@@ -31,7 +36,8 @@ from fxquant.formats.options import did_you_mean
 
 log = logging.getLogger(__name__)
 
-_SUMS = ("n", "err_sq", "ref_sq", "q_sq", "dot", "abs_err", "rel_sum", "nonzero", "flushed", "new_nan")
+_SUMS = ("n", "err_sq", "ref_sq", "q_sq", "dot", "abs_err", "rel_sum", "nonzero", "flushed", "new_nan", "new_inf",
+         "lost_nonzero")
 
 
 @dataclass(frozen=True)
@@ -88,7 +94,7 @@ class Sums:
     def metrics(self) -> dict:
         s, n = self.s, self.s["n"]
         e2, r2, q2 = s["err_sq"], s["ref_sq"], s["q_sq"]
-        return {
+        out = {
             "tensors": self.tensors, "numel": self.numel,
             "sqnr_db": (10 * math.log10(r2 / e2) if e2 > 0 else math.inf) if r2 > 0 else None,
             "rel_err": math.sqrt(e2 / r2) if r2 > 0 else None,
@@ -98,7 +104,13 @@ class Sums:
             "cosine": s["dot"] / math.sqrt(r2 * q2) if r2 > 0 and q2 > 0 else None,
             "flushed_pct": 100.0 * s["flushed"] / s["nonzero"] if s["nonzero"] else None,
             "nan_pct": 100.0 * s["new_nan"] / self.numel if self.numel else None,
+            "inf_pct": 100.0 * s["new_inf"] / self.numel if self.numel else None,
         }
+        if s["new_nan"] or s["new_inf"]:  # finite values made NaN/Inf: an unbounded error, not a lossless one
+            out.update(sqnr_db=-math.inf, rel_err=math.inf, mse=math.inf, rmse=math.inf, mae=math.inf,
+                       max_err=math.inf, cosine=None)
+            out["mean_rel_err"] = math.inf if s["lost_nonzero"] else out["mean_rel_err"]
+        return out
 
 
 def tensor_sums(q: torch.Tensor, x: torch.Tensor) -> Sums:
@@ -114,7 +126,8 @@ def tensor_sums(q: torch.Tensor, x: torch.Tensor) -> Sums:
     out.s.update(n=float(ok.sum()), err_sq=float(e.square().sum()), ref_sq=float(xo.square().sum()),
                  q_sq=float(qo.square().sum()), dot=float((qo * xo).sum()), abs_err=float(ae.sum()),
                  rel_sum=float((ae[nonzero] / xd[nonzero].abs()).sum()), nonzero=float(nonzero.sum()),
-                 flushed=float((nonzero & (qd == 0)).sum()), new_nan=float((xfin & ~qfin).sum()))
+                 flushed=float((nonzero & (qd == 0)).sum()), new_nan=float((xfin & torch.isnan(qd)).sum()),
+                 new_inf=float((xfin & torch.isinf(qd)).sum()), lost_nonzero=float((xfin & ~qfin & (xd != 0)).sum()))
     return out
 
 

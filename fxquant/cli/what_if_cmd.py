@@ -8,7 +8,8 @@ import sys
 
 from fxquant.cli.options import check_dirs, nothing_found, where_conditions
 
-COLUMNS = ("format", "tensors", "sqnr_db", "rel_err", "mean_rel_err", "mse", "mae", "max_err", "cosine", "flushed_pct")
+COLUMNS = ("format", "tensors", "sqnr_db", "rel_err", "mean_rel_err", "mse", "mae", "max_err", "cosine", "flushed_pct",
+           "nan_pct", "inf_pct")
 
 
 def register(sub: argparse._SubParsersAction) -> None:

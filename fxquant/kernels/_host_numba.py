@@ -10,7 +10,7 @@ import numpy as np
 from numba.core import types
 from numba.extending import overload
 
-from fxquant.kernels.host import EXP_MIN, N_EXP, NMAG, REL_OFFSET, REL_ZERO, SUB
+from fxquant.kernels.host import EXP_MIN, N_EXP, NMAG, REL_NONFINITE, REL_OFFSET, REL_ZERO, SUB
 
 
 jit = numba.njit(cache=True, nogil=True, boundscheck=False)
@@ -41,6 +41,9 @@ def bf16_block(u, i0, i1, hist, rel):
         v = u[i]
         hist[v] += 1
         m = max(m, v & 0x7FFF)
+    if m >= 0x7F80:  # a NaN or an Inf in the block: MX makes the whole block NaN
+        rel[REL_NONFINITE] += i1 - i0
+        return
     sh = REL_OFFSET - SUB * ((m >> 7) if m else 255)
     for i in range(i0, i1):
         a = np.int32(u[i] & 0x7FFF)
@@ -73,9 +76,10 @@ def f32_block(bits, vals, i0, i1, signed, binade, rel, acc, k):
         binade[a >> 23] += 1
         m = max(m, a)
     sh = REL_OFFSET - SUB * ((m >> 23) if m else 255)
+    nonfinite_block = m >= 0x7F800000  # a NaN or an Inf in the block: MX makes the whole block NaN
     for i in range(i0, i1):
         a = np.int64(bits[i]) & 0x7FFFFFFF
-        rel[((a - 1) >> 19) + 1 + sh if a else REL_ZERO] += 1
+        rel[REL_NONFINITE if nonfinite_block else (((a - 1) >> 19) + 1 + sh if a else REL_ZERO)] += 1
         if a < 0x7F800000:
             s1, s2, nf, lo, hi = moment(np.float64(vals[i]), k, s1, s2, nf, lo, hi)
         elif a == 0x7F800000:

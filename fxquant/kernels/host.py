@@ -35,8 +35,9 @@ NMAG = 4097
 NSIGNED = 2 * NMAG
 NBINADE = 256
 REL_OFFSET = 255 * SUB
-NREL = REL_OFFSET + NMAG + 1
-REL_ZERO = NREL - 1
+NREL = REL_OFFSET + NMAG + 2
+REL_ZERO = REL_OFFSET + NMAG  # exact zeros of blocks without NaN/Inf
+REL_NONFINITE = REL_ZERO + 1  # every element of a block holding a NaN or an Inf (MX makes that block NaN)
 EXP_MIN, EXP_MAX = -149, 127  # capture statistics: binary exponents of finite non-zero float32 values
 N_EXP = EXP_MAX - EXP_MIN + 1
 
@@ -133,18 +134,18 @@ def bf16_counts(x: torch.Tensor, block: int = 32) -> Bf16Counts:
 
 
 def _rel_torch(a: torch.Tensor, length: int, block: int, mag_shift: int, exp_shift: int) -> np.ndarray:
-    """Block-relative histogram from magnitude bits ``a`` ([rows, length], non-negative int16/int32)."""
+    """Block-relative histogram from magnitude bits ``a`` ([rows, length], non-negative int16/int32): a block
+    holding a NaN or an Inf (magnitude bits >= the Inf pattern) puts all its elements in ``REL_NONFINITE``."""
     rows = a.shape[0]
     pad = (-length) % block
-    if pad:  # a short last block behaves as if padded with zeros; the pads are removed from the zero bin below
+    if pad:  # a short last block behaves as if padded with zeros; the pads are cut off before counting
         a = torch.nn.functional.pad(a, (0, pad))
     ab = a.reshape(rows, -1, block)
     m = ab.amax(dim=-1, keepdim=True).to(torch.int32)
     shift = REL_OFFSET - SUB * torch.where(m == 0, 255, m >> exp_shift)
     rel = (((ab.to(torch.int32) - 1) >> mag_shift) + 1 + shift).masked_fill_(ab == 0, REL_ZERO)
-    h = torch.bincount(rel.reshape(-1), minlength=NREL).numpy().astype(np.int64)
-    h[REL_ZERO] -= pad * rows
-    return h
+    rel = rel.masked_fill_(m >= (0xFF << exp_shift), REL_NONFINITE)
+    return torch.bincount(rel.reshape(rows, -1)[:, :length].reshape(-1), minlength=NREL).numpy().astype(np.int64)
 
 
 def bf16_counts_torch(x: torch.Tensor, block: int = 32) -> Bf16Counts:
