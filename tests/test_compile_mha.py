@@ -416,3 +416,42 @@ def test_quantized_attention_returns_the_p_its_pv_gemm_consumed():
     want_p = torch.softmax(s * (E // H) ** -0.5 + mask, -1)
     assert_bitwise_equal(p, want_p, "P")
     assert_bitwise_equal(o, pv.a.quantize(want_p, -1) @ pv.b.quantize(v, -2), "O by hand")
+
+
+class BreakBeforeMHA(nn.Module):
+    """A linear, a graph break, then the MultiheadAttention: the first graph shows no MHA site."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(E, E)
+        self.attn = nn.MultiheadAttention(E, H, batch_first=True)
+
+    def forward(self, x):
+        h = self.pre(x)
+        torch._dynamo.graph_break()
+        return self.attn(h, h, h, need_weights=False)[0]
+
+
+def test_rule_for_mha_in_projection_is_accepted_when_a_graph_break_precedes_the_mha():
+    scheme = fxquant.schemes.Scheme.from_yaml_text("rules:\n  - match: {kinds: [qkv]}\n    linear: mxfp8\n",
+                                                   "qkv.yaml")
+    model = fxquant.compile(BreakBeforeMHA(), scheme=scheme, backend="aot_eager")
+    model(torch.randn(B, L, E, generator=_gen(0)))
+    status = {(s.site.module_path, s.site.kind.value): s.status.value for s in fxquant.compile_state(model).sites()}
+    assert status[("attn.in_proj", "qkv")] == "rewritten"
+    assert status[("pre", "linear")] == "high"
+
+
+@pytest.mark.parametrize("name", ["self_batch_first", "key_is_value_float_padding", "cross_bool_mask_3d_weights",
+                                  "separate_weights_mask"])
+def test_possible_sites_include_every_linear_site_decompose_mha_creates(name):
+    from fxquant.passes import LayerNumbering
+    from fxquant.passes.strict import possible_sites
+
+    model, args, kw = make_case(name)
+    _, qkv = _leaves(args)
+    exp = fxquant.explain(model, *qkv, scheme="linear_mxfp8", backend="aot_eager", **kw)
+    made = {(s.site.module_path, s.site.kind) for s in exp.sites if s.site.module_path.startswith("attn.")}
+    assert len(made) in (2, 3, 4)  # in-projection(s) and out_proj
+    possible = {(s.module_path, s.kind) for s in possible_sites(model, LayerNumbering.of_model(model))}
+    assert made <= possible

@@ -158,6 +158,75 @@ def test_argument_errors() -> None:
         quantized_sdpa(qt, kt, vt, enable_gqa=True, aq=schemes.get("FA_mxfp8"))  # type: ignore[arg-type]
 
 
+
+# q, k, v shapes F.scaled_dot_product_attention broadcasts (its math backend: enable_gqa's repeat, then the
+# dims before [L, E] broadcast as in torch.matmul), with enable_gqa.
+BROADCAST = {
+    "kv one head for all query heads": ((2, 4, 8, 16), (2, 1, 8, 16), (2, 1, 8, 16), False),
+    "only v broadcast over heads": ((2, 4, 8, 16), (2, 4, 8, 16), (2, 1, 8, 8), False),
+    "kv batch broadcast 4-D": ((2, 4, 8, 16), (1, 4, 6, 16), (1, 4, 6, 8), False),
+    "q batch broadcast 4-D": ((1, 4, 8, 16), (2, 4, 6, 16), (2, 4, 6, 8), False),
+    "3-D batch broadcast": ((2, 8, 16), (1, 6, 16), (1, 6, 8), False),
+    "4-D q, 3-D kv": ((2, 4, 8, 16), (4, 6, 16), (4, 6, 8), False),
+    "gqa, k and v heads differ": ((2, 4, 8, 16), (2, 2, 6, 16), (2, 1, 6, 8), True),
+    "gqa on 3-D (dim -3 as heads)": ((4, 8, 16), (2, 6, 16), (2, 6, 8), True),
+}
+
+
+@pytest.mark.parametrize("case", list(BROADCAST))
+def test_broadcast_shapes_equal_torch_sdpa(case: str) -> None:
+    *shapes, gqa = BROADCAST[case]
+    g = torch.Generator().manual_seed(3)
+    qt, kt, vt = (torch.randn(s, generator=g) for s in shapes)
+    do = torch.randn(F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=gqa).shape, generator=g)
+    ours = run(quantized_sdpa, qt, kt, vt, do, aq=AttentionQuant(), enable_gqa=gqa)
+    ref = run(F.scaled_dot_product_attention, qt, kt, vt, do, enable_gqa=gqa)
+    for a, b in zip(ours, ref):  # gradients of broadcast inputs summed back to their shapes
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shapes, gqa, match", [
+    (((2, 4, 8, 16), (2, 2, 8, 16), (2, 2, 8, 16)), False,
+     r"heads \(dim -3\) sizes query 4, key 2, value 2 do not broadcast.*pass enable_gqa=True"),
+    (((2, 4, 8, 16), (3, 4, 8, 16), (3, 4, 8, 16)), False, r"batch \(dim -4\) sizes query 2, key 3, value 3"),
+    (((2, 8, 16), (3, 8, 16), (3, 8, 16)), False, r"the batch \(dim -3\) sizes query 2, key 3, value 3 do not"),
+    (((2, 4, 8, 16), (2, 3, 8, 16), (2, 3, 8, 16)), True, r"query heads \(4\) to be a multiple of key heads \(3\)"),
+    (((2, 4, 8, 16), (2, 2, 8, 16), (2, 3, 8, 16)), True, r"and of value heads \(3\)"),
+    (((8, 16), (8, 16), (8, 16)), True, r"enable_gqa=True needs a heads dim"),
+])
+def test_shapes_torch_refuses_are_refused(shapes, gqa, match) -> None:
+    qt, kt, vt = (torch.randn(s) for s in shapes)
+    with pytest.raises((RuntimeError, IndexError)):  # torch refuses them too
+        F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=gqa)
+    with pytest.raises(ValueError, match=match) as err:
+        quantized_sdpa(qt, kt, vt, enable_gqa=gqa, aq=AttentionQuant())
+    assert gqa or len(shapes[0]) != 3 or "heads" not in str(err.value)  # 3-D: dim -3 is the batch
+
+
+@pytest.mark.parametrize("case", ["kv one head for all query heads", "3-D batch broadcast"])
+def test_compiled_broadcast_shapes_equal_eager(case: str) -> None:
+    """``fxquant.compile`` with an attention preset on SDPA with broadcast inputs equals quantized_sdpa eagerly."""
+    import fxquant
+
+    *shapes, _ = BROADCAST[case]
+    g = torch.Generator().manual_seed(4)
+    qt, kt, vt = (torch.randn(s, generator=g) for s in shapes)
+    do = torch.randn(F.scaled_dot_product_attention(qt, kt, vt).shape, generator=g)
+
+    class Attend(torch.nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    torch._dynamo.reset()
+    model = fxquant.compile(Attend(), scheme="FA_mxfp8", backend="aot_eager", strict=True)
+    compiled = run(model, qt, kt, vt, do)
+    aq = schemes.get("FA_mxfp8").attention_for(Site("", SiteKind.ATTENTION))
+    eager = run(quantized_sdpa, qt, kt, vt, do, aq=aq)
+    assert [s.status.value for s in fxquant.compile_state(model).sites()] == ["rewritten"]
+    for a, b in zip(compiled, eager):
+        assert torch.equal(a, b)
+
 # -- torch.compile ----------------------------------------------------------------------------------------
 def block(x, w1, w2, k, v, lq, aq, unfused=True):
     """A small attention block built from every qfunction (SDPA and, with ``unfused``, Megatron's path)."""

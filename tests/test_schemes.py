@@ -17,7 +17,7 @@ from fxquant.schemes import (
     Site,
     SiteKind,
 )
-from fxquant.schemes.model import attention_operands, linear_operands
+from fxquant.schemes.model import attention_operands, linear_operands, site_kind_for
 from fxquant.schemes.presets import PREDECESSOR_NAMES, generate
 
 N_LAYERS = 4
@@ -174,6 +174,29 @@ def test_specificity_order_and_ties() -> None:
     assert tie.linear_for(site[1, SiteKind.FC1]) == lin(M4)
     prio = Scheme("t", rules=(Rule(Selector(), linear=lin(M8), priority=1), Rule(Selector(modules=".*"), linear=lin(M4))))
     assert prio.linear_for(site[2, SiteKind.QKV]) == lin(M8)
+
+
+def test_root_output_is_the_lm_head_and_nested_output_is_not() -> None:
+    """torchtitan / Meta Llama name the LM head ``output`` at the root; BERT's ``layer.N.output.dense`` is an FFN."""
+    assert site_kind_for("output") is SiteKind.LM_HEAD
+    for path in ("bert.encoder.layer.0.output.dense", "encoder.layer.3.output", "model.output", "output.dense"):
+        assert site_kind_for(path) is SiteKind.LINEAR, path
+    preset = schemes.get("linear_mxfp8")
+    assert preset.linear_for(Site.from_path("output", num_layers=2)) is None  # presets never quantize the LM head
+    assert preset.linear_for(Site.from_path("bert.encoder.layer.0.output.dense", num_layers=2)) is not None
+    head = Scheme("head", rules=(Rule(Selector(kinds=(SiteKind.LM_HEAD,)), linear=lin(M8)),))
+    assert head.linear_for(Site.from_path("output")) == lin(M8)
+
+
+def test_a_span_from_the_last_layers_to_the_first_ones_is_refused() -> None:
+    for start, stop, spelled in ((-1, 2, "N-1..2"), (-3, 0, "N-3..0")):
+        with pytest.raises(ValueError, match=rf"layer range {start}\.\.{stop} starts counted from the last .*"
+                                             rf"\(here {spelled}\)"):
+            LayerSpan(start, stop)
+    assert LayerSpan(-3, -1).contains(5, 8) and LayerSpan(0, 2).contains(2, None)
+    from_two = LayerSpan(2, -1)  # layer 2 to the last
+    assert [from_two.contains(i, 6) for i in range(6)] == [False, False, True, True, True, True]
+    assert not from_two.contains(3, None)  # the end needs num_layers
 
 
 def test_layer_spans_and_negative_indices() -> None:

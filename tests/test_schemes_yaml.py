@@ -142,6 +142,41 @@ def test_bad_documents(text: str, needle: str) -> None:
     assert needle in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("value", "path", "option", "fmt"),
+    [
+        ("{format: mxfp8, scaling: tensor}", "rules[0].linear", "scaling='tensor'", "'mxfp8_e4m3', which is block-scaled (blocks of 32)"),
+        ("'mxfp8:scaling=tensor'", "rules[0].linear", "scaling='tensor'", "'mxfp8_e4m3', which is block-scaled"),
+        ("{format: nvfp4, scale_target: 4}", "rules[0].linear", "scale_target=4", "'nvfp4', which is block-scaled (blocks of 16)"),
+        ("{format: fp8_e4m3, scaling: tensor, fprop: {w: mxfp4}}", "rules[0].linear.fprop.w", "scaling='tensor'", "'mxfp4_e2m1'"),
+    ],
+)
+def test_per_tensor_scaling_on_a_block_format_is_a_clear_error(value: str, path: str, option: str, fmt: str) -> None:
+    with pytest.raises(SchemeError) as info:
+        Scheme.from_yaml_text(f"rules:\n  - linear: {value}\n", "s.yaml")
+    (problem,) = info.value.problems
+    assert problem.startswith(f"s.yaml:2: {path}: {option} does not apply to format {fmt}"), problem
+    assert "per-tensor scaling (scaling, scale_target) applies to element formats only" in problem
+    assert "resolve()" not in problem
+
+
+def test_per_tensor_scaling_on_an_element_format_is_accepted() -> None:
+    s = Scheme.from_yaml_text("rules:\n  - linear: {format: fp8_e4m3, scaling: tensor, dgrad: 'fp8_e5m2:scaling=tensor'}\n")
+    assert s.rules[0].linear.fprop.a == TensorQuant("fp8_e4m3", scaling="tensor")
+    assert s.rules[0].linear.dgrad.a == TensorQuant("fp8_e5m2", scaling="tensor")
+
+
+@pytest.mark.parametrize(("span", "spelled"), [("-1..2", "N-1..2"), ("-2..0", "N-2..0")])
+def test_a_range_from_the_last_layers_to_the_first_ones_is_refused(span: str, spelled: str) -> None:
+    text = f"rules:\n  - match: {{layers: [0, '-3..-1', '{span}']}}\n    linear: mxfp8\n"
+    with pytest.raises(SchemeError) as info:
+        Scheme.from_yaml_text(text, "s.yaml")
+    (problem,) = info.value.problems
+    assert problem.startswith(f"s.yaml:2: rules[0].match.layers[2]: layer range {span} starts counted from the last "
+                              f"layer and stops counted from the first"), problem
+    assert f"(here {spelled})" in problem
+
+
 def test_missing_file() -> None:
     with pytest.raises(FileNotFoundError, match="nope.yaml"):
         Scheme.from_yaml("nope.yaml")
@@ -165,7 +200,8 @@ selector_st = st.builds(
     Selector,
     modules=st.sampled_from([None, r"decoder\.layers\.\d+\.mlp\..*", ".*qkv"]),
     kinds=st.lists(st.sampled_from(list(SiteKind)), unique=True, max_size=3).map(tuple),
-    layers=st.lists(st.tuples(st.integers(-3, 3), st.integers(0, 3)).map(lambda t: LayerSpan(*(sorted(t) if t[0] >= 0 else t))), max_size=2).map(tuple),
+    layers=st.lists(st.tuples(st.integers(-3, 3), st.integers(-3, 3)).filter(lambda t: not t[0] < 0 <= t[1])
+                    .map(lambda t: LayerSpan(*(sorted(t) if (t[0] < 0) == (t[1] < 0) else t))), max_size=2).map(tuple),
     first_layers=st.sampled_from([None, 1, 2]),
     last_layers=st.sampled_from([None, 1]),
 )

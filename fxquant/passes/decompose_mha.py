@@ -55,6 +55,15 @@ from fxquant.passes.sites import KIND_KEY, REFUSED_KEY, example_value
 from fxquant.passes.wrappers import mha_attention_weights
 from fxquant.schemes.model import SiteKind
 
+# The linear sites of an nn.MultiheadAttention at ``<mha>``: ``<mha>.<suffix>`` and its kind. Which of them a call
+# shows depends on the call (query is key is value, key is value, separate projection weights); the strict
+# checks list them all as sites a later graph may show (``strict.possible_sites``).
+MHA_LINEAR_SITES: dict[str, SiteKind] = {
+    **dict.fromkeys(("in_proj", "in_proj_q", "in_proj_kv", "in_proj_k", "in_proj_v", "q_proj", "k_proj", "v_proj"),
+                    SiteKind.QKV),
+    "out_proj": SiteKind.PROJ,
+}
+
 log = logging.getLogger(__name__)
 
 MHA_FUNCTION = F.multi_head_attention_forward
@@ -224,7 +233,7 @@ def _stamp(node: fx.Node, mha: fx.Node, names: ModuleNames, suffix: str | None) 
     path = f"{parent}.{suffix}" if parent else suffix
     stack[f"fxquant.mha:{path}"] = (path, nn.Linear)  # an unknown key: ModuleNames reads the spelled path
     node.meta["nn_module_stack"] = stack
-    node.meta[KIND_KEY] = SiteKind.PROJ if suffix == "out_proj" else SiteKind.QKV  # not guessed from the name
+    node.meta[KIND_KEY] = MHA_LINEAR_SITES[suffix]  # not guessed from the name
 
 
 def _fake_run(node: fx.Node, mode: object) -> None:

@@ -24,6 +24,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
+from fxquant.passes.decompose_mha import MHA_LINEAR_SITES
 from fxquant.passes.layers import LayerNumbering
 from fxquant.passes.sites import LINEAR_MODULE_CLASSES, SiteMeta, Status, UnmatchedOp
 from fxquant.schemes.model import Component, Site, SiteKind, site_kind_for
@@ -86,11 +87,16 @@ def model_sites(model: nn.Module, layers: LayerNumbering) -> list[Site]:
 
 def possible_sites(model: nn.Module, layers: LayerNumbering) -> list[Site]:
     """Every site the model could still show in a graph not compiled yet: each module path (root included), as
-    a linear site of the kind its name gives and as an attention site. A rule that matches none of these and
-    none of the sites compiled so far cannot match anything (``FxquantBackend.unmatched_rules``)."""
+    a linear site of the kind its name gives and as an attention site, and for each nn.MultiheadAttention the
+    linear sites ``decompose_mha`` creates (``MHA_LINEAR_SITES``; its in-projections are no modules). A rule
+    that matches none of these and none of the sites compiled so far cannot match anything
+    (``FxquantBackend.unmatched_rules``)."""
     out = []
-    for name, _ in model.named_modules():
+    for name, mod in model.named_modules():
         out += [layers.site(name), layers.site(name, SiteKind.ATTENTION)]
+        if isinstance(mod, nn.MultiheadAttention):
+            out += [layers.site(f"{name}.{suffix}" if name else suffix, kind)
+                    for suffix, kind in MHA_LINEAR_SITES.items()]
     return out
 
 

@@ -4,7 +4,11 @@ matmuls (forward and their backward GEMMs dQ, dK, dP, dV) quantized per an ``Att
 
 The reference, step by step (q [.., Hq, Lq, d], k [.., Hk, Lk, d], v [.., Hk, Lk, dv]):
 
-    enable_gqa: k, v heads repeated (``repeat_interleave``) Hq / Hk times; their gradients sum back
+    enable_gqa: k heads repeated (``repeat_interleave``) Hq / Hk times, v heads Hq / Hv times (each must
+        divide Hq; unchanged when all three are equal); their gradients sum back
+    the dims before [L, d] (batch, heads) then broadcast as in ``torch.matmul``, as SDPA's math backend
+        does: k, v [B, 1, Lk, d] serve every query head, [1, Lk, d] every batch of a 3-D q; the gradient
+        of a broadcast operand is summed over the dims it was broadcast along
     S = quantized_matmul(q, k^T, aq.qk)                 GEMM in the input dtype
     S' = S.float() * scale  (+ additive mask | -inf where a bool mask is False | causal: -inf above diagonal)
     P = softmax(S') in float32, rows that are masked everywhere give 0 (as ``aten._safe_softmax``), cast back
@@ -52,16 +56,46 @@ def _check(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa, aq) -> None:
         raise ValueError(f"quantized_sdpa: dropout_p={dropout_p!r} must lie in [0, 1)")
     if is_causal and attn_mask is not None:
         raise ValueError("quantized_sdpa: pass either attn_mask or is_causal=True, not both (as F.scaled_dot_product_attention)")
-    if q.dim() >= 3 and q.shape[-3] != k.shape[-3]:
-        if not enable_gqa:
-            raise ValueError(
-                f"quantized_sdpa: query has {q.shape[-3]} heads and key {k.shape[-3]}; pass enable_gqa=True for GQA"
-            )
-        if q.shape[-3] % k.shape[-3] != 0 or k.shape[-3] != v.shape[-3]:
-            raise ValueError(
-                f"quantized_sdpa: enable_gqa needs query heads ({q.shape[-3]}) to be a multiple of key/value heads "
-                f"({k.shape[-3]}, {v.shape[-3]})"
-            )
+    _check_broadcast(q, k, v, enable_gqa)
+
+
+def _dim_name(dim: int, ndim: int) -> str:
+    """SDPA's name for the leading dim ``dim`` (< -2) of inputs with up to ``ndim`` dims: [B, H, L, E] or [B, L, E]."""
+    if dim == -3:
+        return "heads (dim -3)" if ndim >= 4 else "batch (dim -3)"
+    return f"batch (dim {dim})"
+
+
+def _gqa_heads(q, k, v) -> tuple[int, int, int]:
+    """The head counts (dim -3) after ``enable_gqa``'s repeat, which needs each of Hk, Hv to divide Hq."""
+    if min(q.dim(), k.dim(), v.dim()) < 3:
+        raise ValueError(f"quantized_sdpa: enable_gqa=True needs a heads dim (dim -3) in query, key and value, got "
+                         f"shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    hq, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
+    if hk == 0 or hv == 0 or hq % hk or hq % hv:
+        raise ValueError(f"quantized_sdpa: enable_gqa needs query heads ({hq}) to be a multiple of key heads ({hk}) "
+                         f"and of value heads ({hv})")
+    return hq, hq, hq
+
+
+def _check_broadcast(q, k, v, enable_gqa: bool) -> None:
+    """The dims before [L, E] of query, key and value (key and value heads as ``enable_gqa`` repeats them) must
+    broadcast as in ``torch.matmul``: per dim, the sizes other than 1 are all equal."""
+    lead = [list(t.shape[:-2]) for t in (q, k, v)]
+    if enable_gqa:
+        for shape, heads in zip(lead, _gqa_heads(q, k, v)):
+            shape[-1] = heads
+    ndim = max(len(s) for s in lead) + 2
+    for dim in range(-3, -ndim - 1, -1):
+        sizes = {name: s[dim + 2] for name, s in zip(("query", "key", "value"), lead) if len(s) >= -dim - 2}
+        other = [n for n in sizes.values() if n != 1]
+        if all(n == other[0] for n in other[1:]):
+            continue
+        what = ", ".join(f"{name} {n}" for name, n in sizes.items())
+        hint = "; pass enable_gqa=True for GQA" if dim == -3 and ndim >= 4 and not enable_gqa else ""
+        raise ValueError(f"quantized_sdpa: the {_dim_name(dim, ndim)} sizes {what} do not broadcast (each must be "
+                         f"the same or 1, as in torch.matmul); shapes {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}{hint}")
 
 
 def quantized_sdpa(
@@ -99,10 +133,9 @@ def quantized_attention(
     """``quantized_sdpa`` returning ``(O, P)``: P is the probability matrix the PV GEMM consumed (after
     dropout, in the input dtype), what ``nn.MultiheadAttention(need_weights=True)`` returns per head."""
     _check(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, aq)
-    if enable_gqa and query.dim() >= 3 and query.shape[-3] != key.shape[-3]:
-        rep = query.shape[-3] // key.shape[-3]
-        key = key.repeat_interleave(rep, dim=-3)
-        value = value.repeat_interleave(rep, dim=-3)
+    if enable_gqa and not query.shape[-3] == key.shape[-3] == value.shape[-3]:
+        key = key.repeat_interleave(query.shape[-3] // key.shape[-3], dim=-3)
+        value = value.repeat_interleave(query.shape[-3] // value.shape[-3], dim=-3)
     lq, lk = query.shape[-2], key.shape[-2]
     scale_ = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     s = quantized_matmul(query, key.transpose(-2, -1), aq.qk).float() * scale_

@@ -106,16 +106,22 @@ _KIND_BY_NAME = {
     "core_attention": SiteKind.ATTENTION,
     "router": SiteKind.ROUTER, "gate": SiteKind.ROUTER,  # Megatron MoE router; HF Mixtral / DeepSeek `mlp.gate`
 }
+# Module names with a kind only as a child of the model's root: torchtitan's and Meta Llama's LM head is
+# ``output``, a name that nested modules use for other things (Hugging Face BERT's ``layer.N.output.dense``).
+_ROOT_KIND_BY_NAME = {"output": SiteKind.LM_HEAD}
 _ATTN_PARENTS = ("attn", "attention", "self_attn", "self_attention")
 
 
 def site_kind_for(module_path: str) -> SiteKind:
     """Guess a linear site's kind from its module path; ``LINEAR`` when the name is not a known one.
 
-    GPT-2's ``c_proj`` is the attention projection under ``attn`` and FC2 under ``mlp``.
+    GPT-2's ``c_proj`` is the attention projection under ``attn`` and FC2 under ``mlp``; ``output`` is the
+    LM head at the model's root only.
     """
     parts = module_path.split(".")
     last = parts[-1] if parts else ""
+    if len(parts) == 1 and last in _ROOT_KIND_BY_NAME:
+        return _ROOT_KIND_BY_NAME[last]
     if last == "c_proj":
         return SiteKind.PROJ if len(parts) > 1 and parts[-2] in _ATTN_PARENTS else SiteKind.FC2
     return _KIND_BY_NAME.get(last, SiteKind.LINEAR)

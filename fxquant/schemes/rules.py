@@ -23,7 +23,9 @@ from fxquant.schemes.model import EXPLICIT_ONLY_KINDS, AttentionQuant, Component
 
 @dataclass(frozen=True)
 class LayerSpan:
-    """Layers ``start..stop`` inclusive; negative values count from the end (-1 = last layer)."""
+    """Layers ``start..stop`` inclusive; negative values count from the end (-1 = last layer). ``2..-1`` is layer 2
+    to the last; a negative start with a non-negative stop (``-1..2``) is refused: it would cover layers only in
+    models of at most a few layers."""
 
     start: int
     stop: int
@@ -32,8 +34,20 @@ class LayerSpan:
         for v in (self.start, self.stop):
             if not isinstance(v, int) or isinstance(v, bool):
                 raise TypeError(f"LayerSpan bounds must be ints, got {v!r}")
+        if self.start < 0 <= self.stop:
+            raise ValueError(
+                f"layer range {self.start}..{self.stop} starts counted from the last layer and stops counted from the "
+                f"first, so it is empty in any model of more than {self.stop - self.start} layers (here "
+                f"{self._spelled_with_n()}); give both bounds non-negative ('0..2'), both negative ('-3..-1'), a "
+                f"non-negative start and a negative stop ('2..-1': layer 2 to the last), or use first_layers / "
+                f"last_layers"
+            )
         if (self.start >= 0) == (self.stop >= 0) and self.start > self.stop:
             raise ValueError(f"LayerSpan({self.start}, {self.stop}) is empty: start must not exceed stop")
+
+    def _spelled_with_n(self) -> str:
+        """The span with its negative bound written as ``N-k``: ``N-1..2``."""
+        return "..".join(f"N{v}" if v < 0 else str(v) for v in (self.start, self.stop))
 
     def contains(self, layer: int, num_layers: int | None) -> bool:
         lo, hi = self.start, self.stop

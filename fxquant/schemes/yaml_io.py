@@ -22,6 +22,7 @@ from pathlib import Path
 import yaml
 from yaml.constructor import SafeConstructor
 
+from fxquant import formats
 from fxquant.formats import canonical_name
 from fxquant.formats.options import did_you_mean
 from fxquant.formats.tensor_quant import _OPTION_KEYS, TensorQuant
@@ -51,6 +52,25 @@ _RANGE_RE = re.compile(r"^\s*(-?\d+)\s*\.\.\s*(-?\d+)\s*$|^\s*(\d+)\s*-\s*(\d+)\
 def _is_none(v: object) -> bool:
     """``none``, ``null``/``~``, ``off``/``false``/``no`` (YAML 1.1 booleans) all mean high precision."""
     return v is None or v is False or (isinstance(v, str) and v.strip().lower() in NONE_WORDS)
+
+
+def _inapplicable_option(format_name: str, options: dict[str, object]) -> str | None:
+    """Why an option set in ``options`` is not one the format takes (its ``Format.option_names``), or None
+    (also when the name is no format: that error is reported where the name is resolved)."""
+    try:
+        name = canonical_name(format_name)
+    except ValueError:
+        return None
+    fmt = formats.get(name)
+    key = next((k for k, v in options.items() if v is not None and k not in fmt.option_names), None)
+    if key is None:
+        return None
+    why = ""
+    if key in ("scaling", "scale_target"):
+        blocks = f", which is block-scaled (blocks of {fmt.block_size})" if fmt.block_size else ""
+        why = f"{blocks}: per-tensor scaling (scaling, scale_target) applies to element formats only (e.g. fp8_e4m3)"
+    return (f"{key}={options[key]!r} does not apply to format {name!r}{why}; the options of {name!r} are "
+            f"{', '.join(fmt.option_names)}")
 
 
 class SchemeError(ValueError):
@@ -206,7 +226,12 @@ class _Parser:
             items = ln.value if isinstance(ln, yaml.SequenceNode) else [ln]
             spans = []
             for j, it in enumerate(items):
-                span = self.layer_span(self.value(it))
+                try:
+                    span = self.layer_span(self.value(it))
+                except ValueError as exc:  # a range LayerSpan refuses (mixed signs)
+                    self.error(it, f"{path}.layers[{j}]", str(exc))
+                    ok = False
+                    continue
                 if span is None:
                     self.error(it, f"{path}.layers[{j}]", f"expected a layer index (0, -1) or a range ('2..5', '2-5'), got {self.value(it)!r}")
                     ok = False
@@ -272,6 +297,12 @@ class _Parser:
             if not isinstance(v, str):
                 self.error(node, path, f"expected a format (e.g. 'mxfp8'), 'none' or a mapping, got {v!r}")
                 return None
+            name, _, rest = v.partition(":")  # options the format does not take; from_spec reports the rest
+            items = [(k.strip(), val.strip()) for k, eq, val in (item.partition("=") for item in rest.split(",")) if eq]
+            problem = _inapplicable_option(name.strip(), {k: val for k, val in items if k in _OPTION_KEYS})
+            if problem is not None:
+                self.error(node, path, problem)
+                return None
             try:
                 tq = TensorQuant.from_spec(v)
             except ValueError as exc:
@@ -303,6 +334,10 @@ class _Parser:
     def checked(self, node: yaml.Node, path: str, scope: dict) -> dict | None:
         if scope.get("format") is None:
             return scope
+        problem = _inapplicable_option(scope["format"], {k: scope.get(k) for k in _OPTION_KEYS})
+        if problem is not None:
+            self.error(node, path, problem)
+            return None
         try:
             self.leaf(scope)
         except (ValueError, TypeError) as exc:
