@@ -115,6 +115,9 @@ def test_flash_sdpa_refuses_what_the_kernel_cannot_do():
         fs.flash_sdpa(q2, k2, v2, enable_gqa=True, aq=AttentionQuant())
     assert "attn_mask" in fs.unsupported_reason(q, k, v, attn_mask=torch.ones(40, 40, dtype=torch.bool))
     assert "dropout" in fs.unsupported_reason(q, k, v, dropout_p=0.1)
+    qb, kb, vb, _ = qkv(b=2)
+    assert "broadcasts no dim" in fs.unsupported_reason(qb, kb[:1], vb[:1], enable_gqa=True)  # SDPA broadcasts B
+    assert fs.unsupported_reason(qb, kb, vb, enable_gqa=True) is None
     with pytest.raises(ValueError, match="device='gpu'"):
         fs.register_triton("gpu")
 

@@ -98,6 +98,9 @@ def unsupported_reason(query: object, key: object, value: object, attn_mask: obj
         return "a head count or head dim is symbolic (dynamic shapes)"
     if key.shape[-1] != d or d > MAX_HEAD_DIM or dv > MAX_HEAD_DIM:
         return f"head dims d={d}, dk={key.shape[-1]}, dv={dv}: the kernel needs d == dk, both <= {MAX_HEAD_DIM}"
+    if not query.shape[0] == key.shape[0] == value.shape[0] or key.shape[2] != value.shape[2]:
+        return (f"batch sizes {query.shape[0]}/{key.shape[0]}/{value.shape[0]} or key/value lengths "
+                f"{key.shape[2]}/{value.shape[2]} differ (the kernel broadcasts no dim)")
     hq, hk = query.shape[1], key.shape[1]
     if hk != value.shape[1] or hk == 0 or hq % hk or (hq != hk and not enable_gqa):
         return f"query heads {hq}, key/value heads {hk}/{value.shape[1]} (enable_gqa={enable_gqa})"
