@@ -16,6 +16,13 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     "$venv/bin/python" -m pip install -q --upgrade pip >&2
     "$venv/bin/python" -m pip install -q "$torch_pin" >&2
     "$venv/bin/python" -m pip install -q -e "$root[triton,megatron,viz,dev]" >&2
+    # Triton before 3.7 cannot interpret fxquant's flash and GEMM kernels with numpy 2.4 (the pair a torch pin
+    # such as torch==2.11.0 brings): numpy is held below 2.4 then.
+    if ! "$venv/bin/python" -c 'import sys; from importlib.metadata import version as v
+from fxquant.kernels import interpreter_loop_problem as p
+sys.exit(1 if p(v("triton"), v("numpy")) else 0)'; then
+        "$venv/bin/python" -m pip install -q "numpy<2.4" >&2
+    fi
     echo "$want" > "$stamp"
 fi
 echo "$venv/bin/python"
