@@ -6,6 +6,7 @@ import itertools
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from tabulate import tabulate
@@ -129,6 +130,15 @@ def cmd_list(args) -> int:
     return 0
 
 
+def written_since(path: Path, since: float) -> Path | None:
+    """``path`` if it exists and was written at or after ``since`` (a time.time()), else None: a run that failed or
+    timed out before writing its metrics leaves an earlier run's file in its directory."""
+    try:
+        return path if path.stat().st_mtime >= since - 1.0 else None  # 1 s: file times use a coarser clock
+    except FileNotFoundError:
+        return None
+
+
 def cmd_run(args) -> int:
     launch = _resolve(args, args.model, args.dataset, _run_scheme(args))
     if args.dry_run:
@@ -138,10 +148,11 @@ def cmd_run(args) -> int:
     note = _replacing_note(launch)
     if note:
         print(note, flush=True)
+    started = time.time()
     outcome = supervise(launch, args.timeout)
-    metrics = Path(launch.run.output_dir) / "metrics.jsonl"
+    metrics = written_since(Path(launch.run.output_dir) / "metrics.jsonl", started)
     print(f"{outcome.status} in {outcome.seconds:.0f}s; log {outcome.log}" +
-          (f"; metrics {metrics}" if metrics.is_file() else ""))
+          (f"; metrics {metrics}" if metrics is not None else ""))
     if outcome.status == "failed":
         print(f"error: {outcome.error or f'exit status {outcome.returncode}, no error line in the log'} "
               f"(full output: {outcome.log})", file=sys.stderr)
@@ -158,6 +169,10 @@ def cmd_matrix(args) -> int:
     out = Path(args.out)
     catalog.data_prefixes(args.data_prefix, args.datasets)  # refused once here, not once per run
     combos = list(itertools.product(args.models, args.datasets, args.schemes))
+    twice = sorted({"/".join(c) for c in combos if combos.count(c) > 1})
+    if twice:  # both would write one run directory
+        print(f"error: run(s) given more than once: {', '.join(twice)}; each cell runs once", file=sys.stderr)
+        return 2
     rows, records, launches = [], [], []
     for model, dataset, scheme in combos:  # every cell resolved before any runs: a typo costs no training time
         name = f"{model}/{dataset}/{scheme}"
@@ -176,9 +191,11 @@ def cmd_matrix(args) -> int:
         return 1
     for name, model, dataset, scheme, launch in launches:
         print(f"[start] {name}", flush=True)
+        started = time.time()
         outcome = supervise(launch, args.timeout, echo=False)
-        losses = compare.read_losses(Path(launch.run.output_dir) / "metrics.jsonl")
-        val_losses = compare.read_losses(Path(launch.run.output_dir) / "metrics.jsonl", key="val_loss")
+        metrics = written_since(Path(launch.run.output_dir) / "metrics.jsonl", started)  # not an earlier run's
+        losses = [] if metrics is None else compare.read_losses(metrics)
+        val_losses = [] if metrics is None else compare.read_losses(metrics, key="val_loss")
         records.append({"run": name, "model": model, "dataset": dataset, "scheme": scheme, "status": outcome.status,
                         "seconds": round(outcome.seconds, 1), "iterations": len(losses),
                         "final_loss": losses[-1] if losses else None,
@@ -202,6 +219,8 @@ def cmd_matrix(args) -> int:
     (out / "matrix_summary.txt").write_text(table + "\n")
     print(table)
     plot = compare.plot_curves(records, out / "loss_curves.svg")
+    if plot is None:  # no run finished: an earlier matrix's figure must not stand beside this summary
+        (out / "loss_curves.svg").unlink(missing_ok=True)
     print(f"summary: {out / 'matrix_summary.json'}, {out / 'matrix_summary.txt'}" + (f", {plot}" if plot else ""))
     failed = [r for r in records if r["status"] != "ok"]
     return 1 if failed else 0

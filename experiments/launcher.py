@@ -152,10 +152,12 @@ def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", varia
         tokenizer = "byte"
     elif tokenizer != "byte" and not Path(tokenizer).is_dir():
         raise ValueError(f"--tokenizer {tokenizer!r}: no such directory")
+    else:
+        tokenizer = str(Path(tokenizer).resolve())  # absolute: torchrun runs in the repository
     if dataset == "mock":
         data = DataConfig()
     else:
-        prefix = catalog.dataset_prefix(dataset, data_prefix)
+        prefix = str(Path(catalog.dataset_prefix(dataset, data_prefix)).resolve())  # absolute, as run_dir below
         missing = [s for s in (".bin", ".idx") if not Path(f"{prefix}{s}").is_file()]
         if missing:
             ds = catalog.DATASETS[dataset]
@@ -163,7 +165,7 @@ def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", varia
                              f"prepare-data ... --dataset {dataset} -o {prefix}`, or point --data-prefix "
                              f"{dataset}=PREFIX / ${ds.env} at it")
         dataset_label.check(dataset, prefix, tokenizer)
-        data = DataConfig(DataKind.INDEXED, (prefix,), cache_dir=str(Path(out) / ".data-cache"))
+        data = DataConfig(DataKind.INDEXED, (prefix,), cache_dir=str(Path(out).resolve() / ".data-cache"))
     if parse_kernels(kernels) is Kernels.TRITON and (device or run_device()) == "cpu":
         raise ValueError("--kernels triton: the training processes run on the CPU here (no CUDA device), where the "
                          "Triton kernels are not registered; allowed here: auto, inductor, reference")

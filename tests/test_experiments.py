@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -151,6 +152,29 @@ def test_nproc_defaults_to_the_parallel_sizes_and_dry_run_writes_nothing(tmp_pat
     assert list(tmp_path.iterdir()) == []  # neither the run directory, launch.json, captures nor a summary
 
 
+def test_relative_data_and_tokenizer_paths_are_resolved_where_they_were_given(data_prefixes, tmp_path, capsys,
+                                                                              monkeypatch):
+    """The ranks run in the repository, not the caller's directory: a relative --data-prefix, --tokenizer and
+    --out reach them as the absolute paths the caller meant (they pointed into the repository, or nowhere)."""
+    prefix = Path(data_prefixes["wikipedia"])
+    (tmp_path / "tokenizer").mkdir()
+    monkeypatch.chdir(prefix.parent)
+    code, _, config, _ = _dry(["--model", "llama32-1b", "--dataset", "wikipedia", "--data-prefix", prefix.name,
+                               "--tokenizer", str(Path("..") / tmp_path.name / "tokenizer"), "--out", "runs"], capsys)
+    assert code == 0
+    assert config["data"]["prefixes"] == [str(prefix)]
+    assert config["tokenizer"] == str((tmp_path / "tokenizer").resolve())
+    assert config["data"]["cache_dir"] == str(prefix.parent / "runs" / ".data-cache")
+
+
+def test_a_cell_given_twice_is_refused(tmp_path, capsys):
+    from experiments.__main__ import main
+
+    assert main(["matrix", "--models", "llama32-1b", "--schemes", "bf16", "bf16", "--out", str(tmp_path)]) == 2
+    assert "run(s) given more than once: llama32-1b/mock/bf16" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_matrix_refuses_every_bad_cell_before_running_any(tmp_path, capsys):
     """One mistyped model in a matrix: the command stops before the first run (nothing trained, nothing written),
     naming each refused cell."""
@@ -268,8 +292,13 @@ def test_a_failing_run_prints_the_ranks_error_line(tmp_path, capsys, monkeypatch
     monkeypatch.delenv("CUSTOM_QUANT_TYPE", raising=False)
     tok = tmp_path / "tok"
     tok.mkdir()
-    code = main(["run", "--model", "llama32-1b", "--tokenizer", str(tok), "--out", str(tmp_path / "runs"),
-                 "--iters", "1", "--timeout", "300"])
+    argv = ["run", "--model", "llama32-1b", "--tokenizer", str(tok), "--out", str(tmp_path / "runs"), "--iters", "1"]
+    _, _, config, _ = _dry(argv[1:], capsys)
+    stale = Path(config["output_dir"]) / "metrics.jsonl"  # an earlier run's: not this failed run's metrics
+    stale.parent.mkdir(parents=True)
+    stale.write_text('{"iteration": 1, "loss": 5.0}\n')
+    os.utime(stale, (stale.stat().st_atime - 3600, stale.stat().st_mtime - 3600))
+    code = main([*argv, "--timeout", "300"])
     out, err = capsys.readouterr()
     assert code == 1 and out.startswith("failed in ") and "metrics" not in out
     (line,) = [x for x in err.splitlines() if x.startswith("error: ")]
