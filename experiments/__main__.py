@@ -192,7 +192,7 @@ def cmd_matrix(args) -> int:
     for name, model, dataset, scheme, launch in launches:
         print(f"[start] {name}", flush=True)
         started = time.time()
-        outcome = supervise(launch, args.timeout, echo=False)
+        outcome = supervise(launch, args.timeout, echo=("iter ",), prefix=f"  {name} ")  # progress per iteration
         metrics = written_since(Path(launch.run.output_dir) / "metrics.jsonl", started)  # not an earlier run's
         losses = [] if metrics is None else compare.read_losses(metrics)
         val_losses = [] if metrics is None else compare.read_losses(metrics, key="val_loss")

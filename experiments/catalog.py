@@ -67,7 +67,7 @@ CONFIGS: dict[str, TrainConfig] = {
     # The predecessor's: MBS 1, GBS 128, seq 8192, lr 1.5e-4.
     "standard": TrainConfig(seq_length=8192, micro_batch_size=1, global_batch_size=128, train_iters=1000,
                             optim=OptimConfig(lr=1.5e-4, min_lr=1.5e-5, warmup_iters=100), save_interval=500),
-    # The predecessor's: GBS 32, seq 2048, 1000 samples (= 32 iterations), lr 1e-4.
+    # The predecessor's: GBS 32, seq 2048, 1000 samples (31 whole iterations of 32), lr 1e-4.
     "fast": TrainConfig(seq_length=2048, micro_batch_size=1, global_batch_size=32, train_iters=1000 // 32,
                         optim=OptimConfig(lr=1e-4, min_lr=1e-5, warmup_iters=3)),
     "cpu": TrainConfig(seq_length=64, micro_batch_size=2, global_batch_size=8, train_iters=40,

@@ -219,9 +219,9 @@ def first_error(lines) -> str | None:
     return fallback
 
 
-def supervise(launch: Launch, timeout: float, echo: bool = True) -> Outcome:
+def supervise(launch: Launch, timeout: float, echo: tuple[str, ...] = ECHOED, prefix: str = "") -> Outcome:
     """Write launch.json, run the launch in a new process group; on timeout kill the group (SIGTERM, then
-    SIGKILL). Rank lines starting with `ECHOED` are printed when `echo`; all output goes to train.log."""
+    SIGKILL). Rank lines starting with one of `echo` are printed, after `prefix`; all output goes to train.log."""
     launch.config_path.parent.mkdir(parents=True, exist_ok=True)
     launch.config_path.write_text(json.dumps(launch.run.to_dict(), indent=2))
     log = launch.config_path.parent / "train.log"
@@ -235,8 +235,8 @@ def supervise(launch: Launch, timeout: float, echo: bool = True) -> Outcome:
         try:
             for line in proc.stdout:
                 handle.write(line)
-                if echo and line.startswith(ECHOED):
-                    print(line.rstrip(), flush=True)
+                if echo and line.startswith(echo):
+                    print(prefix + line.rstrip(), flush=True)
             proc.wait()
         finally:
             timer.cancel()

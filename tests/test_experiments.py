@@ -121,7 +121,10 @@ def test_matrix_runs_supervised_and_compares_with_bf16(tmp_path, capsys):
 
     code = main(["matrix", "--models", "llama31-8b", "--datasets", "mock", "--schemes", "bf16", "linear_hifp8",
                  "--iters", "3", "--out", str(tmp_path), "--backend", "aot_eager", "--timeout", "300", "--last-n", "2"])
-    assert code == 0, capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert code == 0, out
+    # each cell's iterations are shown as they run, named by the cell (and nothing else of the ranks' output)
+    assert "  llama31-8b/mock/linear_hifp8 iter      3/3 | loss" in out and "FXQUANT_RESULT" not in out
     summary = json.loads((tmp_path / "matrix_summary.json").read_text())
     assert [r["status"] for r in summary["runs"]] == ["ok", "ok"]
     mre = summary["loss_vs_bf16"]["llama31-8b/mock/linear_hifp8"]
