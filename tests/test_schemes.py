@@ -188,6 +188,32 @@ def test_root_output_is_the_lm_head_and_nested_output_is_not() -> None:
     assert head.linear_for(Site.from_path("output")) == lin(M8)
 
 
+def test_t5_paths_number_their_block_and_name_their_kinds() -> None:
+    """T5 nests sub-layers in blocks (``block.N.layer.M``): the layer is the block, the outermost stack, for a
+    site and for the global numbering alike; its q/k/v/o, wi/wo names get their kinds from their parents."""
+    from torch import nn
+
+    from fxquant.passes.layers import LayerNumbering
+
+    ffn = "encoder.block.2.layer.1.DenseReluDense"
+    for path, kind in ((f"{ffn}.wi", SiteKind.FC1), (f"{ffn}.wi_0", SiteKind.FC1), (f"{ffn}.wo", SiteKind.FC2),
+                       ("decoder.block.3.layer.1.EncDecAttention.q", SiteKind.QKV),
+                       ("decoder.block.3.layer.0.SelfAttention.o", SiteKind.PROJ)):
+        assert site_kind_for(path) is kind, path
+        assert Site.from_path(path).layer == LayerNumbering().site(path).layer == int(path.split(".")[2]), path
+    assert site_kind_for("layers.0.attention.wo") is SiteKind.PROJ  # Meta Llama's attention output keeps its kind
+    model = nn.Module()
+    model.encoder = nn.Module()
+    model.encoder.block = nn.ModuleList(nn.Module() for _ in range(4))
+    for b in model.encoder.block:
+        b.layer = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
+    numbering = LayerNumbering.of_model(model)
+    assert numbering.num_layers == 4 and numbering.site("encoder.block.3.layer.1").layer == 3
+    first = Scheme("first", rules=(Rule(Selector(first_layers=1), linear=lin(M8)),))
+    assert first.linear_for(numbering.site(f"{ffn.replace('block.2', 'block.0')}.wo")) == lin(M8)
+    assert first.linear_for(numbering.site("encoder.block.1.layer.0.SelfAttention.q")) is None
+
+
 def test_a_span_from_the_last_layers_to_the_first_ones_is_refused() -> None:
     for start, stop, spelled in ((-1, 2, "N-1..2"), (-3, 0, "N-3..0")):
         with pytest.raises(ValueError, match=rf"layer range {start}\.\.{stop} starts counted from the last .*"

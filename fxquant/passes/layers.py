@@ -17,23 +17,17 @@ model's ``config.num_layers`` when its layers carry ``layer_number`` (Megatron),
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
 
 from torch import nn
 
-from fxquant.schemes.model import Site, SiteKind
-
-# The layer-stack part of a path, as Site.from_path reads it (the last match wins).
-_LAYER_PATH_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?=\.|$)")
-
+from fxquant.schemes.model import Site, SiteKind, layer_stack
 
 def _layer_prefix(path: str) -> str | None:
-    """``decoder.layers.1`` for ``decoder.layers.1.mlp.linear_fc1`` (None outside a layer stack)."""
-    last = None
-    for last in _LAYER_PATH_RE.finditer(path):
-        pass
-    return path[: last.end()] if last else None
+    """``decoder.layers.1`` for ``decoder.layers.1.mlp.linear_fc1`` (None outside a layer stack): the path up to
+    its outermost layer stack, as ``Site.from_path`` reads it (``schemes.model.layer_stack``)."""
+    m = layer_stack(path)
+    return path[: m.end()] if m else None
 
 
 def _check_count(name: str, value: object, minimum: int) -> None:

@@ -47,7 +47,14 @@ class Component(str, enum.Enum):
 
 EXPLICIT_ONLY_KINDS = frozenset({SiteKind.LM_HEAD, SiteKind.EMBEDDING, SiteKind.ROUTER})
 
-_LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)")
+_LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?=\.|$)")
+
+
+def layer_stack(path: str) -> re.Match | None:
+    """The outermost layer-stack part of a module path (``layers.N``, ``layer.N``, ``h.N``, ``blocks.N``,
+    ``block.N``; group 1 is N), or None: in T5's ``encoder.block.2.layer.1.DenseReluDense.wi`` the layer is block
+    2 (``layer.1`` is a sub-layer of that block)."""
+    return _LAYER_RE.search(path)
 
 
 @dataclass(frozen=True)
@@ -73,11 +80,10 @@ class Site:
 
     @classmethod
     def from_path(cls, module_path: str, kind: SiteKind | str | None = None, num_layers: int | None = None) -> "Site":
-        """A site whose layer index is read from ``layers.N`` (also ``h.N``, ``blocks.N``) in the path and whose
+        """A site whose layer index is read from the outermost ``layers.N`` (also ``h.N``, ``blocks.N``, ...) in the
+        path (``layer_stack``) and whose
         kind, when not given, is guessed from the module name (``site_kind_for``)."""
-        m = None
-        for m in _LAYER_RE.finditer(module_path):
-            pass
+        m = layer_stack(module_path)
         layer = int(m.group(1)) if m else None
         k = site_kind_for(module_path) if kind is None else _parse_kind(kind)
         return cls(module_path, k, layer, num_layers)
@@ -110,18 +116,28 @@ _KIND_BY_NAME = {
 # ``output``, a name that nested modules use for other things (Hugging Face BERT's ``layer.N.output.dense``).
 _ROOT_KIND_BY_NAME = {"output": SiteKind.LM_HEAD}
 _ATTN_PARENTS = ("attn", "attention", "self_attn", "self_attention")
+# T5's names, by parent module: attention ``SelfAttention`` / ``EncDecAttention`` with children q, k, v, o; the
+# feed-forward ``DenseReluDense`` with wi (or gated wi_0, wi_1) and wo (elsewhere, Meta Llama's ``attention.wo``).
+_KIND_BY_PARENT = {
+    "SelfAttention": {"q": SiteKind.QKV, "k": SiteKind.QKV, "v": SiteKind.QKV, "o": SiteKind.PROJ},
+    "EncDecAttention": {"q": SiteKind.QKV, "k": SiteKind.QKV, "v": SiteKind.QKV, "o": SiteKind.PROJ},
+    "DenseReluDense": {"wi": SiteKind.FC1, "wi_0": SiteKind.FC1, "wi_1": SiteKind.FC1, "wo": SiteKind.FC2},
+}
 
 
 def site_kind_for(module_path: str) -> SiteKind:
     """Guess a linear site's kind from its module path; ``LINEAR`` when the name is not a known one.
 
     GPT-2's ``c_proj`` is the attention projection under ``attn`` and FC2 under ``mlp``; ``output`` is the
-    LM head at the model's root only.
+    LM head at the model's root only; T5's names are read with their parent's (``_KIND_BY_PARENT``).
     """
     parts = module_path.split(".")
     last = parts[-1] if parts else ""
     if len(parts) == 1 and last in _ROOT_KIND_BY_NAME:
         return _ROOT_KIND_BY_NAME[last]
+    by_parent = _KIND_BY_PARENT.get(parts[-2]) if len(parts) > 1 else None
+    if by_parent is not None and last in by_parent:
+        return by_parent[last]
     if last == "c_proj":
         return SiteKind.PROJ if len(parts) > 1 and parts[-2] in _ATTN_PARENTS else SiteKind.FC2
     return _KIND_BY_NAME.get(last, SiteKind.LINEAR)
