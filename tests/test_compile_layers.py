@@ -89,3 +89,43 @@ def test_automatic_numbering_from_layer_number():
 def test_bad_numbering_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         fxquant.compile(make_llama(), "bf16", backend="aot_eager", **kwargs)
+
+
+class _MaskedLM(nn.Module):
+    """BERT's shape of LM head: ``cls.predictions.decoder``, tied to the word embeddings (no head's name), and a
+    second model whose untied head only ``get_output_embeddings()`` names (RoBERTa's ``lm_head.decoder``)."""
+
+    def __init__(self, tied: bool):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(64, 32)
+        self.dense = nn.Linear(32, 32)
+        self.cls = nn.Module()
+        self.cls.predictions = nn.Module()
+        self.cls.predictions.decoder = nn.Linear(32, 64)
+        if tied:
+            self.cls.predictions.decoder.weight = self.word_embeddings.weight
+
+    def get_output_embeddings(self):
+        return self.cls.predictions.decoder
+
+    def forward(self, ids):
+        return self.cls.predictions.decoder(torch.relu(self.dense(self.word_embeddings(ids))))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_lm_heads_without_a_heads_name_are_lm_heads(tied):
+    """A tied or get_output_embeddings() head is kind lm_head: presets leave it in high precision, as they leave
+    a head named lm_head (BERT's and RoBERTa's heads were quantized as plain linears)."""
+    torch._dynamo.reset()
+    model = _MaskedLM(tied)
+    if not tied:
+        model.get_output_embeddings = None  # found through the tied weight alone, or not at all
+    numbering = LayerNumbering.of_model(model)
+    head = "cls.predictions.decoder"
+    assert (numbering.site(head).kind is schemes.SiteKind.LM_HEAD) is tied
+    model = _MaskedLM(tied)  # with get_output_embeddings: found either way
+    compiled = fxquant.compile(model, "linear_mxfp8", backend="aot_eager", strict=True)
+    compiled(torch.randint(0, 64, (2, 8))).sum().backward()
+    sites = {s.site.module_path: s for s in fxquant.compile_state(compiled).sites()}
+    assert sites[head].site.kind is schemes.SiteKind.LM_HEAD and sites[head].status.value != "rewritten"
+    assert sites["dense"].status.value == "rewritten"

@@ -13,6 +13,10 @@ the global index:
 
 ``num_layers`` (for ``last_layers`` and negative indices) is the whole model's count: explicit, else the
 model's ``config.num_layers`` when its layers carry ``layer_number`` (Megatron), else 1 + the largest index.
+
+The numbering also knows the model's LM heads beyond their names (``heads``): the module Hugging Face's
+``get_output_embeddings()`` returns (BERT's ``cls.predictions.decoder``, RoBERTa's ``lm_head.decoder``) and any
+linear whose weight is an embedding's weight (tied); their sites get kind ``lm_head``.
 """
 from __future__ import annotations
 
@@ -42,6 +46,7 @@ class LayerNumbering:
     offset: int = 0
     num_layers: int | None = None
     numbers: dict[str, int] = field(default_factory=dict)  # layer module path -> global index
+    heads: frozenset[str] = frozenset()  # module paths of LM heads whose names do not say so (module docstring)
 
     def __post_init__(self) -> None:
         _check_count("layer_offset", self.offset, 0)
@@ -56,6 +61,8 @@ class LayerNumbering:
         return int(prefix.rsplit(".", 1)[1]) + self.offset
 
     def site(self, path: str, kind: SiteKind | str | None = None) -> Site:
+        if kind is None and path in self.heads:
+            kind = SiteKind.LM_HEAD
         local = Site.from_path(path, kind)
         return dataclasses.replace(local, layer=self.layer(path), num_layers=self.num_layers)
 
@@ -86,4 +93,21 @@ class LayerNumbering:
             num_layers = None if top is None else top + 1
         elif top is not None and top >= num_layers:
             raise ValueError(f"num_layers={num_layers}: the model has a layer with global index {top}")
-        return cls(layer_offset or 0, num_layers, numbers)
+        return cls(layer_offset or 0, num_layers, numbers, _lm_heads(model))
+
+
+def _lm_heads(model: nn.Module) -> frozenset[str]:
+    """Paths of the linears that are the model's LM head without a head's name: ``get_output_embeddings()``'s
+    module (Hugging Face) and linears whose weight is an ``nn.Embedding``'s weight."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    out = {name for name, m in model.named_modules() if isinstance(m, nn.Linear) and id(m.weight) in embeddings}
+    getter = getattr(model, "get_output_embeddings", None)
+    head = None
+    if callable(getter):
+        try:
+            head = getter()
+        except (NotImplementedError, AttributeError, TypeError):  # a model class without an output embedding
+            head = None
+    if isinstance(head, nn.Module):
+        out.update(name for name, m in model.named_modules() if m is head)
+    return frozenset(out)
