@@ -2,9 +2,9 @@
 
 Each case compiles a fresh model in a fresh Dynamo state and times the first forward+backward (compile
 included) and a later step. Inductor runs use a temporary cache directory per case (cold compile), so the
-numbers are comparable. Prints a table and writes JSON (default benchmarks/results/bench_compile.json).
+numbers are comparable. Prints a table; with --json PATH also writes the rows as JSON.
 
-    python benchmarks/bench_compile.py [--backends inductor aot_eager] [--scheme FA_linear_mxfp8]
+    python benchmarks/bench_compile.py [--backends inductor aot_eager] [--scheme FA_linear_mxfp8] [--json out.json]
 """
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", nargs="+", default=["inductor", "aot_eager"])
     parser.add_argument("--scheme", default="FA_linear_mxfp8")
-    parser.add_argument("--out", default="benchmarks/results/bench_compile.json")
+    parser.add_argument("--json", "--out", dest="json", type=Path, default=None,
+                        help="write the rows here (default: no file)")
     args = parser.parse_args()
     tokens = make_tokens(make_llama().cfg, batch=2, seq_len=64)
     rows = []
@@ -68,11 +69,11 @@ def main() -> None:
     print(tabulate([[r["backend"], r["scheme"], f"{r['first_step_s']:.2f}", f"{r['step_s'] * 1e3:.1f}",
                      f"{r['compile_ratio_vs_plain']:.2f}x"] for r in rows],
                    headers=["backend", "scheme", "first step (compile) s", "later step ms", "vs plain"]))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-                               "torch": torch.__version__, "rows": rows}, indent=2))
-    print(f"wrote {out}")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+                                         "torch": torch.__version__, "rows": rows}, indent=2))
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -87,12 +87,16 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=2048)
     ap.add_argument("--cols", type=int, default=4096)
     ap.add_argument("--quantized-every", type=int, default=4, help="every Nth tensor is an MXFP8 copy (0: none)")
-    ap.add_argument("--dir", default=None, help="where to write the set (default: a temporary directory)")
+    ap.add_argument("--dir", default=None,
+                    help="where to write the set, under DIR/capture, which must not exist or be empty "
+                         "(default: a temporary directory, removed afterwards)")
     ap.add_argument("--json", default="bench_report.json")
     args = ap.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     base = Path(args.dir or tempfile.mkdtemp(prefix="fxquant-bench-report-"))
     root = base / "capture"
+    if root.exists() and any(root.iterdir()):  # the capture writer would append, and the figures count it all
+        ap.error(f"--dir {base}: {root} already holds a capture set; give a new or empty --dir")
     try:
         t0 = time.perf_counter()
         nbytes = write_set(root, args.size_mb, dtype, args.rows, args.cols, args.quantized_every)

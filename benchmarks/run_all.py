@@ -15,8 +15,10 @@ Sections (``--sections``, default all):
   attention  causal GQA attention fwd+bwd, seq 2k-8k, head dim 64/128: SDPA bf16 (flash) vs the quantized
              flash-attention kernel per FA scheme and the torch reference path (quantized_sdpa, eager; up to
              L = 2048: its [L, L] float32 matrices)
-  model      a Llama-3.2-1B-shaped model with fewer layers, fwd+bwd step: compiled bf16 vs fxquant.compile per
-             preset and quantize implementation (KERNELS), with peak memory, and the predecessor's eager approach
+  model      a Llama-3.2-1B-shaped model with fewer layers, fwd+bwd step: the compiled baseline (bf16 with
+             Inductor on a GPU, float32 with aot_eager on CPU; its row reads "baseline: ...", the columns
+             "x baseline", "peak x baseline") vs fxquant.compile per preset and quantize implementation
+             (KERNELS), with peak memory, and the predecessor's eager approach
   capture    capture writer throughput vs raw writes, step overhead (benchmarks/bench_capture.py); the
              model runs on the CPU, on a GPU machine too (its host CPU)
   compile    first-step (compile) time, fxquant.compile vs torch.compile (benchmarks/bench_compile.py); the
@@ -368,25 +370,26 @@ def model_step(args, dev: torch.device, timer: Timer) -> list[dict]:
             s, note = _attempt(lambda: timer(step), f"model {label}")
         peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
         rows.append({"model": f"{cfg['n_layers']} layers, dim {cfg['dim']}, {batch}x{seq} tokens, {dtype}".replace("torch.", ""),
-                     "impl": label, "ms": s and s * 1e3, "x bf16": _ratio(s, ref), "peak GiB": peak,
-                     "peak x bf16": _ratio(peak, rows[0]["peak GiB"] if rows and peak else None), "note": note or (
+                     "impl": label, "ms": s and s * 1e3, "x baseline": _ratio(s, ref), "peak GiB": peak,
+                     "peak x baseline": _ratio(peak, rows[0]["peak GiB"] if rows and peak else None), "note": note or (
                          "" if dev.type == "cuda" else "peak memory: n/a on CPU")})
         _log(f"  model {label}: {s}")
         del model, run_model
         return s
 
-    bf16_s = measure(f"{str(dtype)[6:]} torch.compile ({backend})", lambda m: torch.compile(m, backend=backend))
-    rows[0]["x bf16"] = 1.0
+    base_s = measure(f"baseline: {str(dtype)[6:]} torch.compile ({backend})",
+                     lambda m: torch.compile(m, backend=backend))
+    rows[0]["x baseline"] = 1.0
     # every preset with what "auto" picks first, the other implementation after: a spent budget drops comparison rows
     choices = {p: kernel_choices(dev, backend, p) for p in MODEL_PRESETS}
     runs = [(p, ks[0]) for p, ks in choices.items()] + [(p, k) for p, ks in choices.items() for k in ks[1:]]
     for preset, k in runs:
         measure(f"fxquant {preset} ({backend}, kernels={k})",
-                lambda m: fxquant.compile(m, preset, backend=backend, kernels=k), bf16_s)
+                lambda m: fxquant.compile(m, preset, backend=backend, kernels=k), base_s)
         rows[-1]["target"] = TARGETS.get(preset)
     legacy = "legacy_FA_linear_mxfp8"
     measure(f"predecessor approach {legacy} (eager torch ops, forward GEMMs only)", lambda m: fxquant.compile(m, legacy, backend="eager"),
-            bf16_s, eager_ops=True)
+            base_s, eager_ops=True)
     return rows
 
 

@@ -50,6 +50,26 @@ def test_fxquant_verbs_document_every_option():
     assert problems == []
 
 
+@pytest.mark.parametrize("verb", ["collect", "prepare-data", "draw"])
+def test_hand_laid_out_descriptions_keep_one_example_command_per_line(verb, capsys):
+    """Verbs whose description lists example commands (argparse.RawDescriptionHelpFormatter) print each one on
+    its own line, as written, and their option help lines still show defaults."""
+    import importlib
+
+    examples = [line.strip() for line in importlib.import_module(f"fxquant.cli.{verb.replace('-', '_')}_cmd")
+                .__doc__.splitlines() if line.startswith(f"    fxquant {verb}")]
+    assert len(examples) >= 3
+    with pytest.raises(SystemExit) as done:
+        main([verb, "--help"])
+    assert done.value.code == 0
+    lines = [line.strip() for line in capsys.readouterr().out.splitlines()]
+    assert [e for e in examples if e not in lines] == []
+    top = build_parser()
+    parser = {a.dest: a for a in top._actions if isinstance(a, argparse._SubParsersAction)}["verb"].choices[verb]
+    parser.add_argument("--probe", type=int, default=7, help="a probe option")
+    assert "a probe option (default: 7)" in parser.format_help()
+
+
 def test_experiments_run_and_matrix_document_every_option():
     pytest.importorskip("megatron.core", reason="experiments imports megatron-core's glue")
     from experiments.__main__ import build_parser as experiments_parser

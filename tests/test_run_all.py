@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,20 @@ def test_cuda_compares_what_auto_picks_first_and_nvfp4_runs_the_kernels():
     assert run_all.kernel_choices(torch.device("cpu"), "inductor", "linear_mxfp8") == ("auto",)
 
 
+def test_model_rows_are_ratios_to_the_named_baseline_row():
+    """On CPU the model section's baseline is float32 torch.compile with aot_eager, not bf16: the baseline row
+    says so and the ratio columns are named for it, in the rows (the JSON) and in the markdown table. The timer
+    hands out fixed seconds in call order, so the ratios are known."""
+    seconds = iter([0.010, 0.020, 0.030, 0.040, 0.050, 0.060])
+    args = types.SimpleNamespace(quick=True, layers=2)
+    rows = run_all.model_step(args, torch.device("cpu"), lambda fn: next(seconds))
+    assert [r["impl"] for r in rows][0] == "baseline: float32 torch.compile (aot_eager)"
+    assert [r["x baseline"] for r in rows] == pytest.approx([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    assert all("peak x baseline" in r and not any("bf16" in c for c in r) for r in rows)
+    header = [c.strip() for c in run_all.render("model", rows).splitlines()[2].strip("|").split("|")]
+    assert header == ["model", "impl", "ms", "x baseline", "peak GiB", "peak x baseline", "note", "target"]
+
+
 @pytest.mark.slow
 def test_quick_run_of_every_section(tmp_path):
     out, md = tmp_path / "run_all.json", tmp_path / "run_all.md"
@@ -38,7 +53,8 @@ def test_quick_run_of_every_section(tmp_path):
         assert section["rows"], name
         assert not any(str(r.get("note", "")).startswith("error") for r in section["rows"]), name
     model = result["sections"]["model"]["rows"]
-    assert model[0]["x bf16"] == 1.0 and all(r["ms"] > 0 for r in model)
+    assert model[0]["impl"] == "baseline: float32 torch.compile (aot_eager)" and model[0]["x baseline"] == 1.0
+    assert all(r["ms"] > 0 for r in model)
     assert [r["impl"].split()[1] for r in model[1:-1]] == list(run_all.MODEL_PRESETS)
     text = md.read_text()
     assert all(f"### {name}" in text for name in run_all.SECTIONS)

@@ -34,6 +34,12 @@ class HelpFormatter(argparse.HelpFormatter):
         return text + " (default: %(default)s)"
 
 
+class RawDescriptionHelpFormatter(argparse.RawDescriptionHelpFormatter, HelpFormatter):
+    """HelpFormatter for a verb whose description is laid out by hand (``formatter_class=
+    argparse.RawDescriptionHelpFormatter``: example commands one per line): the description is printed as
+    written; the option help lines are wrapped and show their defaults as HelpFormatter's do."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fxquant",
@@ -50,8 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _show_defaults(parser: argparse.ArgumentParser) -> None:
-    """HelpFormatter for every verb's (and sub-verb's) parser, so each help line shows its default."""
-    parser.formatter_class = HelpFormatter
+    """HelpFormatter for every verb's (and sub-verb's) parser, so each help line shows its default;
+    RawDescriptionHelpFormatter for a parser that asked for argparse's, so its description keeps its lines."""
+    raw = issubclass(parser.formatter_class, argparse.RawDescriptionHelpFormatter)
+    parser.formatter_class = RawDescriptionHelpFormatter if raw else HelpFormatter
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
