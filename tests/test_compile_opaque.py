@@ -108,3 +108,80 @@ def test_aten_calls_are_listed_and_aten_attention_fails_strict():
     torch._dynamo.reset()
     with pytest.raises(QuantizationError, match="aten._scaled_dot_product_flash_attention_for_cpu in '<root>'"):
         fxquant.compile(AtenCalls(), "FA_linear_mxfp8", backend="aot_eager", strict=True)(x)
+
+
+@torch.library.custom_op("fxquant_test::expert_mm", mutates_args=())
+def expert_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """An MoE's expert GEMM behind a custom op (as transformers' ``grouped_mm_fallback`` on CPU)."""
+    return x @ weight
+
+
+@expert_mm.register_fake
+def _(x, weight):
+    return x.new_empty(*x.shape[:-1], weight.shape[-1])
+
+
+def _expert_mm_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _expert_mm_backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    return grad @ weight.t(), x.t() @ grad
+
+
+expert_mm.register_autograd(_expert_mm_backward, setup_context=_expert_mm_setup)
+
+
+class Experts(nn.Module):
+    """Expert weights as 3-D parameters, run by a custom op (``custom=True``) or by ``torch._grouped_mm``."""
+
+    def __init__(self, custom: bool) -> None:
+        super().__init__()
+        self.custom = custom
+        self.gate_up_proj = nn.Parameter(torch.randn(2, E, E) / E)
+        self.scale = nn.Parameter(torch.ones(E))  # 1-D: a custom op given only this hides no GEMM
+
+    def forward(self, x):
+        x = torch.ops.fxquant_test.expert_mm(x, self.scale.diag())  # a tensor made from a parameter: no weight
+        if self.custom:
+            return torch.ops.fxquant_test.expert_mm(x, self.gate_up_proj[0].t())
+        offs = torch.tensor([x.shape[0] // 2, x.shape[0]], dtype=torch.int32)
+        w = self.gate_up_proj.transpose(-2, -1).to(torch.bfloat16)  # as transformers' _grouped_linear calls it
+        return torch._grouped_mm(x.to(torch.bfloat16), w, offs=offs).float()
+
+
+class MoE(nn.Module):
+    def __init__(self, custom: bool) -> None:
+        super().__init__()
+        self.router = nn.Linear(E, 2)
+        self.experts = Experts(custom)
+        self.fc = nn.Linear(E, E)
+
+    def forward(self, x):
+        return self.fc(self.experts(x) * self.router(x).softmax(-1)[:, :1])
+
+
+def test_custom_op_with_a_weight_parameter_is_opaque_and_fails_strict(caplog):
+    x = torch.randn(B * L, E)
+    exp = fxquant.explain(MoE(custom=True), x, scheme="linear_mxfp8")
+    (u,) = exp.unmatched
+    assert (u.target, u.module_path, u.opaque) == ("fxquant_test::expert_mm", "experts", True)
+    assert u.note == "custom op with a weight parameter: may hide GEMMs" and u.note in str(exp)
+    assert "1 matmul-like ops unmatched" in str(exp)
+    torch._dynamo.reset()
+    with pytest.raises(QuantizationError, match="fxquant_test::expert_mm in 'experts'.*may hide GEMMs"):
+        fxquant.compile(MoE(custom=True), "linear_mxfp8", backend="aot_eager", strict=True)(x)
+    torch._dynamo.reset()
+    with caplog.at_level(logging.WARNING, logger="fxquant"):
+        fxquant.compile(MoE(custom=True), "linear_mxfp8", backend="aot_eager")(x)
+    assert "fxquant_test::expert_mm in 'experts'" in caplog.text and "runs its GEMMs unquantized" in caplog.text
+    torch._dynamo.reset()
+    fxquant.compile(MoE(custom=True), "bf16", backend="aot_eager", strict=True)(x)  # nothing to quantize: no error
+
+
+def test_grouped_mm_is_listed_unmatched():
+    x = torch.randn(B * L, E)
+    exp = fxquant.explain(MoE(custom=False), x, scheme="linear_mxfp8")
+    assert [(u.target, u.module_path, u.opaque) for u in exp.unmatched] == [("_grouped_mm", "experts", False)]
+    assert "1 matmul-like ops unmatched" in str(exp)

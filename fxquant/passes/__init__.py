@@ -3,10 +3,11 @@
 One pass per file, run in this order by ``run_passes`` (ARCHITECTURE.md "Where to rewrite"):
 
     decompose_mha                       F.multi_head_attention_forward -> F.linear, SDPA / mha_attention_weights
-    sites.find_sites                    match F.linear, SDPA, Megatron linears, unfused attention GEMMs
+    sites.find_sites                    match F.linear, SDPA, Megatron linears, HF Conv1D, unfused attention GEMMs
     resolve.resolve_sites               the scheme's LinearQuant / AttentionQuant per site -> node.meta["fxquant"]
     rewrite_linear                      F.linear           -> wrappers.fxquant_linear
                                         a Megatron linear's inlined matmul -> wrappers.fxquant_matmul
+                                        an HF Conv1D's addmm -> wrappers.fxquant_conv1d
     rewrite_sdpa                        SDPA               -> wrappers.fxquant_sdpa
                                         mha_attention_weights -> wrappers.fxquant_attention_weights
     rewrite_unfused_attention           baddbmm / bmm      -> wrappers.fxquant_baddbmm / fxquant_bmm

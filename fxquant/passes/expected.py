@@ -36,9 +36,10 @@ def _gemm_runs(a: object, b: object) -> list[bool]:
 def _operand_keys(node: fx.Node) -> list[tuple[int, tuple]]:
     """(phase, key) of every quantization a rewritten wrapper call makes; keys equal iff CSE merges them."""
     t, args = node.target, node.args
-    if t is wrappers.fxquant_linear:
+    if t in (wrappers.fxquant_linear, wrappers.fxquant_conv1d):
         x, w, s = args[0], args[1], args[3]
-        table = [(_FWD, x, "K"), (_FWD, w, "K"), (_BWD, node, "dY,N"), (_BWD, w, "N"), (_BWD, node, "dY,M"),
+        wk, wn = ("K", "N") if t is wrappers.fxquant_linear else ("K of w.t()", "N of w.t()")  # Conv1D: w [K, N]
+        table = [(_FWD, x, "K"), (_FWD, w, wk), (_BWD, node, "dY,N"), (_BWD, w, wn), (_BWD, node, "dY,M"),
                  (_BWD, x, "M")]
         runs = _gemm_runs(x, w)
     elif t in (wrappers.fxquant_matmul, wrappers.fxquant_bmm, wrappers.fxquant_baddbmm):

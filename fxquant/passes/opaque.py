@@ -5,9 +5,12 @@
                           transformer fast paths, recurrent layers, ``F.multi_head_attention_forward`` (when
                           ``decompose_mha`` refused it), ATen's SDPA kernels called directly
     aten_matmul(target)   the name of an ATen matmul called directly (``torch.ops.aten.mm.default``, ...)
+    custom_op(target)     ``namespace::name`` of a custom op (outside ATen, prims, fxquant and collectives); ``sites``
+                          lists a call of one that takes a >= 2-D parameter of the model (``CUSTOM_OP_NOTE``),
+                          e.g. transformers' ``grouped_mm_fallback`` running an MoE's experts
 
-Both are declared lists: an op missing from them is not detected. Convolutions are not GEMM sites and
-are not listed.
+The first two are declared lists: an op missing from them is not detected. Convolutions are not GEMM sites
+and are not listed.
 """
 from __future__ import annotations
 
@@ -36,16 +39,33 @@ _ATEN_OPAQUE = {
     "lstm": _RNN, "gru": _RNN, "rnn_tanh": _RNN, "rnn_relu": _RNN,
 }
 _ATEN_MATMULS = {"mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "linear", "mv", "addmv", "einsum", "dot",
-                 "_addmm_activation", "_scaled_mm", "_int_mm"}
+                 "_addmm_activation", "_scaled_mm", "_int_mm", "_grouped_mm", "_scaled_grouped_mm"}
+# namespaces whose ops are no hidden GEMMs: ATen's (listed above), fxquant's own, collectives (an FSDP
+# all-gather of a weight shard)
+_OWN_NAMESPACES = ("aten", "prims", "fxquant", "_c10d_functional", "c10d_functional", "c10d", "_dtensor")
+CUSTOM_OP_NOTE = "custom op with a weight parameter: may hide GEMMs"
 
 
-def _aten_name(target: object) -> str | None:
+def _qualified_name(target: object) -> tuple[str, str] | None:
     if isinstance(target, torch._ops.OpOverload):
         target = target.overloadpacket
     if not isinstance(target, torch._ops.OpOverloadPacket):
         return None
     namespace, _, name = target._qualified_op_name.partition("::")
-    return name if namespace == "aten" else None
+    return namespace, name
+
+
+def _aten_name(target: object) -> str | None:
+    qualified = _qualified_name(target)
+    return qualified[1] if qualified is not None and qualified[0] == "aten" else None
+
+
+def custom_op(target: object) -> str | None:
+    """``"namespace::name"`` when ``target`` is an op registered outside ``_OWN_NAMESPACES``, else None."""
+    qualified = _qualified_name(target)
+    if qualified is None or qualified[0] in _OWN_NAMESPACES:
+        return None
+    return "::".join(qualified)
 
 
 def opaque_call(target: object) -> tuple[str, str] | None:

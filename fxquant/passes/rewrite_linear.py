@@ -1,20 +1,22 @@
-"""Pass: rewrite linear sites given as one op: ``F.linear`` (nn.Linear) into ``wrappers.fxquant_linear``, and
-a Megatron linear's inlined ``torch.matmul(x, weight.t())`` (MODULE_MATMUL) into ``wrappers.fxquant_matmul``.
+"""Pass: rewrite linear sites given as one op: ``F.linear`` (nn.Linear) into ``wrappers.fxquant_linear``, a
+Megatron linear's inlined ``torch.matmul(x, weight.t())`` (MODULE_MATMUL) into ``wrappers.fxquant_matmul``, and
+an HF Conv1D's ``torch.addmm(bias, x, weight)`` (MODULE_MATMUL, weight [in, out]) into ``wrappers.fxquant_conv1d``.
 
 Pre: ``resolve`` has put a SiteMeta with op LINEAR / MODULE_MATMUL on the node. Post: a selected site is
 one call of the wrapper (fprop, dgrad and wgrad quantized per the LinearQuant, bias in high precision;
-for MODULE_MATMUL per ``LinearQuant.as_matmul()``, the same operands along the same axes); an unselected
-site is left as it was.
+for the Megatron matmul per ``LinearQuant.as_matmul()``, the same operands along the same axes; for Conv1D
+as the linear with weight ``weight.t()``); an unselected site is left as it was.
 """
 from __future__ import annotations
 
 import dataclasses
 
+import torch
 from torch import fx
 
 from fxquant.passes.graph_edit import node_arguments, replace_with_call
 from fxquant.passes.sites import META_KEY, OpKind, SiteMeta, Status
-from fxquant.passes.wrappers import fxquant_linear, fxquant_matmul, linear_specs, matmul_specs
+from fxquant.passes.wrappers import fxquant_conv1d, fxquant_linear, fxquant_matmul, linear_specs, matmul_specs
 
 
 def linear_quantize_calls(lq) -> tuple[int, int]:
@@ -30,6 +32,9 @@ def rewrite_linear(graph: fx.Graph, node: fx.Node) -> SiteMeta:
         args = node_arguments(node, ("input", "weight", "bias"), {"bias": None})
         specs = linear_specs(meta.config)
         new = replace_with_call(graph, node, fxquant_linear, (args["input"], args["weight"], args["bias"], specs))
+    elif node.target is torch.addmm:  # HF Conv1D (sites.is_conv1d_addmm): addmm(bias, x, weight [in, out])
+        bias, x, weight = node.args
+        new = replace_with_call(graph, node, fxquant_conv1d, (x, weight, bias, linear_specs(meta.config)))
     else:
         a, b = node.args[0], node.args[1]
         new = replace_with_call(graph, node, fxquant_matmul, (a, b, matmul_specs(meta.config.as_matmul())))

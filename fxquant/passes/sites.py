@@ -9,6 +9,8 @@ What each op looks like in the graph Dynamo hands the backend, and the ``OpKind`
     torch.matmul directly inside a Column/RowParallelLinear  MODULE_MATMUL    (the same linear traced with grad
                                                                               disabled: Dynamo inlines the
                                                                               autograd.Function's forward)
+    torch.addmm(bias, x, weight) inside an HF Conv1D         MODULE_MATMUL    (GPT-2's linear: weight [in, out]
+                                                                              a parameter, 1-D bias)
     torch.baddbmm inside a core-attention module            UNFUSED_QK       (Megatron's unfused attention)
     torch.bmm inside a core-attention module                UNFUSED_PV
     wrappers.mha_attention_weights                          ATTENTION_WEIGHTS (nn.MultiheadAttention with
@@ -16,11 +18,11 @@ What each op looks like in the graph Dynamo hands the backend, and the ``OpKind`
                                                                               decompose_mha, which also turns
                                                                               its projections into F.linear)
 
-Every other matmul-like op (matmul, mm, bmm, baddbmm, addmm, einsum, @, ATen's mm/bmm/... called directly)
-is reported as unmatched, and so is every opaque call (``passes.opaque``): one graph node that runs GEMMs
-inside (torch's fused transformer fast paths, recurrent layers, ATen's SDPA kernels, an MHA call
-``decompose_mha`` refused); those carry a ``note``, and strict mode rejects them where the scheme
-quantizes (``strict.opaque_calls``).
+Every other matmul-like op (matmul, mm, bmm, baddbmm, addmm, einsum, @, _grouped_mm, ATen's mm/bmm/... called
+directly) is reported as unmatched, and so is every opaque call (``passes.opaque``): one graph node that runs
+GEMMs inside (torch's fused transformer fast paths, recurrent layers, ATen's SDPA kernels, an MHA call
+``decompose_mha`` refused, a custom op given a >= 2-D parameter of the model, such as an MoE's grouped expert
+GEMM); those carry a ``note``, and strict mode rejects them where the scheme quantizes (``strict.opaque_calls``).
 This module only reads the graph; ``resolve`` attaches the scheme and the ``rewrite_*`` passes edit it.
 """
 from __future__ import annotations
@@ -35,7 +37,7 @@ from torch import fx
 
 from fxquant.passes.layers import LayerNumbering
 from fxquant.passes.module_paths import ModuleNames
-from fxquant.passes.opaque import aten_matmul, opaque_call
+from fxquant.passes.opaque import CUSTOM_OP_NOTE, aten_matmul, custom_op, opaque_call
 from fxquant.passes.wrappers import mha_attention_weights
 from fxquant.schemes.model import AttentionQuant, LinearQuant, Site, SiteKind, site_kind_for
 
@@ -112,8 +114,15 @@ _MATMUL_FUNCTIONS = {
     torch.functional.tensordot: "tensordot", torch.mv: "mv", torch.addmv: "addmv", torch.inner: "inner",
     torch.chain_matmul: "chain_matmul", torch.linalg.multi_dot: "multi_dot", torch.linalg.matmul: "matmul",
     torch.linalg.vecdot: "vecdot", operator.matmul: "@", F.bilinear: "bilinear", torch.bilinear: "bilinear",
+    **{fn: name for name, fn in (("_grouped_mm", getattr(torch, "_grouped_mm", None)),
+                                 ("grouped_mm", getattr(F, "grouped_mm", None))) if fn is not None},
 }
 LINEAR_MODULE_CLASSES = ("ColumnParallelLinear", "RowParallelLinear")
+CONV1D_MODULE_CLASSES = ("Conv1D",)  # HF transformers' GPT-2 linear: torch.addmm(bias, x, weight), weight [in, out]
+# ops a weight passes through on its way into a call: views, transposes, indexing (one expert's matrix), casts
+# (Dynamo's method and function names)
+_WEIGHT_VIEWS = {"t", "transpose", "permute", "view", "reshape", "contiguous", "getitem", "__getitem__", "select",
+                 "narrow", "to", "type_as", "float", "half", "bfloat16", "detach"}
 _MATMUL_METHODS = {"matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "mv", "addmv", "__matmul__", "__rmatmul__"}
 AUTOGRAD_FUNCTION_APPLY = torch.ops.higher_order.autograd_function_apply
 
@@ -217,6 +226,9 @@ def find_sites(gm: fx.GraphModule, names: ModuleNames, layers: LayerNumbering | 
             matches.append(Match(node, OpKind.ATTENTION_WEIGHTS, layers.site(path, SiteKind.ATTENTION)))
         elif node.op == "call_function" and opaque_call(node.target) is not None:
             unmatched.append(_opaque(node, path))
+        elif node.op == "call_function" and custom_op(node.target) is not None:
+            if any(_is_weight(a) for a in _tensor_args(node)):
+                unmatched.append(_unmatched(node, path, custom_op(node.target), CUSTOM_OP_NOTE))
         elif node.op == "call_function" and node.target is AUTOGRAD_FUNCTION_APPLY:
             bodies = body_modules(gm, node)
             if _is_linear_apply(gm, node) and site_kind_for(path) is not SiteKind.ATTENTION:
@@ -227,6 +239,8 @@ def find_sites(gm: fx.GraphModule, names: ModuleNames, layers: LayerNumbering | 
                         if matmul_name(sub) is not None:
                             unmatched.append(_unmatched(sub, _site_path(names, sub, root) or path))
         elif name in ("matmul", "@") and _innermost_class(names, node) in LINEAR_MODULE_CLASSES:
+            matches.append(Match(node, OpKind.MODULE_MATMUL, layers.site(path)))
+        elif name == "addmm" and is_conv1d_addmm(names, node):
             matches.append(Match(node, OpKind.MODULE_MATMUL, layers.site(path)))
         elif name in ("baddbmm", "bmm") and site_kind_for(path) is SiteKind.ATTENTION:
             op = OpKind.UNFUSED_QK if name == "baddbmm" else OpKind.UNFUSED_PV
@@ -240,6 +254,48 @@ def _opaque(node: fx.Node, path: str) -> UnmatchedOp:
     name, hides = opaque_call(node.target)
     refused = node.meta.get(REFUSED_KEY)
     return _unmatched(node, path, name, f"opaque call ({hides})" + (f"; not decomposed: {refused}" if refused else ""))
+
+
+def parameter(node: object) -> torch.nn.Parameter | None:
+    """The model parameter a graph input ``node`` stands for (Dynamo's placeholder of it), else None."""
+    if not isinstance(node, fx.Node) or node.op != "placeholder":
+        return None
+    example = getattr(node.meta.get("grapharg"), "example", None)
+    return example if isinstance(example, torch.nn.Parameter) else None
+
+
+def _is_weight(node: fx.Node) -> bool:
+    """Whether ``node`` is a >= 2-D parameter, or a view, transpose or cast of one (a few steps back)."""
+    for _ in range(8):
+        p = parameter(node)
+        if p is not None:
+            return p.dim() >= 2
+        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+        if node.op not in ("call_method", "call_function") or name not in _WEIGHT_VIEWS or not node.args:
+            return False
+        node = node.args[0]
+        if not isinstance(node, fx.Node):
+            return False
+    return False
+
+
+def _tensor_args(node: fx.Node) -> list[fx.Node]:
+    out: list[fx.Node] = []
+    fx.node.map_arg((node.args, node.kwargs), out.append)
+    return out
+
+
+def is_conv1d_addmm(names: ModuleNames, node: fx.Node) -> bool:
+    """``torch.addmm(bias, x, weight)`` run by an HF ``Conv1D`` (``CONV1D_MODULE_CLASSES``): ``weight`` [in, out] a
+    parameter, ``x`` 2-D, ``bias`` 1-D, beta = alpha = 1: the linear ``x @ weight + bias``."""
+    if node.op != "call_function" or node.target is not torch.addmm or len(node.args) != 3:
+        return False
+    if any(key not in ("beta", "alpha") or value != 1 for key, value in node.kwargs.items()):
+        return False
+    if _innermost_class(names, node) not in CONV1D_MODULE_CLASSES or parameter(node.args[2]) is None:
+        return False
+    dims = [getattr(example_value(a), "ndim", None) for a in node.args]
+    return dims == [1, 2, 2]
 
 
 def _innermost_class(names: ModuleNames, node: fx.Node) -> str:

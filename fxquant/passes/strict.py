@@ -3,14 +3,15 @@
 ``QuantizationError`` is raised in strict mode; otherwise the same text is logged at WARNING. Checked:
 
 - per graph: a site the scheme selects whose rewrite could not be applied (``Status.FAILED``);
-- per call that compiled something (``coverage``): every nn.Linear / Megatron Column/RowParallelLinear and
-  every ``core_attention`` / ``nn.MultiheadAttention`` module that the scheme selects must have been
+- per call that compiled something (``coverage``): every nn.Linear / Megatron Column/RowParallelLinear / HF
+  Conv1D and every ``core_attention`` / ``nn.MultiheadAttention`` module that the scheme selects must have been
   rewritten in some graph; one that was not ran outside the compiled graphs (a graph break split it, or
   its frame was skipped / fell back to eager), and the graph-break reasons Dynamo reported during the
   call are listed with it;
 - a frame that hit Dynamo's recompile limit and therefore runs eagerly from then on;
 - per graph: an opaque call that runs GEMMs inside one node (``passes.opaque``: torch's fused
-  transformer fast paths, recurrent layers, an nn.MultiheadAttention call ``decompose_mha`` refused) at a
+  transformer fast paths, recurrent layers, an nn.MultiheadAttention call ``decompose_mha`` refused, a custom
+  op given a weight parameter) at a
   module path where the scheme quantizes a linear or an attention site (``opaque_calls``).
 
 Bad input (``ValueError`` in both modes): a model in which no linear or attention op was found, and a
@@ -26,7 +27,7 @@ from torch import nn
 
 from fxquant.passes.decompose_mha import MHA_LINEAR_SITES
 from fxquant.passes.layers import LayerNumbering
-from fxquant.passes.sites import LINEAR_MODULE_CLASSES, SiteMeta, Status, UnmatchedOp
+from fxquant.passes.sites import CONV1D_MODULE_CLASSES, LINEAR_MODULE_CLASSES, SiteMeta, Status, UnmatchedOp
 from fxquant.schemes.model import Component, Site, SiteKind, site_kind_for
 from fxquant.schemes.scheme import Scheme
 
@@ -72,13 +73,13 @@ def opaque_calls(unmatched: Iterable[UnmatchedOp], scheme: Scheme, layers: Layer
 
 
 def model_sites(model: nn.Module, layers: LayerNumbering) -> list[Site]:
-    """The sites the model's module structure implies: linear modules, ``core_attention`` modules and
-    ``nn.MultiheadAttention`` modules (their attention; their out_proj is an nn.Linear)."""
+    """The sites the model's module structure implies: linear modules (HF Conv1D included), ``core_attention``
+    modules and ``nn.MultiheadAttention`` modules (their attention; their out_proj is an nn.Linear)."""
     out = []
     for name, mod in model.named_modules():
         if not name:
             continue
-        if isinstance(mod, nn.Linear) or type(mod).__name__ in LINEAR_MODULE_CLASSES:
+        if isinstance(mod, nn.Linear) or type(mod).__name__ in LINEAR_MODULE_CLASSES + CONV1D_MODULE_CLASSES:
             out.append(layers.site(name))
         elif site_kind_for(name) is SiteKind.ATTENTION or isinstance(mod, nn.MultiheadAttention):
             out.append(layers.site(name, SiteKind.ATTENTION))

@@ -1,0 +1,174 @@
+"""HF GPT-2's ``Conv1D`` under fxquant.compile: ``torch.addmm(bias, x.view(-1, K), weight)`` with weight [in, out]
+is a linear site of the module's path (``sites.is_conv1d_addmm``), quantized as the linear with weight
+``weight.t()`` (FORMATS.md "Which dimension is blocked"), written out here with ``fxquant.formats`` directly:
+
+    y  = addmm(b, q(X, K), q(W^T, K)^T)         X flattened to [M, K], W [K, N]
+    dX = q(dY, N) @ q(W^T, N)
+    dW = (q(dY, M)^T @ q(X, M))^T
+
+The module is reproduced with the code transformers runs (transformers is no test dependency).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fxquant
+from fxquant import formats
+from fxquant.counters import count_quantize_calls
+from fxquant.passes.sites import OpKind
+from fxquant.passes.strict import QuantizationError
+from tests.bitwise import assert_bitwise_equal
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class Conv1D(nn.Module):
+    """transformers.pytorch_utils.Conv1D: a linear with its weight stored transposed, [nx, nf] = [in, out]."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.empty(nx, nf))
+        self.bias = nn.Parameter(torch.zeros(nf))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x):
+        size_out = x.size()[:-1] + (self.nf,)
+        x = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+        return x.view(size_out)
+
+
+class Attn(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.c_attn = Conv1D(3 * d, d)
+        self.c_proj = Conv1D(d, d)
+
+    def forward(self, x):
+        q, k, v = self.c_attn(x).chunk(3, dim=-1)
+        return self.c_proj(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+class Mlp(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.c_fc = Conv1D(4 * d, d)
+        self.c_proj = Conv1D(d, 4 * d)
+
+    def forward(self, x):
+        return self.c_proj(torch.nn.functional.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    """GPT2Block's GEMMs: attn.c_attn (qkv), attn.c_proj (proj), mlp.c_fc (fc1), mlp.c_proj (fc2)."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.attn = Attn(d)
+        self.mlp = Mlp(d)
+
+    def forward(self, x):
+        x = x + self.attn(x)
+        return x + self.mlp(x)
+
+
+class OneConv1D(nn.Module):
+    def __init__(self, k: int, n: int) -> None:
+        super().__init__()
+        self.c_fc = Conv1D(n, k)
+
+    def forward(self, x):
+        return self.c_fc(x)
+
+
+def q(x: torch.Tensor, fmt: str, dim: int) -> torch.Tensor:
+    return formats.get(fmt).quantize(x, dim)
+
+
+def spread(*shape: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g) * torch.exp2(torch.randint(-6, 7, shape, generator=g).float())
+
+
+M0, M1, K, N = 2, 40, 64, 96  # M = 80 tokens: two full MX blocks and a short one along M
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_conv1d_mxfp8_equals_hand_formulas_with_block_axes(backend):
+    fmt = "mxfp8"
+    model = OneConv1D(K, N)
+    with torch.no_grad():
+        model.c_fc.weight.copy_(spread(K, N, seed=1))
+        model.c_fc.bias.copy_(torch.randn(N, generator=torch.Generator().manual_seed(3)))
+    x = spread(M0, M1, K, seed=0).requires_grad_()
+    dy = spread(M0, M1, N, seed=2)
+    compiled = fxquant.compile(model, "linear_mxfp8", backend=backend, strict=True)
+    compiled(x).backward(dy)  # compiles
+    x.grad = model.c_fc.weight.grad = model.c_fc.bias.grad = None
+    with count_quantize_calls(compiled) as n:
+        y = compiled(x)
+        y.backward(dy)
+    assert n.ok and n.executed == n.expected == 6  # X, W in fprop; dY, W in dgrad; dY, X in wgrad
+    (site,) = fxquant.compile_state(compiled).sites()
+    assert (site.site.module_path, site.site.kind.value, site.op, site.status.value) == (
+        "c_fc", "fc1", OpKind.MODULE_MATMUL, "rewritten")
+    assert not fxquant.compile_state(compiled).unmatched()
+
+    w, b = model.c_fc.weight.detach(), model.c_fc.bias.detach()
+    x2, dy2 = x.detach().reshape(-1, K), dy.reshape(-1, N)
+    wt = w.t()  # the [N, K] weight of the same linear
+    assert_bitwise_equal(y.detach(), torch.addmm(b, q(x2, fmt, 1), q(wt, fmt, 1).t()).view(M0, M1, N), "y")
+    assert_bitwise_equal(x.grad, (q(dy2, fmt, 1) @ q(wt, fmt, 0)).view(x.shape), "dX")  # dY, W along N
+    assert_bitwise_equal(model.c_fc.weight.grad, (q(dy2, fmt, 0).t() @ q(x2, fmt, 0)).t(), "dW")  # along M
+    torch.testing.assert_close(model.c_fc.bias.grad, dy2.sum(0), rtol=1e-5, atol=0)
+    # the weight blocked along its other axis (its stored rows) gives another answer, in fprop and in dgrad
+    assert not torch.equal(y.detach(), torch.addmm(b, q(x2, fmt, 1), q(w, fmt, 1)).view(M0, M1, N))
+    assert not torch.equal(x.grad, (q(dy2, fmt, 1) @ q(w, fmt, 0).t()).view(x.shape))
+
+
+def test_gpt2_block_sites_kinds_and_high_precision_bits():
+    torch.manual_seed(0)
+    model = Block()
+    x = torch.randn(2, 16, 64)
+    exp = fxquant.explain(model, x, scheme="linear_mxfp8")
+    linear = {s.site.module_path: (s.site.kind.value, s.selected) for s in exp.sites if s.op is OpKind.MODULE_MATMUL}
+    assert linear == {"attn.c_attn": ("qkv", True), "attn.c_proj": ("proj", True), "mlp.c_fc": ("fc1", True),
+                      "mlp.c_proj": ("fc2", True)}
+    assert not exp.unmatched
+    torch._dynamo.reset()
+    compiled = fxquant.compile(model, "bf16", backend="aot_eager", strict=True)  # nothing quantized: torch's bits
+    assert_bitwise_equal(compiled(x), model(x), "bf16 output")
+
+
+class SkippedConv1D(OneConv1D):
+    def __init__(self, k: int, n: int) -> None:
+        super().__init__(k, n)
+        self.fc = nn.Linear(n, n)
+
+    def forward(self, x):
+        return self.fc(torch._dynamo.disable(self.c_fc)(x))
+
+
+def test_conv1d_outside_the_compiled_graphs_fails_strict_coverage():
+    x = torch.randn(2, 8, K)
+    compiled = fxquant.compile(SkippedConv1D(K, N), "linear_mxfp8", backend="aot_eager", strict=True)
+    with pytest.raises(QuantizationError, match="selected fc1 site 'c_fc' was not rewritten"):
+        compiled(x)
+
+
+def test_capture_at_a_conv1d_site_is_reported_not_materialised(tmp_path):
+    x = torch.randn(2, 8, K, requires_grad=True)
+    compiled = fxquant.compile(OneConv1D(K, N), "linear_mxfp8", capture="linear_io", capture_dir=tmp_path,
+                               backend="aot_eager")
+    compiled(x).sum().backward()
+    listed = fxquant.compile_state(compiled).uncapturable()
+    assert listed and all(line.startswith("c_fc (module_matmul): linear.") and "not materialised" in line
+                          for line in listed)
+    fxquant.compile_state(compiled).capture_session.close()
