@@ -95,6 +95,7 @@ class CompileState:
     _patch: object = field(default=None, repr=False)
     _calls: int = field(default=0, repr=False)
     _first_call_checked: bool = field(default=False, repr=False)
+    _attention_said: bool = field(default=False, repr=False)
     _breaks: dict = field(default_factory=dict, repr=False)
     _unimpl: dict = field(default_factory=dict, repr=False)
 
@@ -168,7 +169,12 @@ class CompileState:
             reason.splitlines()[0] for reason, n in _graph_break_counts().items() if n > self._breaks.get(reason, 0)
         ]
         expected = checks.model_sites(self.model, self.backend.layers)
-        return checks.coverage(expected, self.scheme, sites, new_breaks)
+        issues = checks.coverage(expected, self.scheme, sites, new_breaks)
+        if not self._attention_said:  # once: later graphs (no_grad, new shapes) would repeat it
+            missing = checks.attention_not_found(self.scheme, sites, self.unmatched())
+            self._attention_said = bool(missing)
+            issues += missing
+        return issues
 
 
 def compile(

@@ -186,6 +186,40 @@ class _LSTMHead(torch.nn.Module):
         return self.fc(self.rnn(x)[0])
 
 
+class _EagerAttention(torch.nn.Module):
+    """Attention written out as matmul, softmax, matmul (Hugging Face's attn_implementation="eager")."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(32, 96)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        return torch.softmax(q @ k.transpose(-2, -1) / 32**0.5, -1) @ v
+
+
+def test_an_attention_scheme_on_explicit_matmul_attention_is_said(caplog):
+    """FA_* on attention the passes cannot see: nothing of attention is quantized, so strict raises and otherwise a
+    warning says so, once (the linear is still quantized); a scheme without attention says nothing."""
+    x = torch.randn(2, 8, 32)
+    torch._dynamo.reset()
+    with pytest.raises(QuantizationError, match=r"scheme FA_linear_mxfp8 quantizes attention, but the compiled "
+                                                 r"graphs hold no attention op .* matmul-like op\(s\) left unmatched \(e.g. @ in"):
+        fxquant.compile(_EagerAttention(), "FA_linear_mxfp8", backend="aot_eager", strict=True)(x)
+    torch._dynamo.reset()
+    lenient = fxquant.compile(_EagerAttention(), "FA_linear_mxfp8", backend="aot_eager")
+    with caplog.at_level("WARNING", logger="fxquant"):
+        lenient(x).sum().backward()
+        with torch.no_grad():  # a new graph: not said again
+            lenient(x)
+    assert caplog.text.count("quantizes attention, but the compiled graphs hold no attention op") == 1
+    caplog.clear()
+    torch._dynamo.reset()
+    with caplog.at_level("WARNING", logger="fxquant"):
+        fxquant.compile(_EagerAttention(), "linear_mxfp8", backend="aot_eager", strict=True)(x)
+    assert "attention" not in caplog.text
+
+
 def test_a_call_that_compiles_no_graph_is_an_error_under_strict_and_a_warning_otherwise(caplog):
     """Dynamo skips the frame (LSTM) and runs it eagerly: nothing is quantized, said on the first call."""
     x = torch.randn(3, 5, 32)

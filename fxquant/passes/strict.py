@@ -72,6 +72,25 @@ def opaque_calls(unmatched: Iterable[UnmatchedOp], scheme: Scheme, layers: Layer
     return out
 
 
+def attention_not_found(scheme: Scheme, sites: Iterable[SiteMeta], unmatched: Iterable[UnmatchedOp]) -> list[str]:
+    """A scheme that quantizes attention, compiled graphs without any attention op, and plain matmul-like ops left
+    unmatched: attention written out as matmul + softmax (Hugging Face's attn_implementation="eager"), which
+    runs unquantized."""
+    if not any(r.attention is not None and r.attention.quantized for r in scheme.rules):
+        return []
+    if any(s.site.kind is SiteKind.ATTENTION for s in sites):
+        return []
+    matmuls = [u for u in unmatched if not u.opaque]
+    if not matmuls:
+        return []
+    first = matmuls[0]
+    return [f"scheme {scheme.name} quantizes attention, but the compiled graphs hold no attention op "
+            f"(F.scaled_dot_product_attention, nn.MultiheadAttention, Megatron's core attention) and "
+            f"{len(matmuls)} matmul-like op(s) left unmatched (e.g. {first.target} in "
+            f"{first.module_path or '<root>'!r}): attention written as explicit matmuls and softmax is not "
+            f"recognised and runs unquantized; use SDPA (Hugging Face: attn_implementation=\"sdpa\")"]
+
+
 def model_sites(model: nn.Module, layers: LayerNumbering) -> list[Site]:
     """The sites the model's module structure implies: linear modules (HF Conv1D included), ``core_attention``
     modules and ``nn.MultiheadAttention`` modules (their attention; their out_proj is an nn.Linear)."""
