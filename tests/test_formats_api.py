@@ -168,6 +168,11 @@ def test_tensor_quant_roundtrip_and_equality():
         TensorQuant.from_spec("mxfp8:roundng=rne")
     with pytest.raises(ValueError, match="unknown format"):
         TensorQuant("mxfp9")
+    with pytest.raises(ValueError, match=r"scaling='tensor' does not apply to format 'mxfp8_e4m3', which is "
+                                         r"block-scaled \(blocks of 32\): per-tensor scaling"):
+        TensorQuant("mxfp8", scaling="tensor")  # was resolve()'s "unexpected keyword argument"
+    with pytest.raises(ValueError, match="scale_target=224.0 does not apply to format 'nvfp4'"):
+        TensorQuant.from_spec("nvfp4:scale_target=224.0")
 
 
 def test_quantize_op_matches_reference_and_passes_opcheck():

@@ -135,6 +135,18 @@ class Format(abc.ABC):
     def resolve(self, **options: object) -> QuantOptions:
         """Fill defaults (None -> the format's default) and validate every option value."""
 
+    def inapplicable_option(self, options: dict[str, object]) -> str | None:
+        """Why one of ``options`` (name -> value; None values are unset) is not an option of this format, or None."""
+        key = next((k for k, v in options.items() if v is not None and k not in self.option_names), None)
+        if key is None:
+            return None
+        why = ""
+        if key in ("scaling", "scale_target"):
+            blocks = f", which is block-scaled (blocks of {self.block_size})" if self.block_size else ""
+            why = f"{blocks}: per-tensor scaling (scaling, scale_target) applies to element formats only (e.g. fp8_e4m3)"
+        return (f"{key}={options[key]!r} does not apply to format {self.name!r}{why}; the options of {self.name!r} "
+                f"are {', '.join(self.option_names)}")
+
     def _rounding(self, value: object, default: str) -> Rounding:
         return parse_enum(Rounding, default if value is None else value, "rounding")
 

@@ -37,6 +37,9 @@ class TensorQuant:
             extra["scaling"] = self.scaling
         if self.scale_target is not None:
             extra["scale_target"] = self.scale_target
+        problem = fmt.inapplicable_option(extra)
+        if problem is not None:
+            raise ValueError(problem)
         opts = fmt.resolve(rounding=self.rounding, scale_mode=self.scale_mode, saturate=self.saturate, **extra)
         object.__setattr__(self, "options", opts)
 

@@ -55,22 +55,13 @@ def _is_none(v: object) -> bool:
 
 
 def _inapplicable_option(format_name: str, options: dict[str, object]) -> str | None:
-    """Why an option set in ``options`` is not one the format takes (its ``Format.option_names``), or None
+    """Why an option set in ``options`` is not one the format takes (``Format.inapplicable_option``), or None
     (also when the name is no format: that error is reported where the name is resolved)."""
     try:
         name = canonical_name(format_name)
     except ValueError:
         return None
-    fmt = formats.get(name)
-    key = next((k for k, v in options.items() if v is not None and k not in fmt.option_names), None)
-    if key is None:
-        return None
-    why = ""
-    if key in ("scaling", "scale_target"):
-        blocks = f", which is block-scaled (blocks of {fmt.block_size})" if fmt.block_size else ""
-        why = f"{blocks}: per-tensor scaling (scaling, scale_target) applies to element formats only (e.g. fp8_e4m3)"
-    return (f"{key}={options[key]!r} does not apply to format {name!r}{why}; the options of {name!r} are "
-            f"{', '.join(fmt.option_names)}")
+    return formats.get(name).inapplicable_option(options)
 
 
 class SchemeError(ValueError):
