@@ -4,6 +4,7 @@ bool/additive masks, scale and dropout; torch.compile (aot_eager, inductor) equa
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -202,6 +203,21 @@ def test_shapes_torch_refuses_are_refused(shapes, gqa, match) -> None:
     with pytest.raises(ValueError, match=match) as err:
         quantized_sdpa(qt, kt, vt, enable_gqa=gqa, aq=AttentionQuant())
     assert gqa or len(shapes[0]) != 3 or "heads" not in str(err.value)  # 3-D: dim -3 is the batch
+
+
+@pytest.mark.parametrize("mask_shape", [(3, 1, 4, 4), (4, 5), (2, 1, 1, 4, 4)])
+def test_a_mask_that_does_not_broadcast_to_the_scores_is_refused(mask_shape) -> None:
+    """torch refuses a mask the scores [B, H, Lq, Lk] do not contain (broadcasting it would grow the output)."""
+    q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
+    mask = torch.zeros(mask_shape)
+    with pytest.raises(RuntimeError):
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    with pytest.raises(ValueError, match=rf"attn_mask of shape {re.escape(str(mask_shape))} does not broadcast to "
+                                         r"the attention scores \(1, 2, 4, 4\)"):
+        quantized_sdpa(q, k, v, attn_mask=mask, aq=AttentionQuant())
+    for fits in ((4, 4), (1, 2, 1, 4), (2, 4, 4)):  # what torch takes
+        torch.testing.assert_close(quantized_sdpa(q, k, v, attn_mask=torch.zeros(fits), aq=AttentionQuant()),
+                                   F.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(fits)))
 
 
 @pytest.mark.parametrize("case", ["kv one head for all query heads", "3-D batch broadcast"])

@@ -57,6 +57,18 @@ def _check(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa, aq) -> None:
     if is_causal and attn_mask is not None:
         raise ValueError("quantized_sdpa: pass either attn_mask or is_causal=True, not both (as F.scaled_dot_product_attention)")
     _check_broadcast(q, k, v, enable_gqa)
+    if isinstance(attn_mask, torch.Tensor):  # as torch, the mask broadcasts to the scores, never the other way
+        k_lead = k.shape[:-2]
+        if enable_gqa and k.dim() >= 3 and q.dim() >= 3:  # key heads repeated to the query's
+            k_lead = (*k.shape[:-3], q.shape[-3])
+        scores = (*torch.broadcast_shapes(q.shape[:-2], k_lead), q.shape[-2], k.shape[-2])
+        try:
+            fits = torch.broadcast_shapes(attn_mask.shape, scores) == torch.Size(scores)
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise ValueError(f"quantized_sdpa: attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to the "
+                             f"attention scores {tuple(scores)} (F.scaled_dot_product_attention refuses it too)")
 
 
 def _dim_name(dim: int, ndim: int) -> str:
