@@ -172,3 +172,24 @@ def test_capture_at_a_conv1d_site_is_reported_not_materialised(tmp_path):
     assert listed and all(line.startswith("c_fc (module_matmul): linear.") and "not materialised" in line
                           for line in listed)
     fxquant.compile_state(compiled).capture_session.close()
+
+
+class NotHFConv1D(nn.Module):
+    """A model's own 1-D convolution block that happens to be called Conv1D: not a linear site."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+NotHFConv1D.__name__ = "Conv1D"
+
+
+def test_a_convolution_class_named_conv1d_is_no_linear_site():
+    model = nn.Sequential(NotHFConv1D(), nn.Flatten(), nn.Linear(32, 8))
+    compiled = fxquant.compile(model, "linear_mxfp8", backend="aot_eager", strict=True)
+    compiled(torch.randn(2, 4, 8))  # strict: no selected site left unrewritten
+    assert [s.site.module_path for s in fxquant.compile_state(compiled).sites()] == ["2"]

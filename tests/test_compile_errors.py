@@ -186,7 +186,7 @@ class _LSTMHead(torch.nn.Module):
         return self.fc(self.rnn(x)[0])
 
 
-class _EagerAttention(torch.nn.Module):
+class _SelfAttn(torch.nn.Module):
     """Attention written out as matmul, softmax, matmul (Hugging Face's attn_implementation="eager")."""
 
     def __init__(self):
@@ -198,13 +198,35 @@ class _EagerAttention(torch.nn.Module):
         return torch.softmax(q @ k.transpose(-2, -1) / 32**0.5, -1) @ v
 
 
+class _EagerAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.self_attn = _SelfAttn()
+
+    def forward(self, x):
+        return self.self_attn(x)
+
+
+class _TokenMixer(torch.nn.Module):
+    """MLP-Mixer's token mixing: a matmul over the sequence, no attention anywhere."""
+
+    def __init__(self):
+        super().__init__()
+        self.token_mix = torch.nn.Parameter(torch.randn(8, 8))
+        self.proj = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.proj(torch.matmul(self.token_mix, x))
+
+
 def test_an_attention_scheme_on_explicit_matmul_attention_is_said(caplog):
     """FA_* on attention the passes cannot see: nothing of attention is quantized, so strict raises and otherwise a
     warning says so, once (the linear is still quantized); a scheme without attention says nothing."""
     x = torch.randn(2, 8, 32)
     torch._dynamo.reset()
     with pytest.raises(QuantizationError, match=r"scheme FA_linear_mxfp8 quantizes attention, but the compiled "
-                                                 r"graphs hold no attention op .* matmul-like op\(s\) left unmatched \(e.g. @ in"):
+                                                 r"graphs hold no attention op .* matmul-like op\(s\) left unmatched "
+                                                 r"\(e.g. @ in 'self_attn'\)"):
         fxquant.compile(_EagerAttention(), "FA_linear_mxfp8", backend="aot_eager", strict=True)(x)
     torch._dynamo.reset()
     lenient = fxquant.compile(_EagerAttention(), "FA_linear_mxfp8", backend="aot_eager")
@@ -217,6 +239,8 @@ def test_an_attention_scheme_on_explicit_matmul_attention_is_said(caplog):
     torch._dynamo.reset()
     with caplog.at_level("WARNING", logger="fxquant"):
         fxquant.compile(_EagerAttention(), "linear_mxfp8", backend="aot_eager", strict=True)(x)
+        torch._dynamo.reset()  # a model without attention: its unmatched matmul is no attention's
+        fxquant.compile(_TokenMixer(), "FA_linear_mxfp8", backend="aot_eager", strict=True)(x)
     assert "attention" not in caplog.text
 
 

@@ -105,6 +105,8 @@ def test_linear_with_a_vector_weight_is_the_one_row_linear() -> None:
     assert y.shape == (3, 5) and dw.shape == (64,) and db.shape == ()
     assert torch.equal(y, y1.squeeze(-1)) and torch.equal(dx, dx1) and torch.equal(dw, dw1[0]) and torch.equal(db, db1[0])
     assert torch.equal(y, F.linear(q(x, fmt, -1), q(w[None], fmt, 1), b.reshape(1)).squeeze(-1))
+    with pytest.raises(ValueError, match=r"takes a 0-dim bias \(as F.linear\), got bias \(1,\)"):
+        quantized_linear(x, w, b.reshape(1), lq)  # F.linear refuses it too
 
     class Pool(torch.nn.Module):
         def __init__(self):

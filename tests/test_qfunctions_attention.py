@@ -159,7 +159,6 @@ def test_argument_errors() -> None:
         quantized_sdpa(qt, kt, vt, enable_gqa=True, aq=schemes.get("FA_mxfp8"))  # type: ignore[arg-type]
 
 
-
 # q, k, v shapes F.scaled_dot_product_attention broadcasts (its math backend: enable_gqa's repeat, then the
 # dims before [L, E] broadcast as in torch.matmul), with enable_gqa.
 BROADCAST = {

@@ -27,6 +27,7 @@ from torch import nn
 
 from fxquant.schemes.model import Site, SiteKind, layer_stack
 
+
 def _layer_prefix(path: str) -> str | None:
     """``decoder.layers.1`` for ``decoder.layers.1.mlp.linear_fc1`` (None outside a layer stack): the path up to
     its outermost layer stack, as ``Site.from_path`` reads it (``schemes.model.layer_stack``)."""

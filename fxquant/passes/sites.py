@@ -298,6 +298,14 @@ def is_conv1d_addmm(names: ModuleNames, node: fx.Node) -> bool:
     return dims == [1, 2, 2]
 
 
+def is_hf_conv1d(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is Hugging Face's ``Conv1D`` (a linear with weight [nx, nf] and ``nf`` outputs), not any
+    module of that class name (a 1-D convolution block)."""
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__ in CONV1D_MODULE_CLASSES and isinstance(weight, torch.nn.Parameter)
+            and weight.dim() == 2 and getattr(module, "nf", None) == weight.shape[1])
+
+
 def _innermost_class(names: ModuleNames, node: fx.Node) -> str:
     stack = names.node_stack(node)
     return getattr(stack[-1][1], "__name__", "") if stack else ""

@@ -11,8 +11,10 @@
 - a frame that hit Dynamo's recompile limit and therefore runs eagerly from then on;
 - per graph: an opaque call that runs GEMMs inside one node (``passes.opaque``: torch's fused
   transformer fast paths, recurrent layers, an nn.MultiheadAttention call ``decompose_mha`` refused, a custom
-  op given a weight parameter) at a
-  module path where the scheme quantizes a linear or an attention site (``opaque_calls``).
+  op given a weight parameter) at a module path where the scheme quantizes a linear or an attention site
+  (``opaque_calls``);
+- once: a scheme that quantizes attention on graphs with no attention op but unmatched matmuls inside an
+  attention module (``attention_not_found``: attention written out as matmul + softmax).
 
 Bad input (``ValueError`` in both modes): a model in which no linear or attention op was found, and a
 scheme rule with a selector (modules, layers or kinds) that matches no site (the error lists the nearest
@@ -27,7 +29,7 @@ from torch import nn
 
 from fxquant.passes.decompose_mha import MHA_LINEAR_SITES
 from fxquant.passes.layers import LayerNumbering
-from fxquant.passes.sites import CONV1D_MODULE_CLASSES, LINEAR_MODULE_CLASSES, SiteMeta, Status, UnmatchedOp
+from fxquant.passes.sites import LINEAR_MODULE_CLASSES, SiteMeta, Status, UnmatchedOp, is_hf_conv1d
 from fxquant.schemes.model import Component, Site, SiteKind, site_kind_for
 from fxquant.schemes.scheme import Scheme
 
@@ -72,15 +74,21 @@ def opaque_calls(unmatched: Iterable[UnmatchedOp], scheme: Scheme, layers: Layer
     return out
 
 
+def _names_attention(path: str) -> bool:
+    """Whether a module path names an attention module (Hugging Face's ``self_attn``, ``attn``, ``attention``,
+    T5's ``SelfAttention``...): an unmatched matmul there is attention's, not a token-mixing or state-space GEMM."""
+    return any("attn" in part.lower() or "attention" in part.lower() for part in path.split("."))
+
+
 def attention_not_found(scheme: Scheme, sites: Iterable[SiteMeta], unmatched: Iterable[UnmatchedOp]) -> list[str]:
     """A scheme that quantizes attention, compiled graphs without any attention op, and plain matmul-like ops left
-    unmatched: attention written out as matmul + softmax (Hugging Face's attn_implementation="eager"), which
-    runs unquantized."""
+    unmatched in an attention module (``_names_attention``): attention written out as matmul + softmax (Hugging
+    Face's attn_implementation="eager"), which runs unquantized."""
     if not any(r.attention is not None and r.attention.quantized for r in scheme.rules):
         return []
     if any(s.site.kind is SiteKind.ATTENTION for s in sites):
         return []
-    matmuls = [u for u in unmatched if not u.opaque]
+    matmuls = [u for u in unmatched if not u.opaque and _names_attention(u.module_path)]
     if not matmuls:
         return []
     first = matmuls[0]
@@ -98,7 +106,7 @@ def model_sites(model: nn.Module, layers: LayerNumbering) -> list[Site]:
     for name, mod in model.named_modules():
         if not name:
             continue
-        if isinstance(mod, nn.Linear) or type(mod).__name__ in LINEAR_MODULE_CLASSES + CONV1D_MODULE_CLASSES:
+        if isinstance(mod, nn.Linear) or type(mod).__name__ in LINEAR_MODULE_CLASSES or is_hf_conv1d(mod):
             out.append(layers.site(name))
         elif site_kind_for(name) is SiteKind.ATTENTION or isinstance(mod, nn.MultiheadAttention):
             out.append(layers.site(name, SiteKind.ATTENTION))

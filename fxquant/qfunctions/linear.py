@@ -59,5 +59,8 @@ def quantized_linear(
     if not isinstance(lq, LinearQuant):
         raise TypeError(f"quantized_linear: lq must be a fxquant.schemes.LinearQuant, got {type(lq).__name__}")
     if weight.dim() == 1:  # F.linear's vector weight: N = 1, that dimension dropped from the result
+        if bias is not None and bias.dim() != 0:
+            raise ValueError(f"quantized_linear: a weight of shape {tuple(weight.shape)} takes a 0-dim bias (as "
+                             f"F.linear), got bias {tuple(bias.shape)}")
         return quantized_linear(x, weight.unsqueeze(0), None if bias is None else bias.reshape(1), lq).squeeze(-1)
     return _QuantizedLinearFn.apply(x, weight, bias, gemm_specs(lq.fprop, lq.dgrad, lq.wgrad))

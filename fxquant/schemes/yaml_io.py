@@ -22,7 +22,6 @@ from pathlib import Path
 import yaml
 from yaml.constructor import SafeConstructor
 
-from fxquant import formats
 from fxquant.formats import canonical_name
 from fxquant.formats.options import did_you_mean
 from fxquant.formats.tensor_quant import _OPTION_KEYS, TensorQuant
@@ -52,16 +51,6 @@ _RANGE_RE = re.compile(r"^\s*(-?\d+)\s*\.\.\s*(-?\d+)\s*$|^\s*(\d+)\s*-\s*(\d+)\
 def _is_none(v: object) -> bool:
     """``none``, ``null``/``~``, ``off``/``false``/``no`` (YAML 1.1 booleans) all mean high precision."""
     return v is None or v is False or (isinstance(v, str) and v.strip().lower() in NONE_WORDS)
-
-
-def _inapplicable_option(format_name: str, options: dict[str, object]) -> str | None:
-    """Why an option set in ``options`` is not one the format takes (``Format.inapplicable_option``), or None
-    (also when the name is no format: that error is reported where the name is resolved)."""
-    try:
-        name = canonical_name(format_name)
-    except ValueError:
-        return None
-    return formats.get(name).inapplicable_option(options)
 
 
 class SchemeError(ValueError):
@@ -288,12 +277,6 @@ class _Parser:
             if not isinstance(v, str):
                 self.error(node, path, f"expected a format (e.g. 'mxfp8'), 'none' or a mapping, got {v!r}")
                 return None
-            name, _, rest = v.partition(":")  # options the format does not take; from_spec reports the rest
-            items = [(k.strip(), val.strip()) for k, eq, val in (item.partition("=") for item in rest.split(",")) if eq]
-            problem = _inapplicable_option(name.strip(), {k: val for k, val in items if k in _OPTION_KEYS})
-            if problem is not None:
-                self.error(node, path, problem)
-                return None
             try:
                 tq = TensorQuant.from_spec(v)
             except ValueError as exc:
@@ -325,10 +308,6 @@ class _Parser:
     def checked(self, node: yaml.Node, path: str, scope: dict) -> dict | None:
         if scope.get("format") is None:
             return scope
-        problem = _inapplicable_option(scope["format"], {k: scope.get(k) for k in _OPTION_KEYS})
-        if problem is not None:
-            self.error(node, path, problem)
-            return None
         try:
             self.leaf(scope)
         except (ValueError, TypeError) as exc:
