@@ -70,7 +70,7 @@ def flow_counts(s: RecordSummary, name: str) -> np.ndarray | None:
     elements of blocks holding a NaN or an Inf (NaN after quantization) count in numel and nonfinite_blocks
     only; element formats have no blocks (0)."""
     if name == "nvfp4":
-        return None if s.nvfp4 is None else s.nvfp4[[0, 1, 2, 3, 4]].astype(np.int64)
+        return None if s.nvfp4 is None else s.nvfp4.astype(np.int64)
     if s.signed is None:
         return None
     sat_t, flush_t, emax = format_thresholds(name)

@@ -103,6 +103,14 @@ def draw_uniforms(
 CHUNK_ELEMENTS = 1 << 18
 
 
+def straight_through(x: torch.Tensor, values) -> torch.Tensor:
+    """``values(x)``, differentiable with the straight-through estimator where autograd records (the gradient
+    reaches ``x`` unchanged), as ``fxquant::quantize``'s autograd is."""
+    if isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled():
+        return _StraightThrough.apply(x, values)
+    return values(x)
+
+
 class _StraightThrough(torch.autograd.Function):
     """``values(x)`` forward (computed without autograd), the gradient passed to ``x`` unchanged backward."""
 
@@ -223,9 +231,7 @@ class Format(abc.ABC):
             y = self._quantize_rows(to_canonical(t, d, self.canonical_float32), opts, seed_, t.dtype)
             return restore_layout(y, t.shape, d, t.dtype)
 
-        if torch.is_grad_enabled() and x.requires_grad:
-            return _StraightThrough.apply(x, values)
-        return values(x)
+        return straight_through(x, values)
 
     def quantize_traceable(self, x: torch.Tensor, dim: int, opts: QuantOptions, seed: int | torch.Tensor) -> torch.Tensor:
         """``quantize`` for compilers: the same arithmetic over the whole tensor, as plain ATen ops.

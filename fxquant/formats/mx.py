@@ -72,12 +72,11 @@ def block_stage(fmt: Format, x2: torch.Tensor, xb: torch.Tensor, amax: torch.Ten
     32)`` for ``t`` of shape [1, 48], differs from eager (tests/test_formats_lowering.py checks the traced form
     with such shapes and consumers)."""
     length = x2.shape[1]
-    if not _tracing():
+    tracing = _tracing()
+    if not tracing or length % fmt.block_size == 0:
         u = blocked_uniforms(opts, seed, x2, offset, fmt.block_size)
-        return unblock(fmt.block_values(xb, amax, tensor_amax, u, opts).to(out_dtype), length)
-    if length % fmt.block_size == 0:
-        u = blocked_uniforms(opts, seed, x2, offset, fmt.block_size)
-        return unblock(_traced_values(fmt, xb, amax, tensor_amax, u, opts).to(out_dtype), length)
+        values = _traced_values if tracing else type(fmt).block_values
+        return unblock(values(fmt, xb, amax, tensor_amax, u, opts).to(out_dtype), length)
     rows, full = x2.shape[0], length - length % fmt.block_size
     u = draw_uniforms(opts.rounding, seed, x2.shape, x2.device, offset)
     pieces = []

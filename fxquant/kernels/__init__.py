@@ -66,15 +66,10 @@ def quantize(x: torch.Tensor, tq, dim: int = -1, seed: int | None = None) -> tor
     Same contract and result as ``tq.quantize(x, dim, seed=seed)``, the straight-through gradient included;
     ``x`` must be a CUDA tensor, or a CPU tensor when the kernels run in Triton's interpreter.
     """
-    from fxquant.formats.base import _StraightThrough
+    from fxquant.formats.base import straight_through
     from fxquant.kernels import launch
 
-    def values(t: torch.Tensor) -> torch.Tensor:
-        return launch.quantize(t, tq, dim, seed)
-
-    if isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled():  # launch checks bad input
-        return _StraightThrough.apply(x, values)
-    return values(x)
+    return straight_through(x, lambda t: launch.quantize(t, tq, dim, seed))  # launch checks bad input
 
 
 def has_kernel(fmt) -> bool:

@@ -114,9 +114,10 @@ _MATMUL_FUNCTIONS = {
     torch.functional.tensordot: "tensordot", torch.mv: "mv", torch.addmv: "addmv", torch.inner: "inner",
     torch.chain_matmul: "chain_matmul", torch.linalg.multi_dot: "multi_dot", torch.linalg.matmul: "matmul",
     torch.linalg.vecdot: "vecdot", operator.matmul: "@", F.bilinear: "bilinear", torch.bilinear: "bilinear",
-    **{fn: name for name, fn in (("_grouped_mm", getattr(torch, "_grouped_mm", None)),
-                                 ("grouped_mm", getattr(F, "grouped_mm", None))) if fn is not None},
 }
+for _name, _fn in (("_grouped_mm", getattr(torch, "_grouped_mm", None)), ("grouped_mm", getattr(F, "grouped_mm", None))):
+    if _fn is not None:  # MoE grouped GEMMs, where this torch has them
+        _MATMUL_FUNCTIONS[_fn] = _name
 LINEAR_MODULE_CLASSES = ("ColumnParallelLinear", "RowParallelLinear")
 CONV1D_MODULE_CLASSES = ("Conv1D",)  # HF transformers' GPT-2 linear: torch.addmm(bias, x, weight), weight [in, out]
 # ops a weight passes through on its way into a call: views, transposes, indexing (one expert's matrix), casts

@@ -56,14 +56,11 @@ def _check(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa, aq) -> None:
         raise ValueError(f"quantized_sdpa: dropout_p={dropout_p!r} must lie in [0, 1)")
     if is_causal and attn_mask is not None:
         raise ValueError("quantized_sdpa: pass either attn_mask or is_causal=True, not both (as F.scaled_dot_product_attention)")
-    _check_broadcast(q, k, v, enable_gqa)
+    lead = _check_broadcast(q, k, v, enable_gqa)
     if isinstance(attn_mask, torch.Tensor):  # as torch, the mask broadcasts to the scores, never the other way
-        k_lead = k.shape[:-2]
-        if enable_gqa and k.dim() >= 3 and q.dim() >= 3:  # key heads repeated to the query's
-            k_lead = (*k.shape[:-3], q.shape[-3])
-        scores = (*torch.broadcast_shapes(q.shape[:-2], k_lead), q.shape[-2], k.shape[-2])
+        scores = torch.Size((*lead, q.shape[-2], k.shape[-2]))
         try:
-            fits = torch.broadcast_shapes(attn_mask.shape, scores) == torch.Size(scores)
+            fits = torch.broadcast_shapes(attn_mask.shape, scores) == scores
         except RuntimeError:
             fits = False
         if not fits:
@@ -78,8 +75,8 @@ def _dim_name(dim: int, ndim: int) -> str:
     return f"batch (dim {dim})"
 
 
-def _gqa_heads(q, k, v) -> tuple[int, int, int]:
-    """The head counts (dim -3) after ``enable_gqa``'s repeat, which needs each of Hk, Hv to divide Hq."""
+def _gqa_heads(q, k, v) -> int:
+    """The query heads (dim -3), which ``enable_gqa`` repeats key and value heads to: each of Hk, Hv divides Hq."""
     if min(q.dim(), k.dim(), v.dim()) < 3:
         raise ValueError(f"quantized_sdpa: enable_gqa=True needs a heads dim (dim -3) in query, key and value, got "
                          f"shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -87,15 +84,17 @@ def _gqa_heads(q, k, v) -> tuple[int, int, int]:
     if hk == 0 or hv == 0 or hq % hk or hq % hv:
         raise ValueError(f"quantized_sdpa: enable_gqa needs query heads ({hq}) to be a multiple of key heads ({hk}) "
                          f"and of value heads ({hv})")
-    return hq, hq, hq
+    return hq
 
 
-def _check_broadcast(q, k, v, enable_gqa: bool) -> None:
+def _check_broadcast(q, k, v, enable_gqa: bool) -> torch.Size:
     """The dims before [L, E] of query, key and value (key and value heads as ``enable_gqa`` repeats them) must
-    broadcast as in ``torch.matmul``: per dim, the sizes other than 1 are all equal."""
+    broadcast as in ``torch.matmul``: per dim, the sizes other than 1 are all equal. Returns the dims of the
+    attention scores (query's and key's, broadcast)."""
     lead = [list(t.shape[:-2]) for t in (q, k, v)]
     if enable_gqa:
-        for shape, heads in zip(lead, _gqa_heads(q, k, v)):
+        heads = _gqa_heads(q, k, v)
+        for shape in lead:
             shape[-1] = heads
     ndim = max(len(s) for s in lead) + 2
     for dim in range(-3, -ndim - 1, -1):
@@ -108,6 +107,7 @@ def _check_broadcast(q, k, v, enable_gqa: bool) -> None:
         raise ValueError(f"quantized_sdpa: the {_dim_name(dim, ndim)} sizes {what} do not broadcast (each must be "
                          f"the same or 1, as in torch.matmul); shapes {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}{hint}")
+    return torch.broadcast_shapes(lead[0], lead[1])
 
 
 def quantized_sdpa(
