@@ -58,6 +58,7 @@ def _ops_table() -> dict:
         aten.ge.Tensor: ops.ge,
         aten.ge.Scalar: ops.ge,
         aten.lt.Tensor: ops.lt,
+        aten.lt.Tensor: ops.lt,
         aten.lt.Scalar: ops.lt,
         aten.le.Scalar: ops.le,
         aten.ne.Tensor: ops.ne,
@@ -67,6 +68,7 @@ def _ops_table() -> dict:
         aten.round.default: ops.round,  # half to even, as Inductor lowers it
         aten.bitwise_or.Tensor: ops.bitwise_or,
         aten.bitwise_or.Scalar: ops.bitwise_or,
+        aten.bitwise_and.Tensor: ops.bitwise_and,
         aten.bitwise_and.Scalar: ops.bitwise_and,
         aten.bitwise_not.default: ops.bitwise_not,
         aten.__rshift__.Scalar: ops.bitwise_right_shift,
@@ -190,7 +192,8 @@ _COMPARISONS = {aten.eq.Tensor, aten.eq.Scalar, aten.gt.Tensor, aten.gt.Scalar, 
                 aten.lt.Tensor, aten.lt.Scalar, aten.le.Scalar, aten.ne.Tensor, aten.ne.Scalar}
 # On booleans Inductor lowers the bitwise ATen ops to its logical ops.
 _ON_BOOL = {aten.bitwise_or.Tensor: "logical_or", aten.bitwise_or.Scalar: "logical_or",
-            aten.bitwise_and.Scalar: "logical_and", aten.bitwise_not.default: "logical_not"}
+            aten.bitwise_and.Tensor: "logical_and", aten.bitwise_and.Scalar: "logical_and",
+            aten.bitwise_not.default: "logical_not"}
 
 
 def _promoted(node: torch.fx.Node, env: dict) -> list:

@@ -303,6 +303,44 @@ class HiF8(ElementSpec):
             factor = torch.where((a >= 2.0 ** (k + 1)) | (a < 2.0**-k), wider, factor)
         return binade * factor
 
+    def quantize_steps(
+        self, v: torch.Tensor, rounding: str, saturate: bool, u: torch.Tensor | None, *, finite: bool = False
+    ) -> torch.Tensor:
+        """``ElementSpec.quantize_steps``; round to nearest (ties to even or away) by Veltkamp's splitting instead of
+        ``ufp`` and ``round_to_step``, its width picked per element.
+
+        From 2**emin up, ``c = r * 2**(23 - m) + r`` and ``c - (c - r)`` round ``r`` to m + 1 significant bits, ties
+        to even, with m = m(e) chosen by comparisons of ``r`` (``mantissa_bits``: |e| > k where r >= 2**(k + 1) or
+        r < 2**-k; a comparison no clamped value can pass is left out). Ties away: ``r`` is a midpoint of that grid
+        exactly when it lies on the grid one bit finer (the same splitting with 2**(22 - m)) and not on its own;
+        where the nearest-even result lies below such an ``r``, the other neighbour ``2r - hi`` is taken. Below
+        2**emin the grid is emin's step alone: ``(r + big) - big``. Every product is by a
+        power of two (exact) and every difference exact or rounded once, so an FMA contraction changes nothing.
+        """
+        if rounding not in ("rne", "ta"):
+            return super().quantize_steps(v, rounding, saturate, u, finite=finite)
+        a = v.abs()
+        clamps = not self._overflows_to_inf(rounding, saturate)
+        top = self.max_normal if clamps else 2.0 ** (self.emax + 1)
+        r = torch.where(a > top, top, a)  # NaN stays NaN; Inf is restored by _finish
+        width = 2.0**20  # 2**(23 - m): m = 3 for |e| <= 3, one bit less beyond each k
+        for k, wider_width in ((3, 2.0**21), (7, 2.0**22), (15, 2.0**23)):
+            wider = r < 2.0**-k
+            if top >= 2.0 ** (k + 1):
+                wider = wider | (r >= 2.0 ** (k + 1))
+            width = torch.where(wider, wider_width, width)  # |e| > k implies every smaller k's condition
+        c = r * width + r
+        hi = c - (c - r)
+        if rounding == "ta":
+            c2 = r * (width * 0.5) + r
+            midpoint = ((c2 - (c2 - r)) == r) & (hi < r)  # on the finer grid, rounded down: a tie
+            hi = torch.where(midpoint, r * 2.0 - hi, hi)
+        # Below 2**emin: the float32 numbers in [big, 2 big) are the multiples of emin's step, so r + big rounds r to
+        # one, ties to the even sum; an odd multiple as big (ties away) sends the midpoint up instead.
+        big = 2.0 ** (self.emin + 23) + (2.0**self.emin if rounding == "ta" else 0.0)
+        q = torch.where(r < 2.0**self.emin, (r + big) - big, hi)
+        return self._finish(q, v, a, rounding, saturate, finite, clamped=clamps)
+
     def encode(self, q: torch.Tensor) -> torch.Tensor:
         a = q.abs()
         finite = torch.isfinite(q)
