@@ -163,15 +163,87 @@ def test_conv1d_outside_the_compiled_graphs_fails_strict_coverage():
         compiled(x)
 
 
-def test_capture_at_a_conv1d_site_is_reported_not_materialised(tmp_path):
-    x = torch.randn(2, 8, K, requires_grad=True)
-    compiled = fxquant.compile(OneConv1D(K, N), "linear_mxfp8", capture="linear_io", capture_dir=tmp_path,
-                               backend="aot_eager")
+class TwoConv1D(nn.Module):
+    """c_fc quantized by ``linear_mxfp8``, c_proj kept in high precision by the rule below."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c_fc = Conv1D(N, K)
+        self.c_proj = Conv1D(K, N)
+
+    def forward(self, x):
+        return self.c_proj(torch.relu(self.c_fc(x)))
+
+
+CONV1D_CAPTURE = """
+sections:
+  - points:
+      - {component: linear, roles: [input, weight, output, grad_output, grad_input, grad_weight]}
+      - {component: linear, roles: [input, weight, grad_output], copies: [quantized]}
+"""
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_capture_at_conv1d_sites_sees_the_linear_operands(tmp_path, backend):
+    """Captured as the linear each Conv1D is: input, output and their gradients as the addmm's [M, K] / [M, N],
+    the weight and its gradient as [out, in] (the parameter transposed), quantized copies as the GEMMs consume
+    them; at the quantized site and at the one a rule keeps in high precision alike, equal to the eager
+    computation bit for bit."""
+    from fxquant import capture
+    from fxquant.schemes.yaml_io import load_text
+
+    fmt = "mxfp8"
+    model = TwoConv1D()
+    with torch.no_grad():
+        for i, m in enumerate((model.c_fc, model.c_proj)):
+            m.weight.copy_(spread(*m.weight.shape, seed=10 + i))
+    scheme = load_text("rules:\n  - linear: mxfp8\n  - match: {modules: c_proj}\n    priority: 1\n    linear: none\n")
+    spec = capture.load_spec("c.yaml", text=CONV1D_CAPTURE)
+    x = spread(M0, M1, K, seed=0).requires_grad_()
+    compiled = fxquant.compile(model, scheme, capture=spec, capture_dir=tmp_path, backend=backend, strict=True)
     compiled(x).sum().backward()
-    listed = fxquant.compile_state(compiled).uncapturable()
-    assert listed and all(line.startswith("c_fc (module_matmul): linear.") and "not materialised" in line
-                          for line in listed)
-    fxquant.compile_state(compiled).capture_session.close()
+    state = fxquant.compile_state(compiled)
+    assert {(s.site.module_path, s.status.value) for s in state.sites()} == {("c_fc", "rewritten"),
+                                                                             ("c_proj", "high")}
+    state.capture_session.close()
+
+    # the eager computation, written out
+    w1, b1 = model.c_fc.weight.detach(), model.c_fc.bias.detach()
+    w2, b2 = model.c_proj.weight.detach(), model.c_proj.bias.detach()
+    x2 = x.detach().reshape(-1, K)
+    h = torch.addmm(b1, q(x2, fmt, 1), q(w1.t(), fmt, 1).t())
+    a = torch.relu(h)
+    dy2 = torch.ones(M0 * M1, K)  # d(sum) / d(c_proj's output)
+    da = dy2 @ w2.t()  # c_proj's dgrad, high precision: [M, N]
+    dh = torch.where(h > 0, da, 0.0)  # relu's backward
+    want = {
+        ("c_fc", "input"): x2, ("c_fc", "weight"): w1.t(), ("c_fc", "output"): h,
+        ("c_fc", "grad_output"): dh, ("c_fc", "grad_input"): q(dh, fmt, 1) @ q(w1.t(), fmt, 0),
+        ("c_fc", "grad_weight"): q(dh, fmt, 0).t() @ q(x2, fmt, 0),
+        ("c_proj", "input"): a, ("c_proj", "weight"): w2.t(), ("c_proj", "output"): torch.addmm(b2, a, w2),
+        ("c_proj", "grad_output"): dy2, ("c_proj", "grad_input"): da, ("c_proj", "grad_weight"): dy2.t() @ a,
+    }
+    cs = capture.open(tmp_path)
+    hp = {(r.module, r.role): cs.load(r, check=True) for r in cs.query(copy="hp")}
+    assert set(hp) == set(want)
+    for key, t in hp.items():
+        if backend == "aot_eager" or key[1] in ("input", "weight") and key[0] == "c_fc":
+            assert_bitwise_equal(t, want[key], f"{key}")
+        else:  # Inductor's GEMM and pointwise code: the same values up to its own rounding
+            torch.testing.assert_close(t, want[key], rtol=1e-4, atol=1e-4 * float(want[key].abs().max()))
+    quantized = cs.query(copy="quantized")
+    assert {r.module for r in quantized} == {"c_fc"}
+    assert {(r.role, r.gemm) for r in quantized} == {("input", "fprop"), ("input", "wgrad"), ("weight", "fprop"),
+                                                     ("weight", "dgrad"), ("grad_output", "dgrad"),
+                                                     ("grad_output", "wgrad")}
+    for rec in quantized:  # the operand each GEMM consumed: the captured tensor quantized along its reduction dim
+        assert rec.blocked_dim == {"fprop": 1, "dgrad": 1 if rec.role == "grad_output" else 0, "wgrad": 0}[rec.gemm]
+        src = hp[("c_fc", rec.role)]
+        assert_bitwise_equal(cs.load(rec), q(src, fmt, rec.blocked_dim), f"{rec.role} {rec.gemm}")
+    # c_proj keeps every operand in high precision: its quantized copies are listed, not captured
+    assert sorted(state.uncapturable()) == sorted(
+        f"c_proj (module_matmul): linear.{role}[quantized]: kept in high precision by the scheme (no quantized copy)"
+        for role in ("input", "weight", "grad_output"))
 
 
 class NotHFConv1D(nn.Module):

@@ -7,7 +7,7 @@ One pass per file, run in this order by ``run_passes`` (ARCHITECTURE.md "Where t
     resolve.resolve_sites               the scheme's LinearQuant / AttentionQuant per site -> node.meta["fxquant"]
     rewrite_linear                      F.linear           -> wrappers.fxquant_linear
                                         a Megatron linear's inlined matmul -> wrappers.fxquant_matmul
-                                        an HF Conv1D's addmm -> wrappers.fxquant_conv1d
+                                        an HF Conv1D's addmm -> torch.t(weight), wrappers.fxquant_linear
     rewrite_sdpa                        SDPA               -> wrappers.fxquant_sdpa
                                         mha_attention_weights -> wrappers.fxquant_attention_weights
     rewrite_unfused_attention           baddbmm / bmm      -> wrappers.fxquant_baddbmm / fxquant_bmm

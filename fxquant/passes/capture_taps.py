@@ -2,7 +2,10 @@
 
 Pre: ``run_passes`` has run, so every matched site node carries ``node.meta["fxquant"]`` (a SiteMeta) and
 is either the original op (``F.linear``, SDPA, ``torch.baddbmm`` / ``torch.bmm`` of unfused attention) or
-fxquant's wrapper with the same leading operands. Post, per selected point:
+fxquant's wrapper with the same leading operands. An HF Conv1D site is tapped as its linear: rewritten, it is
+``fxquant_linear`` on ``torch.t(weight)``; kept in high precision (``addmm(bias, x, weight)``), this pass turns
+it into ``F.linear(x, torch.t(weight), bias)`` where a tap goes (``rewrite_linear.conv1d_as_linear``). Post, per
+selected point:
 
     forward, pre     fxquant::capture(operand, tap)                      before the site
     forward, post    fxquant::capture(site, tap)                         after the site
@@ -46,9 +49,10 @@ from fxquant.capture.runtime import capture_grad
 from fxquant.capture.spec import GEMM_OPERANDS, CaptureSpec, Component, Copy, Direction, Gemm, ModuleKind, Role
 from fxquant.capture.tap import Tap, encode_taps
 from fxquant.passes.graph_edit import copy_meta
+from fxquant.passes.rewrite_linear import conv1d_as_linear
 from fxquant.passes.rewrite_megatron_linear import operand_positions
 from fxquant.passes.sites import META_KEY, OpKind, SiteMeta, body_modules, example_value
-from fxquant.passes.wrappers import fxquant_sdpa
+from fxquant.passes.wrappers import fxquant_linear, fxquant_sdpa
 
 log = logging.getLogger(__name__)
 
@@ -124,19 +128,27 @@ def _operand(node: fx.Node, op: OpKind, i: int) -> fx.Node | None:
     return a if isinstance(a, fx.Node) else None
 
 
-def _quant_operands(meta: SiteMeta, role: Role) -> list[tuple[Gemm, object, int]]:
+def _layout(node: fx.Node, meta: SiteMeta) -> OpKind:
+    """The op kind whose operand positions and GEMM axes a site node has: an HF Conv1D site (``module_matmul``) is
+    tapped as the linear it is, rewritten into ``fxquant_linear`` on ``torch.t(weight)`` (``rewrite_linear``) or,
+    kept in high precision, into ``F.linear`` on it where a tap is inserted (``conv1d_as_linear``)."""
+    conv1d = meta.op is OpKind.MODULE_MATMUL and node.target is torch.addmm
+    return OpKind.LINEAR if node.target is fxquant_linear or conv1d else meta.op
+
+
+def _quant_operands(meta: SiteMeta, role: Role, op: OpKind) -> list[tuple[Gemm, object, int]]:
     """(gemm, TensorQuant, dim) for each GEMM that consumes ``role`` quantized (module docstring of schemes.model)."""
     c = meta.config
     if c is None:
         return []
-    if meta.op in (OpKind.LINEAR, OpKind.MEGATRON_LINEAR):  # dims of the [M, K] / [N, K] / [M, N] GEMM views
+    if op in (OpKind.LINEAR, OpKind.MEGATRON_LINEAR):  # dims of the [M, K] / [N, K] / [M, N] GEMM views
         table = {Role.INPUT: [(Gemm.FPROP, c.fprop.a, 1), (Gemm.WGRAD, c.wgrad.b, 0)],
                  Role.WEIGHT: [(Gemm.FPROP, c.fprop.b, 1), (Gemm.DGRAD, c.dgrad.b, 0)],
                  Role.GRAD_OUTPUT: [(Gemm.DGRAD, c.dgrad.a, 1), (Gemm.WGRAD, c.wgrad.a, 0)]}
     else:
         qk, pv = c.qk, c.pv
         # K [.., Lk, d] under SDPA and MHA's attention; K^T [.., d, Lk] in Megatron's baddbmm
-        sdpa = meta.op in (OpKind.SDPA, OpKind.ATTENTION_WEIGHTS)
+        sdpa = op in (OpKind.SDPA, OpKind.ATTENTION_WEIGHTS)
         table = {Role.QUERY: [(Gemm.QK, qk.forward.a, -1), (Gemm.DK, qk.grad_b.a, -2)],
                  Role.KEY: [(Gemm.QK, qk.forward.b, -1 if sdpa else -2), (Gemm.DQ, qk.grad_a.b, -2 if sdpa else -1)],
                  Role.GRAD_SCORES: [(Gemm.DQ, qk.grad_a.a, -1), (Gemm.DK, qk.grad_b.b, -2)],
@@ -153,7 +165,7 @@ def _kind(meta: SiteMeta) -> ModuleKind | None:
         return None
 
 
-def _site_taps(meta: SiteMeta, spec: CaptureSpec, report: TapReport) -> list[tuple[Tap, tuple]]:
+def _site_taps(meta: SiteMeta, op: OpKind, spec: CaptureSpec, report: TapReport) -> list[tuple[Tap, tuple]]:
     """Every (tap, graph position) the spec selects at this site."""
     site, kind = meta.site, _kind(meta)
     component = Component.ATTENTION if meta.op.is_attention else Component.LINEAR
@@ -162,7 +174,7 @@ def _site_taps(meta: SiteMeta, spec: CaptureSpec, report: TapReport) -> list[tup
         for p in spec.sections[i].points:
             if p.component is component:
                 chosen.setdefault((p.role, p.copy), []).append(i)
-    positions = _POSITIONS.get(meta.op)
+    positions = _POSITIONS.get(op)
     out: list[tuple[Tap, tuple]] = []
     for (role, copy), secs in chosen.items():
         where = None if positions is None else positions.get(role)
@@ -180,7 +192,7 @@ def _site_taps(meta: SiteMeta, spec: CaptureSpec, report: TapReport) -> list[tup
             continue
         if role not in GEMM_OPERANDS[component]:
             continue
-        quants = _quant_operands(meta, role)
+        quants = _quant_operands(meta, role, op)
         if not quants:
             report.unavailable.append(f"{what}: kept in high precision by the scheme (no quantized copy)")
         for gemm, tq, dim in quants:
@@ -203,10 +215,13 @@ def insert_capture_taps(gm: fx.GraphModule, spec: CaptureSpec) -> TapReport:
         meta = node.meta.get(META_KEY)
         if not isinstance(meta, SiteMeta):
             continue
-        taps = _site_taps(meta, spec, report)
+        op = _layout(node, meta)
+        taps = _site_taps(meta, op, spec, report)
         if not taps:
             continue
-        nodes = _site_nodes(gm, node, meta.op)
+        if node.target is torch.addmm:
+            node = conv1d_as_linear(graph, node)
+        nodes = _site_nodes(gm, node, op)
         grad_out: list[Tap] = []
         grad_args: dict[int, list[Tap]] = {}
         scores = [tap for tap, where in taps if where[0] == "scores"]

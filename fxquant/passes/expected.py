@@ -13,6 +13,7 @@ an operand without one is assumed to require grad.
 """
 from __future__ import annotations
 
+import torch
 from torch import fx
 
 from fxquant.passes import wrappers
@@ -36,9 +37,11 @@ def _gemm_runs(a: object, b: object) -> list[bool]:
 def _operand_keys(node: fx.Node) -> list[tuple[int, tuple]]:
     """(phase, key) of every quantization a rewritten wrapper call makes; keys equal iff CSE merges them."""
     t, args = node.target, node.args
-    if t in (wrappers.fxquant_linear, wrappers.fxquant_conv1d):
+    if t is wrappers.fxquant_linear:
         x, w, s = args[0], args[1], args[3]
-        wk, wn = ("K", "N") if t is wrappers.fxquant_linear else ("K of w.t()", "N of w.t()")  # Conv1D: w [K, N]
+        wk, wn = "K", "N"
+        if isinstance(w, fx.Node) and w.target is torch.t:  # Conv1D: w.t() of its [K, N] weight, a node per site
+            w, wk, wn = w.args[0], "K of w.t()", "N of w.t()"
         table = [(_FWD, x, "K"), (_FWD, w, wk), (_BWD, node, "dY,N"), (_BWD, w, wn), (_BWD, node, "dY,M"),
                  (_BWD, x, "M")]
         runs = _gemm_runs(x, w)

@@ -66,12 +66,6 @@ def fxquant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return quantized_linear(x, weight, bias, linear_quant(specs))
 
 
-def fxquant_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, specs: Specs) -> torch.Tensor:
-    """HF Conv1D's ``torch.addmm(bias, x, weight)`` (weight [in, out]) rewritten: ``quantized_linear`` with the
-    LinearQuant of ``specs`` on ``weight.t()``, the [out, in] weight of the same linear."""
-    return quantized_linear(x, weight.t(), bias, linear_quant(specs))
-
-
 def fxquant_sdpa(
     query: torch.Tensor,
     key: torch.Tensor,
