@@ -216,8 +216,14 @@ class FxquantBackend:
         return sum(r.expected_calls[0] for r in reps), sum(r.expected_calls[1] for r in reps)
 
     def unmatched_ops(self) -> list:
-        latest: dict[tuple, object] = {}
+        """The unmatched ops of the compiled graphs: an op a recompiled or another graph also holds (same module,
+        op, node name stem and source line) is listed as the latest graph holds it, as often as it calls it (a
+        loop of three matmuls on one line is three entries)."""
+        latest: dict[tuple, list] = {}
         for rep in self.reports:
+            mine: dict[tuple, list] = {}
             for u in rep.unmatched:
-                latest[(u.module_path, re.sub(r"_\d+$", "", u.node_name), u.target, u.stack_line)] = u
-        return list(latest.values())
+                key = (u.module_path, re.sub(r"_\d+$", "", u.node_name), u.target, u.stack_line)
+                mine.setdefault(key, []).append(u)
+            latest.update(mine)
+        return [u for ops in latest.values() for u in ops]

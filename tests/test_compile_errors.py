@@ -10,13 +10,6 @@ from fxquant.passes.strict import QuantizationError
 from tests.models import make_llama, make_tokens
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 def test_unknown_scheme_has_did_you_mean():
     with pytest.raises(ValueError, match="did you mean.*linear_mxfp8"):
         fxquant.compile(make_llama(), "linear_mxpf8", backend="aot_eager")
@@ -264,6 +257,30 @@ def test_explain_lists_sites_and_unmatched_ops():
     text = str(fxquant.explain(WithSplit(), torch.randn(4, 32), scheme="linear_mxfp8"))
     assert "down_proj" in text and "fc2" in text and "x=mxfp8_e4m3" in text
     assert "unmatched matmul-like ops" in text and "matmul" in text
+
+
+class _ThreeMatmuls(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(3, 8, 8))
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        for i in range(3):
+            x = x @ self.w[i]  # one source line, three unmatched matmuls
+        return self.fc(x)
+
+
+def test_explain_lists_each_call_of_a_repeated_unmatched_op_once_across_recompiles():
+    model = _ThreeMatmuls()
+    exp = fxquant.explain(model, torch.randn(2, 8), scheme="linear_mxfp8")
+    assert len(exp.unmatched) == 3 and len({u.node_name for u in exp.unmatched}) == 3
+    assert "3 matmul-like ops unmatched" in str(exp)
+    torch._dynamo.reset()
+    compiled = fxquant.compile(model, "linear_mxfp8", backend="aot_eager")
+    compiled(torch.randn(2, 8))
+    compiled(torch.randn(5, 8))  # a new batch size: a second graph holding the same three matmuls
+    assert len(fxquant.compile_state(compiled).unmatched()) == 3
 
 
 def test_explain_cli_bad_model_factory_is_a_clear_error(capsys):
