@@ -153,6 +153,22 @@ def test_nvfp4_single_rows_with_a_partial_block(shape, dim):
     _consumed_check(TensorQuant("nvfp4").spec(), shape, dim, "none")
 
 
+@pytest.mark.parametrize(("length", "amaxes"), [(50, 3), (64, 2)])
+def test_nvfp4_traced_takes_each_amax_once(length, amaxes):
+    """Traced, NVFP4 reduces x once per block and once for the tensor: with a short last block the pieces' block
+    amaxes and a plain tensor amax (3), not also the padded blocks' amaxes for the tensor's (4); full blocks: the
+    block amaxes and the largest of them (2)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    fmt = formats.get("nvfp4")
+    x = torch.randn(4, length)
+    gm = make_fx(lambda t: fmt.quantize(t, -1), tracing_mode="fake")(x)
+    gm.graph.eliminate_dead_code()
+    assert sum(n.target is torch.ops.aten.amax.default for n in gm.graph.nodes) == amaxes
+    assert_bitwise_equal(torch.compile(lambda t: fmt.quantize(t, -1), backend=lowering.inductor_backend)(x),
+                         fmt.quantize(x, -1), "nvfp4 traced")
+
+
 def test_format_quantize_compiled_by_plain_torch_compile_equals_eager_with_a_partial_block(monkeypatch):
     """``Format.quantize`` (its own final cast reads the result) under plain ``torch.compile``, a short last block;
     tracing it warns of nothing (Dynamo warns once per process, e.g. of a cache-wrapped function it traces)."""

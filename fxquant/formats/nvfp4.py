@@ -17,7 +17,7 @@ import torch
 
 from fxquant.formats._bits import F32_MAX, fdiv, nonfinite
 from fxquant.formats.base import Format
-from fxquant.formats.element import E2M1, E4M3, ElementSpec
+from fxquant.formats.element import E2M1, E4M3, ElementSpec, _tracing
 from fxquant.formats.mx import block_stage, blocked_uniforms, blocks, unblock
 from fxquant.formats.options import QuantOptions
 
@@ -88,6 +88,11 @@ class NVFP4Format(Format):
         return self.scaled_values(xb, *self.block_scales(amax, tensor_amax, opts), u, opts)
 
     def _quantize_canonical(self, x2, opts, seed, *, ctx=None, offset=0, out_dtype=torch.float32):
+        if ctx is None and _tracing() and x2.shape[1] % self.block_size:
+            # Traced with a short last block, block_stage takes each piece's block amaxes itself: the tensor's amax
+            # is then one plain reduction of x (the same value), not the largest of padded block amaxes taken
+            # only for it (a second block-amax pass over x).
+            ctx = self._tensor_context(x2, opts)
         xb, amax_b, amax_t = self._amax(x2, ctx)
         return block_stage(self, x2, xb, amax_b, amax_t, opts, seed, offset, out_dtype)
 
