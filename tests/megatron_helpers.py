@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 
 @pytest.fixture(scope="module")
@@ -11,11 +10,3 @@ def single_process():
     from fxquant.megatron_glue import parallel
 
     yield parallel.initialize_parallel()
-
-
-@pytest.fixture
-def fresh_dynamo():
-    """A clean Dynamo cache before and after the test."""
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()

@@ -15,7 +15,7 @@ from fxquant import schemes
 
 pytestmark = pytest.mark.megatron
 pytest.importorskip("megatron.core", reason="needs megatron-core")
-from tests.megatron_helpers import fresh_dynamo, single_process  # noqa: E402,F401  (fixtures)
+from tests.megatron_helpers import single_process  # noqa: E402,F401  (fixture)
 
 ROLES = ("input", "weight", "output", "grad_output", "grad_input", "grad_weight")
 SPEC = capture.load_spec("megatron.yaml", text="""
@@ -23,11 +23,6 @@ sections:
   - layers: {kinds: [qkv, proj, fc1, fc2]}
     points: [{component: linear, roles: [input, weight, output, grad_output, grad_input, grad_weight]}]
 """)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo(fresh_dynamo):
-    yield
 
 
 def _model_and_batch(attention: str):

@@ -10,7 +10,7 @@ import torch
 from fxquant import capture, schemes
 from fxquant.backend import FxquantBackend
 from fxquant.formats.tensor_quant import TensorQuant
-from tests.megatron_helpers import fresh_dynamo, single_process  # noqa: F401  (fixtures)
+from tests.megatron_helpers import single_process  # noqa: F401  (fixture)
 from tests.models import make_llama, make_tokens, next_token_loss
 
 SPEC_TEXT = """
@@ -67,7 +67,6 @@ def test_scores_are_a_forward_post_attention_role_without_quantized_copies():
 def test_megatron_unfused_attention_captures_scores_before_its_inplace_mask(tmp_path, request):
     pytest.importorskip("megatron.core", reason="needs megatron-core")
     request.getfixturevalue("single_process")
-    request.getfixturevalue("fresh_dynamo")
     from tests.test_capture_megatron import _model_and_batch, _step
 
     spec = capture.load_spec("scores.yaml", text=SPEC_TEXT.replace("[query, key, scores]",

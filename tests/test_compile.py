@@ -13,13 +13,6 @@ from fxquant.lowering import Kernels
 from tests.models import make_llama, make_tokens, next_token_loss
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()  # each test compiles new models of the same classes (recompile limit)
-    yield
-    torch._dynamo.reset()
-
-
 def run_step(model, tokens):
     """(logits, loss, grads by name) of one forward + backward."""
     model.zero_grad(set_to_none=True)

@@ -27,13 +27,6 @@ pytestmark = pytest.mark.slow
 CFG = dict(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=96, vocab_size=128, max_seq_len=16)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 def _cache_counts() -> dict[str, int]:
     inductor, aot = counters["inductor"], counters["aot_autograd"]
     return {"fx_hit": inductor["fxgraph_cache_hit"], "fx_miss": inductor["fxgraph_cache_miss"],

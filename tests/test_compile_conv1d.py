@@ -22,13 +22,6 @@ from fxquant.passes.strict import QuantizationError
 from tests.bitwise import assert_bitwise_equal
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 class Conv1D(nn.Module):
     """transformers.pytorch_utils.Conv1D: a linear with its weight stored transposed, [nx, nf] = [in, out]."""
 

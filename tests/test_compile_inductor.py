@@ -18,13 +18,6 @@ from tests.test_compile import compiled_step
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 class OneLinear(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -11,12 +11,7 @@ from fxquant.counters import count_quantize_calls
 
 pytestmark = pytest.mark.megatron
 pytest.importorskip("megatron.core", reason="needs megatron-core")
-from tests.megatron_helpers import fresh_dynamo, single_process  # noqa: E402,F401  (fixtures)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo(fresh_dynamo):
-    yield
+from tests.megatron_helpers import single_process  # noqa: E402,F401  (fixture)
 
 
 def megatron_batch(seq: int = 16, batch: int = 2, vocab: int = 256, seed: int = 0):

@@ -26,13 +26,6 @@ from tests.bitwise import assert_bitwise_equal
 E, H, L, S, B = 64, 4, 8, 6, 2
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 class AttnModel(nn.Module):
     """One MultiheadAttention followed by one Linear (the shape of the issue's report)."""
 

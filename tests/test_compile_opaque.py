@@ -17,13 +17,6 @@ from tests.bitwise import assert_bitwise_equal
 from tests.test_compile_mha import B, E, H, L, AttnModel, _encoder
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 def test_refused_mha_is_listed_and_rejected_by_strict(caplog):
     torch.manual_seed(0)
     model = AttnModel(add_bias_kv=True)

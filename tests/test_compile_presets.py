@@ -26,7 +26,7 @@ from fxquant.passes.sites import META_KEY, body_modules
 
 pytestmark = pytest.mark.megatron
 pytest.importorskip("megatron.core", reason="needs megatron-core")
-from tests.megatron_helpers import fresh_dynamo, single_process  # noqa: E402,F401  (fixtures)
+from tests.megatron_helpers import single_process  # noqa: E402,F401  (fixture)
 from tests.test_compile_megatron import megatron_batch  # noqa: E402
 
 QUANTIZE = torch.ops.fxquant.quantize.default
@@ -97,7 +97,7 @@ PRESETS = ["bf16", "FA_mxfp8", "FA_mxfp4", "FA_hifp8", "linear_mxfp8", "linear_m
 
 
 @pytest.mark.parametrize("name", PRESETS)
-def test_preset_quantizes_exactly_the_operands_its_name_says(single_process, fresh_dynamo, name):
+def test_preset_quantizes_exactly_the_operands_its_name_says(single_process, name):
     from fxquant.megatron_glue.config import tiny_llama_config
     from fxquant.megatron_glue.graph_breaks import traceable_megatron
     from fxquant.megatron_glue.model import build_gpt_model

@@ -32,13 +32,6 @@ rewrite_sdpa = importlib.import_module("fxquant.passes.rewrite_sdpa")  # the pac
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 def aq_of(preset: str) -> AttentionQuant:
     return schemes.get(preset).attention_for(Site.from_path("layers.0.self_attn", SiteKind.ATTENTION))
 
