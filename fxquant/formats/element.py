@@ -335,8 +335,9 @@ class HiF8(ElementSpec):
             c2 = r * (width * 0.5) + r
             midpoint = ((c2 - (c2 - r)) == r) & (hi < r)  # on the finer grid, rounded down: a tie
             hi = torch.where(midpoint, r * 2.0 - hi, hi)
-        # Below 2**emin: the float32 numbers in [big, 2 big) are the multiples of emin's step, so r + big rounds r to
-        # one, ties to the even sum; an odd multiple as big (ties away) sends the midpoint up instead.
+        # Below 2**emin the grid is 0 and 2**emin (emin's step, m(emin) = 0): the float32 numbers in [big, 2 big) are
+        # the multiples of that step, so r + big rounds r to one, ties to the even sum; big an odd multiple (ties
+        # away) sends the one midpoint there, 2**(emin - 1), up instead.
         big = 2.0 ** (self.emin + 23) + (2.0**self.emin if rounding == "ta" else 0.0)
         q = torch.where(r < 2.0**self.emin, (r + big) - big, hi)
         return self._finish(q, v, a, rounding, saturate, finite, clamped=clamps)
