@@ -80,6 +80,7 @@ class FxquantBackend:
             )
         except ValueError as exc:
             return self.refusal(exc)
+        graph_report.frame = _frame_id()
         self.reports.append(graph_report)
         unmatched = self.unmatched_rules()
         if unmatched is not None:
@@ -216,9 +217,14 @@ class FxquantBackend:
         return sum(r.expected_calls[0] for r in reps), sum(r.expected_calls[1] for r in reps)
 
     def unmatched_ops(self) -> list:
-        """The unmatched ops of the compiled graphs: an op a recompiled or another graph also holds (same module,
-        op, node name stem and source line) is listed as the latest graph holds it, as often as it calls it (a
-        loop of three matmuls on one line is three entries)."""
+        """The unmatched ops of the graphs in use, once per call: per Dynamo frame those of its latest graph (a
+        recompile replaces the frame's earlier graphs), over every frame (a graph break's resume function is a frame
+        of its own). A recompile that compiles no graph (a frame left with nothing but a graph break) leaves the
+        frame's earlier graph listed. Without frame ids, an op that another graph also holds (same module, op, node
+        name stem and source line) is listed as the latest graph holds it."""
+        if self.reports and all(rep.frame is not None for rep in self.reports):
+            latest_per_frame = {rep.frame: rep for rep in self.reports}
+            return [u for rep in latest_per_frame.values() for u in rep.unmatched]
         latest: dict[tuple, list] = {}
         for rep in self.reports:
             mine: dict[tuple, list] = {}
@@ -227,3 +233,12 @@ class FxquantBackend:
                 mine.setdefault(key, []).append(u)
             latest.update(mine)
         return [u for ops in latest.values() for u in ops]
+
+
+def _frame_id() -> int | None:
+    """The frame id of the graph Dynamo is compiling (``CompileId.frame_id``; recompiles of a frame share it)."""
+    try:
+        compile_id = torch._guards.CompileContext.current_compile_id()
+    except Exception:  # pragma: no cover - torch internals moved
+        return None
+    return getattr(compile_id, "frame_id", None)

@@ -58,7 +58,6 @@ def _ops_table() -> dict:
         aten.ge.Tensor: ops.ge,
         aten.ge.Scalar: ops.ge,
         aten.lt.Tensor: ops.lt,
-        aten.lt.Tensor: ops.lt,
         aten.lt.Scalar: ops.lt,
         aten.le.Scalar: ops.le,
         aten.ne.Tensor: ops.ne,

@@ -283,6 +283,29 @@ def test_explain_lists_each_call_of_a_repeated_unmatched_op_once_across_recompil
     assert len(fxquant.compile_state(compiled).unmatched()) == 3
 
 
+class _MatmulEitherSideOfABreak(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(2, 8, 8))
+        self.fc = torch.nn.Linear(8, 8)
+
+    def mm(self, x, i):
+        return x @ self.w[i]
+
+    def forward(self, x):
+        x = self.mm(x, 0)
+        torch._dynamo.graph_break()
+        x = self.mm(x, 1)  # the same source line of mm (and node name), in the resume function's graph
+        return self.fc(x)
+
+
+def test_unmatched_ops_of_two_frames_are_both_listed():
+    compiled = fxquant.compile(_MatmulEitherSideOfABreak(), "linear_mxfp8", backend="aot_eager")
+    compiled(torch.randn(2, 8))
+    compiled(torch.randn(3, 8))  # recompiles both frames
+    assert len(fxquant.compile_state(compiled).unmatched()) == 2
+
+
 def test_explain_cli_bad_model_factory_is_a_clear_error(capsys):
     from fxquant.cli import main
 

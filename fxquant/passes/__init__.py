@@ -48,6 +48,7 @@ class GraphReport:
     unmatched: list[UnmatchedOp] = field(default_factory=list)
     expected_calls: tuple[int, int] = (0, 0)  # fxquant::quantize calls per (forward, backward), see expected.py
     graph_module: fx.GraphModule | None = field(default=None, repr=False)  # the rewritten Dynamo graph
+    frame: int | None = None  # Dynamo's frame id of the graph (its recompiles share it); None when unknown
 
     @property
     def failed(self) -> list[SiteMeta]:
