@@ -83,7 +83,8 @@ def test_round_to_step_equals_round_integer():
 
 @pytest.mark.parametrize("bounded", [False, True])
 def test_round_nearest_bits_equals_rounding_to_the_binades_step(bounded):
-    """Veltkamp's splitting against ``round_to_step`` with the step from ``ufp``, eager and compiled by Inductor (C++):
+    """Veltkamp's splitting, ties to even and away, against ``round_to_step`` with the step from ``ufp``, eager and
+    compiled by Inductor (C++; ties away at the element formats' widths):
     every float32 of [1, 2) (a sixth of them: every mantissa residue mod 6) for every mantissa width 0..22, the ends
     and a sample of every binade of [2**-126, 2**100) for the widths of the element formats, with emin and emax
     placed so that both the fixed step below 2**emin and the clamp above 2**(emax + 1) are reached; specials."""
@@ -94,28 +95,30 @@ def test_round_nearest_bits_equals_rounding_to_the_binades_step(bounded):
     spread = torch.cat([binade(e, ends) for e in range(-126, 100)]
                        + [torch.tensor([0.0, 1e-45, 2.0**-127, 2.0**100, math.nan])])
 
-    def want(a, mbits, emin, emax):
+    def want(a, mbits, emin, emax, ties_away):
         binades = ufp(torch.clamp(a, 2.0**emin, 2.0 ** (emax + 1)))
-        return round_to_step(a, binades * 2.0**-mbits, "rne", None)
+        return round_to_step(a, binades * 2.0**-mbits, "ta" if ties_away else "rne", None)
 
-    def check(a, mbits, emin, emax, label):
-        got = round_nearest_bits(a, mbits, emin, emax, bounded=bounded)
-        expected = want(a, mbits, emin, emax)
-        top = 2.0 ** (emax + 1)
-        above = expected > top  # there only "at least 2**(emax + 1)" is promised
-        assert (got[above] >= top).all(), f"{label}: a value rounding above 2**(emax + 1) rounded to {got[above].min()}"
-        got, expected = got[~above], expected[~above]
-        assert_bitwise_equal(got, expected, label)
-        compiled = torch.compile(lambda t: round_nearest_bits(t, mbits, emin, emax, bounded=bounded),
-                                 backend="inductor", dynamic=False)
-        assert_bitwise_equal(compiled(a), round_nearest_bits(a, mbits, emin, emax, bounded=bounded),
-                             f"compiled {label}")
+    def check(a, mbits, emin, emax, label, *, compile_ta):
+        for ties_away in (False, True):
+            mine = f"{label} {'ta' if ties_away else 'rne'}"
+            got = round_nearest_bits(a, mbits, emin, emax, bounded=bounded, ties_away=ties_away)
+            expected = want(a, mbits, emin, emax, ties_away)
+            top = 2.0 ** (emax + 1)
+            above = expected > top  # there only "at least 2**(emax + 1)" is promised
+            assert (got[above] >= top).all(), f"{mine}: a value rounding above 2**(emax + 1) rounded to {got[above].min()}"
+            assert_bitwise_equal(got[~above], expected[~above], mine)
+            if compile_ta or not ties_away:
+                compiled = torch.compile(lambda t: round_nearest_bits(t, mbits, emin, emax, bounded=bounded,
+                                                                      ties_away=ties_away),
+                                         backend="inductor", dynamic=False)
+                assert_bitwise_equal(compiled(a), got, f"compiled {mine}")
 
     one = binade(0, every_mantissa()[::6])
-    for mbits in range(23):
-        check(one, mbits, -10, 40, f"[1, 2) on {mbits} bits:")
+    for mbits in range(23):  # ties away compiled at the element formats' widths
+        check(one, mbits, -10, 40, f"[1, 2) on {mbits} bits:", compile_ta=mbits in (1, 2, 3, 6, 10))
     for mbits, emin, emax in ((1, 0, 2), (2, -14, 15), (3, -6, 8), (6, 0, 0), (10, -14, 15), (3, -30, 60)):
-        check(spread, mbits, emin, emax, f"{mbits} bits, binades {emin}..{emax}:")
+        check(spread, mbits, emin, emax, f"{mbits} bits, binades {emin}..{emax}:", compile_ta=True)
 
 
 def inputs(spec) -> torch.Tensor:

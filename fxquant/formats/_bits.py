@@ -83,7 +83,8 @@ def round_to_step(a: torch.Tensor, step: torch.Tensor, rounding: str, u: torch.T
     raise ValueError(f"unknown rounding {rounding!r}")  # pragma: no cover - guarded by option validation
 
 
-def round_nearest_bits(a: torch.Tensor, mbits: int, emin: int, emax: int, *, bounded: bool = False) -> torch.Tensor:
+def round_nearest_bits(a: torch.Tensor, mbits: int, emin: int, emax: int, *, bounded: bool = False,
+                       ties_away: bool = False) -> torch.Tensor:
     """``a >= 0`` (float32) rounded to nearest, ties to even, on the grid of ``mbits`` mantissa bits whose binades
     below 2**emin use emin's step, by arithmetic alone: ``round_to_step(a, ufp(clamp(a, 2**emin, 2**(emax + 1))) *
     2**-mbits, "rne")`` wherever that is at most 2**(emax + 1), and at least 2**(emax + 1) wherever it is more.
@@ -100,6 +101,10 @@ def round_nearest_bits(a: torch.Tensor, mbits: int, emin: int, emax: int, *, bou
     (callers saturate it or overflow it to Inf), so ``a`` is clamped there first, which keeps c finite;
     ``bounded=True`` promises a <= 2**100 and leaves the clamp out. Six float32 operations and a select, where
     ``ufp``, the step and ``round_to_step`` take nine operations and two clamps.
+
+    ``ties_away=True`` rounds ties away from zero instead: ``a`` is a midpoint of the grid exactly when it lies on the
+    grid one bit finer (the same two roundings with one bit more, or half the fixed step, leave it unchanged) and not
+    on its own; where the nearest-even result lies below such an ``a``, the other neighbour ``2a - q`` is taken.
     """
     if not bounded:
         top = 2.0 ** (emax + 1)
@@ -108,7 +113,14 @@ def round_nearest_bits(a: torch.Tensor, mbits: int, emin: int, emax: int, *, bou
     hi = c - (c - a)
     big = 2.0 ** (emin - mbits + 23)
     lo = (a + big) - big
-    return torch.where(a < 2.0**emin, lo, hi)
+    small = a < 2.0**emin
+    q = torch.where(small, lo, hi)
+    if not ties_away:
+        return q
+    c2 = a * 2.0 ** (22 - mbits) + a
+    half_big = big * 0.5
+    finer = torch.where(small, (a + half_big) - half_big, c2 - (c2 - a))
+    return torch.where((finer == a) & (q < a), a * 2.0 - q, q)
 
 
 def mul_pow2(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -141,9 +141,9 @@ class ElementSpec:
     def quantize_steps(
         self, v: torch.Tensor, rounding: str, saturate: bool, u: torch.Tensor | None, *, finite: bool = False
     ) -> torch.Tensor:
-        """``quantize`` by float32 arithmetic without reading bits (``steps_in_range`` formats): round to nearest even
-        on a uniform grid by Veltkamp's splitting (``round_nearest_bits``); otherwise the binade's power of two from
-        ``ufp``, the grid step from it (``grid_step``), the rounding by ``round_to_step``.
+        """``quantize`` by float32 arithmetic without reading bits (``steps_in_range`` formats): round to nearest (ties
+        to even or away) on a uniform grid by Veltkamp's splitting (``round_nearest_bits``); otherwise the binade's
+        power of two from ``ufp``, the grid step from it (``grid_step``), the rounding by ``round_to_step``.
 
         |v| is clamped to [2**emin, 2**(emax + 1)] before ``ufp``, as the bit path clamps the exponent: values
         below 2**emin use emin's step, values above the top binade a step of the binade above it, which rounds
@@ -161,8 +161,9 @@ class ElementSpec:
             # the same, and the clamp also bounds the rounding's input (one select instead of two).
             clamps = not self._overflows_to_inf(rounding, saturate)
             r = torch.where(a > self.max_normal, self.max_normal, a) if clamps else a  # NaN stays NaN
-            if rounding == "rne" and self.uniform_grid():
-                q = round_nearest_bits(r, self.mbits, self.emin, self.emax, bounded=finite or clamps)
+            if rounding in ("rne", "ta") and self.uniform_grid():
+                q = round_nearest_bits(r, self.mbits, self.emin, self.emax, bounded=finite or clamps,
+                                       ties_away=rounding == "ta")
             else:
                 binade = ufp(torch.clamp_min(r, 2.0**self.emin) if clamps
                              else torch.clamp(r, 2.0**self.emin, 2.0 ** (self.emax + 1)))
