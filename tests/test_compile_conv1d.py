@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 import fxquant
-from fxquant import formats
 from fxquant.counters import count_quantize_calls
 from fxquant.passes.sites import OpKind
 from fxquant.passes.strict import QuantizationError
 from tests.bitwise import assert_bitwise_equal
+from tests.test_compile_formulas import M0, M1, K, N, q, seeded_step, spread
 
 
 class Conv1D(nn.Module):
@@ -81,27 +81,11 @@ class OneConv1D(nn.Module):
         return self.c_fc(x)
 
 
-def q(x: torch.Tensor, fmt: str, dim: int) -> torch.Tensor:
-    return formats.get(fmt).quantize(x, dim)
-
-
-def spread(*shape: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g) * torch.exp2(torch.randint(-6, 7, shape, generator=g).float())
-
-
-M0, M1, K, N = 2, 40, 64, 96  # M = 80 tokens: two full MX blocks and a short one along M
-
-
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_conv1d_mxfp8_equals_hand_formulas_with_block_axes(backend):
     fmt = "mxfp8"
     model = OneConv1D(K, N)
-    with torch.no_grad():
-        model.c_fc.weight.copy_(spread(K, N, seed=1))
-        model.c_fc.bias.copy_(torch.randn(N, generator=torch.Generator().manual_seed(3)))
-    x = spread(M0, M1, K, seed=0).requires_grad_()
-    dy = spread(M0, M1, N, seed=2)
+    x, dy = seeded_step(model.c_fc)
     compiled = fxquant.compile(model, "linear_mxfp8", backend=backend, strict=True)
     compiled(x).backward(dy)  # compiles
     x.grad = model.c_fc.weight.grad = model.c_fc.bias.grad = None

@@ -42,15 +42,20 @@ class OneLinear(nn.Module):
 M0, M1, K, N = 2, 40, 64, 96  # M = 80 tokens: two full MX blocks and a short one along M
 
 
+def seeded_step(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """Give ``layer`` (K inputs, N outputs) its seeded weight and bias; return the seeded x [M0, M1, K] (requiring
+    grad) and dY [M0, M1, N]."""
+    with torch.no_grad():
+        layer.weight.copy_(spread(*layer.weight.shape, seed=1))
+        layer.bias.copy_(torch.randn(N, generator=torch.Generator().manual_seed(3)))
+    return spread(M0, M1, K, seed=0).requires_grad_(), spread(M0, M1, N, seed=2)
+
+
 def compiled_step(scheme: str, backend: str):
     """(x, W, b, dY, y, dX, dW, db) of one compiled forward + backward with dY given."""
     torch._dynamo.reset()
     model = OneLinear(K, N)
-    with torch.no_grad():
-        model.proj.weight.copy_(spread(N, K, seed=1))
-        model.proj.bias.copy_(torch.randn(N, generator=torch.Generator().manual_seed(3)))
-    x = spread(M0, M1, K, seed=0).requires_grad_()
-    dy = spread(M0, M1, N, seed=2)
+    x, dy = seeded_step(model.proj)
     compiled = fxquant.compile(model, scheme, backend=backend, strict=True)
     y = compiled(x)
     y.backward(dy)
