@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import re
 
 import torch
 from torch import fx, nn
@@ -220,19 +219,9 @@ class FxquantBackend:
         """The unmatched ops of the graphs in use, once per call: per Dynamo frame those of its latest graph (a
         recompile replaces the frame's earlier graphs), over every frame (a graph break's resume function is a frame
         of its own). A recompile that compiles no graph (a frame left with nothing but a graph break) leaves the
-        frame's earlier graph listed. Without frame ids, an op that another graph also holds (same module, op, node
-        name stem and source line) is listed as the latest graph holds it."""
-        if self.reports and all(rep.frame is not None for rep in self.reports):
-            latest_per_frame = {rep.frame: rep for rep in self.reports}
-            return [u for rep in latest_per_frame.values() for u in rep.unmatched]
-        latest: dict[tuple, list] = {}
-        for rep in self.reports:
-            mine: dict[tuple, list] = {}
-            for u in rep.unmatched:
-                key = (u.module_path, re.sub(r"_\d+$", "", u.node_name), u.target, u.stack_line)
-                mine.setdefault(key, []).append(u)
-            latest.update(mine)
-        return [u for ops in latest.values() for u in ops]
+        frame's earlier graph listed; a graph compiled outside Dynamo (no frame id) counts as a frame of its own."""
+        latest = {("frame", rep.frame) if rep.frame is not None else ("graph", rep.index): rep for rep in self.reports}
+        return [u for rep in latest.values() for u in rep.unmatched]
 
 
 def _frame_id() -> int | None:
