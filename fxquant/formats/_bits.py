@@ -83,6 +83,21 @@ def round_to_step(a: torch.Tensor, step: torch.Tensor, rounding: str, u: torch.T
     raise ValueError(f"unknown rounding {rounding!r}")  # pragma: no cover - guarded by option validation
 
 
+def veltkamp(a: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
+    """Veltkamp's splitting of ``a >= 0`` (float32) with ``scale`` = 2**s (a power of two, per element or not):
+    ``c = a * 2**s + a`` (an exact product, one rounding) and ``c - (c - a)``, which is ``a`` rounded to nearest, ties
+    to even, on 24 - s significant bits (``round_nearest_bits``)."""
+    c = a * scale + a
+    return c - (c - a)
+
+
+def away_from_ties(a: torch.Tensor, q: torch.Tensor, finer: torch.Tensor) -> torch.Tensor:
+    """Round to nearest with ties away from zero, from ``q`` (``a >= 0`` rounded to nearest, ties to even) and ``finer``
+    (``a`` rounded to nearest on the grid one bit finer): ``a`` is a midpoint exactly when ``finer`` leaves it
+    unchanged and ``q`` does not; where ``q`` lies below such an ``a``, the other neighbour ``2a - q`` (exact)."""
+    return torch.where((finer == a) & (q < a), a * 2.0 - q, q)
+
+
 def round_nearest_bits(a: torch.Tensor, mbits: int, emin: int, emax: int, *, bounded: bool = False,
                        ties_away: bool = False) -> torch.Tensor:
     """``a >= 0`` (float32) rounded to nearest, ties to even, on the grid of ``mbits`` mantissa bits whose binades
@@ -102,25 +117,21 @@ def round_nearest_bits(a: torch.Tensor, mbits: int, emin: int, emax: int, *, bou
     ``bounded=True`` promises a <= 2**100 and leaves the clamp out. Six float32 operations and a select, where
     ``ufp``, the step and ``round_to_step`` take nine operations and two clamps.
 
-    ``ties_away=True`` rounds ties away from zero instead: ``a`` is a midpoint of the grid exactly when it lies on the
-    grid one bit finer (the same two roundings with one bit more, or half the fixed step, leave it unchanged) and not
-    on its own; where the nearest-even result lies below such an ``a``, the other neighbour ``2a - q`` is taken.
+    ``ties_away=True`` rounds ties away from zero instead (``away_from_ties``, with the same two roundings on the
+    grid one bit finer: one bit more, or half the fixed step).
     """
     if not bounded:
         top = 2.0 ** (emax + 1)
         a = torch.where(a > top, top, a)  # NaN stays NaN
-    c = a * 2.0 ** (23 - mbits) + a
-    hi = c - (c - a)
+    hi = veltkamp(a, 2.0 ** (23 - mbits))
     big = 2.0 ** (emin - mbits + 23)
     lo = (a + big) - big
     small = a < 2.0**emin
     q = torch.where(small, lo, hi)
     if not ties_away:
         return q
-    c2 = a * 2.0 ** (22 - mbits) + a
     half_big = big * 0.5
-    finer = torch.where(small, (a + half_big) - half_big, c2 - (c2 - a))
-    return torch.where((finer == a) & (q < a), a * 2.0 - q, q)
+    return away_from_ties(a, q, torch.where(small, (a + half_big) - half_big, veltkamp(a, 2.0 ** (22 - mbits))))
 
 
 def mul_pow2(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from fxquant.formats._bits import frexp_bits, mul_pow2, pow2, round_integer, round_nearest_bits, round_to_step, ufp
+from fxquant.formats._bits import (away_from_ties, frexp_bits, mul_pow2, pow2, round_integer, round_nearest_bits,
+                                   round_to_step, ufp, veltkamp)
 
 
 @dataclass(frozen=True)
@@ -330,12 +331,9 @@ class HiF8(ElementSpec):
             if top >= 2.0 ** (k + 1):
                 wider = wider | (r >= 2.0 ** (k + 1))
             width = torch.where(wider, wider_width, width)  # |e| > k implies every smaller k's condition
-        c = r * width + r
-        hi = c - (c - r)
+        hi = veltkamp(r, width)
         if rounding == "ta":
-            c2 = r * (width * 0.5) + r
-            midpoint = ((c2 - (c2 - r)) == r) & (hi < r)  # on the finer grid, rounded down: a tie
-            hi = torch.where(midpoint, r * 2.0 - hi, hi)
+            hi = away_from_ties(r, hi, veltkamp(r, width * 0.5))
         # Below 2**emin the grid is 0 and 2**emin (emin's step, m(emin) = 0): the float32 numbers in [big, 2 big) are
         # the multiples of that step, so r + big rounds r to one, ties to the even sum; big an odd multiple (ties
         # away) sends the one midpoint there, 2**(emin - 1), up instead.
