@@ -529,6 +529,102 @@ def test_reader_query_results_load_and_hostile_file_fields_are_refused(tmp_path)
     hostile = capture.open(tmp_path)
     with pytest.raises(CaptureReadError, match="outside"):
         hostile.load(hostile.query(seq=rec["seq"])[0])
+    problems = hostile.verify()  # listed with the rest, not raised: the other records are still checked
+    assert len(problems) == 1 and "lies outside its rank directory" in problems[0]  # the two others verified
+    assert main(["capture", "verify", str(tmp_path)]) == 1
+
+
+def test_a_second_process_writing_the_same_rank_directory_is_refused(tmp_path):
+    """Two sessions on one root and rank would both name their shards shard-000001 and their keys t000000000
+    (each reads the resume point once), renaming one's shards over the other's: a session holds the rank
+    directory's lock until it closes, and a second one, from another process, is refused naming the owner."""
+    child = textwrap.dedent(f"""
+        import sys, time, torch
+        sys.path.insert(0, {str(REPO)!r})
+        from fxquant import capture
+        from tests.capture_helpers import spec_text
+        with capture.start(spec_text(), {str(tmp_path)!r}, run_id="first"):
+            capture.save(torch.ones(2, 2), "first")
+            print("open", flush=True)
+            sys.stdin.readline()
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", child], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "open"
+        with pytest.raises(capture.RankDirBusy, match=f"pid {proc.pid}"):
+            capture.start(spec_text(), tmp_path, run_id="second")
+        assert capture.active_session() is None
+    finally:
+        proc.communicate("\n", timeout=120)
+    assert proc.returncode == 0
+    with capture.start(spec_text(), tmp_path, run_id="second"):  # the first has closed: its lock is free
+        capture.save(torch.full((2, 2), 2.0), "second")
+    cs = capture.open(tmp_path)
+    assert [r.run_id for r in cs] == ["first", "second"] and cs.verify() == []
+    assert [cs.load(r)[0, 0].item() for r in cs] == [1.0, 2.0]
+
+
+def test_sections_asking_for_the_whole_tensor_and_for_sampled_rows_get_the_whole_tensor(tmp_path, caplog):
+    """A tensor two sections select is stored once: whole when one of them asks for it whole (its rows hold
+    the other's sample), whatever their order, and the record names that section; between two different
+    samplings the first listed wins, with a warning."""
+    from fxquant.capture.spec import Component, ModuleKind, Role
+    from fxquant.capture.tap import Tap
+
+    sampled = "  - name: overview\n    points: [{component: linear, roles: [input]}]\n    sampling: {%s}\n"
+    whole = "  - name: full0\n    layers: {indices: [0]}\n    points: [{component: linear, roles: [input]}]\n"
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    for i, body in enumerate([sampled % "first_rows: 2" + whole, whole + sampled % "first_rows: 2",
+                              sampled % "first_rows: 2" + sampled.replace("overview", "random") % "random_rows: 3"]):
+        spec = capture.load_spec("two.yaml", text="sections:\n" + body)
+        t = Tap(Component.LINEAR, Role.INPUT, "m", spec.sections_for("m", ModuleKind.FC2, 0), ModuleKind.FC2, 0)
+        root = tmp_path / str(i)
+        with caplog.at_level("WARNING", logger="fxquant.capture.runtime"):
+            with capture.start(spec, root):
+                torch.ops.fxquant.capture(x, t.encode())
+        (rec,) = capture.open(root)
+        if i < 2:
+            assert rec.section == "full0" and rec.sample is None and torch.equal(capture.open(root).load(rec), x)
+        else:
+            assert rec.section == "overview" and rec.stored_shape == [2, 4]
+            assert "sections 'overview' and 'random' both store a tensor, sampled differently" in caplog.text
+
+
+def test_a_failing_capture_keeps_what_was_prepared_before_it(tmp_path):
+    """A tensor whose deferred work fails in the writer thread stops capture (the policy applies), but the
+    tensors queued before it, already prepared and waiting for their shard, are written, not dropped."""
+    from fxquant.capture.spec import Component, Copy, Gemm, ModuleKind, Role
+    from fxquant.capture.tap import Tap
+
+    spec = capture.load_spec("q.yaml", text="sections: [{name: q, points: [{component: linear, copies: [quantized]}]}]\n")
+    bad = Tap(Component.LINEAR, Role.INPUT, "m", (0,), ModuleKind.FC2, 0, Copy.QUANTIZED, Gemm.FPROP,
+              "no_such_format", -1).encode()
+    with capture.start(spec, tmp_path) as s:
+        sent = [torch.full((4, 4), float(i)) for i in range(4)]
+        for i, x in enumerate(sent):
+            assert capture.save(x, f"good{i}")
+        s.writer.wait_idle()  # prepared, waiting for their shard (256 MiB, 30 s away)
+        torch.ops.fxquant.capture(torch.ones(4, 4), bad)  # the re-quantization fails in the writer thread
+        s.writer.wait_idle()
+        assert not capture.save(torch.ones(1), "after")  # capture has stopped; training goes on
+    assert s.summary["records"] == 4 and s.summary["dropped"] == 1 and not s.summary["clean"]
+    assert "no_such_format" in s.summary["error"]
+    cs = capture.open(tmp_path)
+    assert len(cs) == 4 and cs.verify() == [] and all(torch.equal(cs.load(r), x) for r, x in zip(cs, sent))
+
+
+@pytest.mark.parametrize("what", ["full", "both"])
+def test_row_sampling_of_a_tensor_with_an_empty_last_dim(tmp_path, what):
+    """Sampled rows of a tensor with no columns ([3, 0]) are [2, 0]: no ambiguous reshape(-1, 0) in the op (what:
+    full) or in the writer thread (what: both)."""
+    spec = capture.load_spec("e.yaml", text="sections: [{name: e, points: [{component: linear, roles: [input]}],"
+                                            f" what: {what}, sampling: {{first_rows: 2}}}}]\n")
+    with capture.start(spec, tmp_path) as s:
+        torch.ops.fxquant.capture(torch.empty(3, 0), tap())
+        torch.ops.fxquant.capture(torch.ones(3, 2), tap())
+    assert s.summary["clean"] and s.summary["records"] == 2
+    cs = capture.open(tmp_path)
+    assert [r.stored_shape for r in cs] == [[2, 0], [2, 2]] and cs.load(cs[0]).shape == (2, 0)
 
 
 def test_safetensors_header_length_starting_with_0x80_is_not_taken_for_a_pickle(tmp_path):

@@ -94,6 +94,12 @@ def test_all_problems_reported_at_once_with_lines_and_suggestions():
     ("sections:\n  - points: [{component: linear}]\n    what: stats\n    sampling: {first_rows: 3}\n", "nothing is stored"),
     ("sections:\n  - points: [{component: linear}]\n    sampling: {first_rows: 3, random_rows: 2}\n", "give exactly one of"),
     ("sections:\n  - layers: {module: '(unclosed'}\n    points: [{component: linear}]\n", "invalid regular expression"),
+    ("sections:\n  - points: [{component: linear, phase: []}]\n", "points[0].phase: an empty list selects no phase"),
+    ("sections:\n  - points: [{component: linear, direction: []}]\n", "points[0].direction: an empty list selects no"),
+    ("sections:\n  - points: [{component: linear, copies: []}]\n", "points[0].copies: an empty list selects no copy"),
+    ("sections:\n  - points: [{component: linear}]\nbudget: {bytes: '0.5'}\n", "budget.bytes: expected a positive size"),
+    ("sections:\n  - points: [{component: linear}]\nbudget: {bytes: '0.0004KB'}\n", "budget.bytes: expected a positive size"),
+    ("sections:\n  - points: [{component: linear}]\n    when: {iterations: '5-2'}\n", "inclusive range like '4-7'"),
 ])
 def test_single_problems(text, fragment):
     with pytest.raises(ValueError, match=None) as err:
@@ -194,3 +200,12 @@ def test_check_spec_checks_every_file_and_names_unreadable_ones(tmp_path, capsys
     assert f"{empty}: 1 problem:\n  {empty}:5: sections[0].points[0].roles: an empty list selects no linear role" in err
     with pytest.raises(S.SpecError, match="kinds: an empty list selects no module kind"):
         S.load_spec("k.yaml", text="sections: [{name: a, layers: {kinds: []}, points: [{component: linear}]}]\n")
+
+
+def test_a_window_given_as_one_range_string():
+    """``iterations: '0-5'`` (one inclusive range, as ``ranks: '0-3'`` takes) selects 0..5."""
+    spec = S.load_spec("r.yaml", text="sections:\n  - points: [{component: linear}]\n    when: {iterations: '2-4'}\n")
+    when = spec.sections[0].when
+    assert [i for i in range(8) if when.contains(i, 0, 0)] == [2, 3, 4]
+    spec = S.load_spec("b.yaml", text="sections:\n  - points: [{component: linear}]\nbudget: {bytes: '1.5KiB'}\n")
+    assert spec.budget.bytes == 1536

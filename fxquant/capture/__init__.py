@@ -17,6 +17,7 @@ from fxquant.capture.reader import open_capture as open  # noqa: A001 - the docu
 from fxquant.capture.runtime import (
     CaptureError,
     CaptureSession,
+    RankDirBusy,
     RankInfo,
     SessionConfig,
     active_session,
@@ -44,7 +45,7 @@ from fxquant.capture.tap import Tap
 
 __all__ = [
     "CaptureError", "CapturePoint", "CaptureReadError", "CaptureSession", "CaptureSet", "CaptureSpec", "Component",
-    "Copy", "Direction", "Gemm", "ModuleKind", "Phase", "RankInfo", "Record", "Role", "SessionConfig", "SpecError",
+    "Copy", "Direction", "Gemm", "ModuleKind", "Phase", "RankDirBusy", "RankInfo", "Record", "Role", "SessionConfig", "SpecError",
     "Tap", "What", "active_session", "capture_grad", "capture_operand", "load_spec", "open", "save", "shipped_specs",
     "start",
 ]

@@ -6,10 +6,12 @@
         shards/shard-000001.safetensors   tensors, keys "t000000042" (never user-supplied names)
         manifest.jsonl                one JSON record per tensor, appended only after its shard is durable
         COMMITTED                     written at clean close: counts and the stop reason, if any
+        LOCK                          flock'ed by the session writing the directory (its pid)
       rank-00001/ ...
 
-Every final name is reached by rename from a ``.tmp`` file that was fsync'ed first, and the directory
-is fsync'ed after the rename. A manifest line is written (and fsync'ed) only after its shard is final,
+Every shard, ``run.json`` and ``COMMITTED`` reaches its final name by rename from a ``.tmp`` file that was
+fsync'ed first, and the directory is fsync'ed after the rename; the manifest is appended to in place, each
+append fsync'ed (a session appending to an earlier one cuts off a torn last line first). A manifest line is written (and fsync'ed) only after its shard is final,
 so a crashed run's manifest names only complete shards; a torn last line is ignored by the reader.
 Shards are safetensors files written in a streaming fashion (header, then each tensor's bytes), read
 back by the ``safetensors`` library; each tensor carries an XXH3-64 checksum of its stored bytes,
@@ -19,6 +21,7 @@ with the disk or not). Capture sets written with ``crc32:`` checksums still veri
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -37,6 +40,7 @@ log = logging.getLogger(__name__)
 MANIFEST = "manifest.jsonl"
 COMMITTED = "COMMITTED"
 RUN_INFO = "run.json"
+LOCK = "LOCK"  # held (flock) by the session writing the rank directory
 SHARDS = "shards"
 FORMAT_VERSION = 1
 
@@ -66,8 +70,10 @@ _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 def sanitize(name: object, max_len: int = 120) -> str:
     """A single, safe path component from any string: no separators, no ``..``, bounded length.
 
-    Characters outside ``[A-Za-z0-9._-]`` become ``_``; leading dots are stripped; an over-long or
-    altered name keeps a short hash of the original so distinct names stay distinct.
+    Characters outside ``[A-Za-z0-9._-]`` become ``_``; leading dots are stripped; an over-long name, or
+    one left as a bare ``_``, is cut and ends in a short hash of the original. Other altered names may
+    coincide (``FA/x`` and ``FA:x`` both give ``FA_x``): callers that need distinct names add their own
+    counter (``capture export-pt`` does).
     """
     raw = str(name)
     s = _SAFE.sub("_", raw).lstrip(".")
@@ -163,6 +169,32 @@ def _write_all(fd: int, data) -> None:
 def write_json_atomic(path: Path, obj: object) -> None:
     text = json.dumps(obj, indent=1, sort_keys=True, allow_nan=True)
     write_atomic(path, lambda f: f.write(text.encode("utf-8")))
+
+
+class RankDirBusy(RuntimeError):
+    """Another process's capture session is writing the rank directory."""
+
+
+def lock_rank_dir(directory: Path):
+    """Take the rank directory's lock for one session (an open file holding an exclusive ``flock``; closing it
+    releases it, as does the process's exit). Two sessions writing one rank directory would pick the same shard
+    names and tensor keys (``resume_point`` is read once), each renaming its shards over the other's: the second
+    is refused instead. The file holds the owner's pid, for the message."""
+    path = Path(directory) / LOCK
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        owner = f.read().strip() or "unknown"
+        f.close()
+        raise RankDirBusy(f"{directory} is being written by another capture session (pid {owner}); give each run "
+                          "its own capture root, or wait for that one to close") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
 
 
 _SHARD_INDEX = re.compile(r"^shard-(\d{6,})\.safetensors$")

@@ -30,9 +30,15 @@ def _sample_rows(rows: int, n: int, seed: int) -> torch.Tensor:
     return torch.randperm(rows, generator=g)[:n].sort().values
 
 
+def _matrix(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as [rows, last dim], rows = the product of the other dims (explicit: ``reshape(-1, 0)`` of an
+    empty tensor is ambiguous and refused)."""
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+
+
 def _rows_view(x: torch.Tensor) -> torch.Tensor:
     """Rows = every dim but the last (a 0-d or 1-d tensor is one row)."""
-    return x.reshape(1, -1) if x.dim() < 2 else x.reshape(-1, x.shape[-1])
+    return x.reshape(1, -1) if x.dim() < 2 else _matrix(x)
 
 
 @dataclass(frozen=True)
@@ -59,7 +65,7 @@ class Work:
         return self.qspec is not None
 
     def view(self, x: torch.Tensor) -> torch.Tensor:
-        return x.reshape(-1, x.shape[-1]) if self.flatten and x.dim() != 2 else x
+        return _matrix(x) if self.flatten and x.dim() != 2 else x
 
     def shape(self, x: torch.Tensor) -> list[int]:
         """The captured tensor's shape (the GEMM's view for a re-quantized copy)."""

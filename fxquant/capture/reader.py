@@ -252,8 +252,8 @@ class CaptureSet:
         for rec in self._records:
             if not rec.has_tensor:
                 continue
-            referenced.add(rec.path)
             try:
+                referenced.add(rec.path)  # refused (CaptureReadError) for a file outside its rank directory
                 t = self.load(rec)
                 if not layout.checksum_matches(t, rec.checksum):
                     problems.append(f"{rec.path.relative_to(self.root)}: {rec.key}: checksum mismatch")

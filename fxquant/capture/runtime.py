@@ -37,6 +37,7 @@ import torch
 from fxquant._fileio import fsync_dir
 from fxquant.capture import layout
 from fxquant.capture.hostpool import HostPool
+from fxquant.capture.layout import RankDirBusy
 from fxquant.capture.prepare import Work
 from fxquant.capture.spec import CaptureSpec, Component, Copy, ErrorPolicy
 from fxquant.capture.tap import Tap, decode_tap, decode_taps, encode_taps
@@ -116,6 +117,14 @@ class CaptureSession:
         self.spec, self.config = spec, config
         self.dir = layout.rank_dir(config.root, config.rank.rank)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._dir_lock = layout.lock_rank_dir(self.dir)  # held until close: one session per rank directory
+        try:
+            self._open(spec, config)
+        except BaseException:
+            self._dir_lock.close()
+            raise
+
+    def _open(self, spec: CaptureSpec, config: SessionConfig) -> None:
         shards_before, seq_before = layout.resume_point(self.dir)  # an earlier session's shards and keys stay
         if (self.dir / layout.COMMITTED).exists():  # an earlier session's: this one appends, uncommitted until close
             log.info("capture: %s holds an earlier session's records; appending (uncommitted until close)", self.dir)
@@ -137,6 +146,7 @@ class CaptureSession:
         self.seq, self.reserved_bytes = seq_before, 0
         self._first_seq = seq_before  # budget.tensors counts the records from this seq on
         self.stop_reason: str | None = None
+        self._warned: set[tuple[str, str]] = set()
         self._raised = False
         self._closed = False
         self._refresh()
@@ -182,10 +192,14 @@ class CaptureSession:
         if plan is None:
             plan = self._plans[key] = self._plan(decode_taps(tap_text), reference is None)
         x = x.detach()
-        with _shared_copies() as shared:  # one private copy of x (and of reference) for every work of this call
-            for work, taps in plan:
-                if not self._emit(work, [(_tap_fields(tap), section) for tap, section in taps], x, reference, shared):
-                    return
+        try:
+            with _shared_copies() as shared:  # one private copy of x (and of reference) for every work of this call
+                for work, taps in plan:
+                    if not self._emit(work, [(_tap_fields(tap), section) for tap, section in taps], x, reference,
+                                      shared):
+                        return
+        except Exception as exc:  # noqa: BLE001 - the op's own tensor work: stops capture per on_error, as the writer's
+            self._op_failed(exc, tap_text)
 
     def _emit(self, work: Work, taps: list[tuple[dict, str]], x: torch.Tensor, reference: torch.Tensor | None,
               shared: dict) -> bool:
@@ -262,14 +276,31 @@ class CaptureSession:
             sections = [self.spec.sections[i] for i in tap.sections if i in self._active]
             if not sections:
                 continue
-            store = next((s for s in sections if s.what.tensors), None)
+            store = self._storing_section(sections)
             quantized = tap.copy is Copy.QUANTIZED
             work = Work(store=store is not None, stats=any(s.what.stats for s in sections),
                         sampling=None if store is None else store.sampling,
                         qspec=tap.qspec if quantized else None, dim=tap.dim if quantized else None,
                         flatten=quantized and tap.component is Component.LINEAR, requantize=quantized and requantize)
-            groups.setdefault(work, []).append((tap, sections[0].name))
+            groups.setdefault(work, []).append((tap, (store or sections[0]).name))
         return list(groups.items())
+
+    def _storing_section(self, sections: list) -> object | None:
+        """The section whose stored tensor a tap selected by ``sections`` gets (None: statistics only): one asking
+        for the whole tensor wins over sampled ones (its rows hold theirs); between different samplings, the first
+        listed, with a warning naming both."""
+        storing = [s for s in sections if s.what.tensors]
+        if not storing:
+            return None
+        full = next((s for s in storing if s.sampling is None), None)
+        if full is not None:
+            return full
+        for other in storing[1:]:
+            if other.sampling != storing[0].sampling and (storing[0].name, other.name) not in self._warned:
+                self._warned.add((storing[0].name, other.name))
+                log.warning("capture: sections %r and %r both store a tensor, sampled differently; it is stored once, "
+                            "sampled as %r asks", storing[0].name, other.name, storing[0].name)
+        return storing[0]
 
     def _reserve(self, nbytes: int, records: int) -> int:
         """How many of ``records`` records (sharing one ``nbytes`` payload) the budget admits; 0 stops capture."""
@@ -320,6 +351,18 @@ class CaptureSession:
             log.warning("capture stopped on rank %d: %s; %s", self.config.rank.rank, reason,
                         "raising CaptureError (on_error: abort)" if aborting else "training goes on")
 
+    def _op_failed(self, exc: Exception, tap_text: str) -> None:
+        """A capture call's own tensor work failed (sampling, or on CUDA the queued re-quantization and statistics):
+        capture stops, and under ``on_error: abort`` the training thread gets a CaptureError."""
+        taps = ", ".join(sorted({f"{t.module} {t.role.value}" for t in decode_taps(tap_text)}))
+        reason = f"capture failed on {taps}: {type(exc).__name__}: {exc}"
+        abort = self.spec.on_error is ErrorPolicy.ABORT and not self._raised
+        self._stop(reason, aborting=abort)
+        if abort:
+            self._raised = True
+            self.close()
+            raise CaptureError(f"capture failed (on_error: abort): {reason}") from exc
+
     def _writer_stopped(self) -> None:
         st = self.writer.state
         if st.error is None:
@@ -354,6 +397,7 @@ class CaptureSession:
             layout.write_json_atomic(self.dir / layout.COMMITTED, self.summary)
         except OSError as exc:
             log.error("could not write the commit marker in %s: %s", self.dir, exc)
+        self._dir_lock.close()
         if st.error is not None and self.spec.on_error is ErrorPolicy.ABORT and not self._raised:
             self._raised = True
             raise CaptureError(f"capture failed (on_error: abort): {st.error_reason}") from st.error
@@ -503,5 +547,5 @@ def capture_operand(q: torch.Tensor, hp: torch.Tensor, tap: str) -> None:
 
 
 
-__all__ = ["CaptureError", "CaptureSession", "RankInfo", "SessionConfig", "activate", "active_session",
+__all__ = ["CaptureError", "CaptureSession", "RankDirBusy", "RankInfo", "SessionConfig", "activate", "active_session",
            "capture", "capture_grad", "capture_operand", "save", "start"]

@@ -337,7 +337,7 @@ def _size(value: object, path: str, probs: Problems) -> int | None:
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value)) if isinstance(value, str) else None
-    if m and m.group(2).lower() in _UNITS:
+    if m and m.group(2).lower() in _UNITS and int(float(m.group(1)) * _UNITS[m.group(2).lower()]) > 0:
         return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     units = [u for u in _UNITS if u]
     probs.add(path, f"expected a positive size (bytes, or a string like '2GiB'; units {units}), got {value!r}")
@@ -377,7 +377,7 @@ def _int_set(value: object, path: str, probs: Problems, what: str) -> frozenset[
 def _span(value: object, path: str, probs: Problems) -> Span | None:
     if value is None or value == "all":
         return ALL
-    if isinstance(value, (list, int)) and not isinstance(value, bool):
+    if isinstance(value, (list, int, str)) and not isinstance(value, bool):  # a str: one range, '0-5'
         vals = _int_set(value, path, probs, "index")
         return None if vals is None else Span(values=vals)
     m = _mapping(value, path, probs)
@@ -436,9 +436,14 @@ def _points(value: object, path: str, probs: Problems) -> list[CapturePoint] | N
             _check_any_role(m.get("roles"), join(p, "roles"), probs)
             continue
         comp = _enum(Component, m["component"], join(p, "component"), probs)
-        phases = _enum_list(Phase, m.get("phase", [x.value for x in Phase]), join(p, "phase"), probs)
-        dirs = _enum_list(Direction, m.get("direction", [x.value for x in Direction]), join(p, "direction"), probs)
-        copies = _enum_list(Copy, m.get("copies", ["hp"]), join(p, "copies"), probs)
+        lists = []
+        for key, kind, default, what in (("phase", Phase, [x.value for x in Phase], "phase"),
+                                          ("direction", Direction, [x.value for x in Direction], "direction"),
+                                          ("copies", Copy, ["hp"], "copy")):
+            value = m.get(key, default)
+            lists.append(None if _empty(value, join(p, key), probs, what) else
+                         _enum_list(kind, value, join(p, key), probs))
+        phases, dirs, copies = lists
         if comp is None:  # the roles are still checked, against every component's
             _check_any_role(m.get("roles"), join(p, "roles"), probs)
             continue

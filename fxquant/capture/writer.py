@@ -14,7 +14,9 @@ An I/O error (disk full...) is never swallowed: the writer stops, removes its te
 exception and the reason, and counts the records it could not write as dropped; the session then stops
 capturing (policy ``stop``) or re-raises it in the training thread (policy ``abort``). Any other failure in
 the writer thread (an item's deferred work, a tensor the shard format cannot hold, a defect) is handled the
-same way, and nothing waits on a writer thread that has ended.
+same way, and nothing waits on a writer thread that has ended. When an item's deferred work fails, the items
+prepared before it are written first (their shard and manifest lines), and only the failing item and what
+follows it are dropped.
 """
 from __future__ import annotations
 
@@ -183,7 +185,11 @@ class ShardWriter:
                 try:
                     entry = self._prepare(item)
                 except Exception as exc:  # noqa: BLE001 - any failure stops capture (the session applies on_error)
-                    self._fail(exc, f"capture preparation failed in the writer thread: {type(exc).__name__}: {exc}")
+                    # the items prepared before this one are good: their shard is written before the stop
+                    buf, buf_bytes, first_at = self._commit(buf), 0, None
+                    if not self.stopped:
+                        self._fail(exc, "capture preparation failed in the writer thread: "
+                                        f"{type(exc).__name__}: {exc}")
                     self.state.dropped += item.record_count
                     entry = None
                 if entry is None:  # stopped (before, or by a failed preparation): dropped
@@ -218,12 +224,10 @@ class ShardWriter:
             source = item.source.tensor
             try:
                 prep = item.work.run(source, None if item.reference is None else item.reference.tensor)
-            except Exception as exc:  # noqa: BLE001 - any failure stops capture (the session applies on_error)
-                self._fail(exc, f"capture preparation failed in the writer thread: {type(exc).__name__}: {exc}")
-                self.state.dropped += len(records)
+            except BaseException:  # the caller commits what is buffered, then stops capture
                 for lease in leases:
                     lease.release()
-                return None
+                raise
             tensor, vec, quantized = prep.payload, prep.stats, prep.quantized
             if tensor is not None and tensor.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
                 if tensor.numel() == source.numel():
@@ -270,12 +274,13 @@ class ShardWriter:
                 path = self.dir / layout.SHARDS / name
                 n, sums = layout.write_safetensors(path, [(e.records[0]["key"], e.tensor) for e in stored],
                                                    {"format": "fxquant-capture", **self.metadata})
-                self.state.shards = index
-                self.state.bytes += n
                 for entry, checksum in zip(stored, sums):
                     for rec in entry.records:
                         rec["file"], rec["checksum"] = f"{layout.SHARDS}/{name}", checksum
             layout.append_lines(self.dir / layout.MANIFEST, records)
+            if stored:  # counted once the manifest references it (a failed append leaves it unreferenced)
+                self.state.shards = index
+                self.state.bytes += n
             self.state.records += len(records)
         except OSError as exc:
             self._fail(exc, f"I/O error while writing {self.dir}: {exc.strerror or exc} (errno {exc.errno})")

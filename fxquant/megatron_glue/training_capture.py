@@ -103,14 +103,17 @@ class TrainingCapture:
     @classmethod
     def open(cls, run: RunConfig, info: ParallelInfo, layer_offset: int, start_iteration: int) -> "TrainingCapture":
         from fxquant import capture
+        from fxquant.capture import layout
 
         config = run.capture
         spec = resolve_spec(config, start_iteration)
         root = config.root(run.output_dir)
         if start_iteration == 0:  # a fresh run replaces its captures, as it does its metrics
             for stale in stale_rank_dirs(root, info):
-                log.warning("capture: run starts at iteration 0; removing the earlier run's captures in %s", stale)
-                shutil.rmtree(stale)
+                with layout.lock_rank_dir(stale):  # refused (RankDirBusy) while another session writes it
+                    log.warning("capture: run starts at iteration 0; removing the earlier run's captures in %s",
+                                stale)
+                    shutil.rmtree(stale)
         session = capture.start(spec, root, scheme=run.scheme, run_id=shared_run_id(info),
                                 rank=rank_info(info, layer_offset), start_iteration=start_iteration)
         log.info("capture: spec %r -> %s (rank %d, run id %s)", spec.name, session.dir, info.rank,
