@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -243,7 +244,7 @@ def compile(
                                 layers=layers, attention=attention, kernels=parse_kernels(kernels))
     if fx_backend.inner is Inner.INDUCTOR and _on_cpu(model):
         isa_probe.start()  # Inductor's one-time C++ toolchain probe, overlapped with the first call's tracing
-    compiled = torch.compile(model, backend=fx_backend, dynamic=dynamic)
+    compiled = torch.compile(model, backend=fx_backend, dynamic=dynamic, **_ISOLATED)
     session = None
     if capture_dir is not None:
         from fxquant import capture as capture_api
@@ -259,6 +260,12 @@ def compile(
     compiled.register_forward_pre_hook(state.before_call)
     compiled.register_forward_hook(state.after_call, always_call=True)
     return compiled
+
+
+# Every torch.compile of one model shares its forward's cache entries, and Dynamo's recompile limit (8) counts them
+# all: a sweep of schemes over one model (each fxquant.compile or explain a new backend, so a new entry) ran its
+# ninth compile unquantized. torch >= 2.13 keeps each call's entries, and their limit, apart.
+_ISOLATED = {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
 
 
 def _deepcopy_compiled(state: CompileState, memo: dict) -> nn.Module:
@@ -295,7 +302,7 @@ def explain(model: nn.Module, *example_args: object, scheme: str | Path | Scheme
     fx_backend = FxquantBackend(resolved, inner=Inner.EAGER, root=model, dry_run=True, layers=layers)
     # Grad mode on, as in training: Megatron's linears are traced as autograd_function_apply then.
     before = _unimplemented_counts()
-    torch.compile(model, backend=fx_backend)(*example_args, **example_kwargs)
+    torch.compile(model, backend=fx_backend, **_ISOLATED)(*example_args, **example_kwargs)
     fx_backend.raise_pending()
     if not fx_backend.reports:  # Dynamo skipped the frame: say so, rather than "no linear op was found"
         raise ValueError(checks.no_graph_compiled(type(model).__name__, before, _unimplemented_counts())[0])

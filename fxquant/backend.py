@@ -15,6 +15,7 @@ INDUCTOR they are lowered into ATen ops through AOT autograd's decomposition tab
 """
 from __future__ import annotations
 
+import collections
 import enum
 import logging
 
@@ -64,6 +65,7 @@ class FxquantBackend:
         self.names = ModuleNames(root)
         self.layers = layers if layers is not None else LayerNumbering.of_model(root)  # global layer indices
         self.reports: list[GraphReport] = []
+        self.runs: collections.Counter[int] = collections.Counter()  # calls of each compiled graph (report index)
         self.pending: list[Exception] = []
         self._scheme_text = scheme_text(scheme)
 
@@ -80,6 +82,7 @@ class FxquantBackend:
         except ValueError as exc:
             return self.refusal(exc)
         graph_report.frame = _frame_id()
+        graph_report.grad_enabled = torch.is_grad_enabled()
         self.reports.append(graph_report)
         unmatched = self.unmatched_rules()
         if unmatched is not None:
@@ -99,7 +102,19 @@ class FxquantBackend:
             report(issues, self.strict)
         except QuantizationError as exc:
             self.pending.append(exc)
-        return self.compile_inner(gm, example_inputs, graph_report.index)
+        return self._counted(self.compile_inner(gm, example_inputs, graph_report.index), graph_report.index)
+
+    def _counted(self, compiled: object, index: int) -> object:
+        """``compiled`` (the graph's callable, boxed or not), counting its calls in ``runs[index]``: the runtime
+        counters expect the quantizes of the graphs that ran (fxquant.counters)."""
+        runs = self.runs
+
+        def run(*args: object) -> object:
+            runs[index] += 1
+            return compiled(*args)
+
+        run._boxed_call = getattr(compiled, "_boxed_call", False)  # AOT/Inductor's list-of-args convention
+        return run
 
     def _resolve_kernels(self, example_inputs: list, index: int) -> Kernels:
         """What this graph's quantize ops run; ValueError where the choice cannot run (TRITON without kernels)."""
@@ -141,7 +156,13 @@ class FxquantBackend:
             raise first
 
     def compile_inner(self, gm: fx.GraphModule, example_inputs: list, index: int = -1) -> object:
-        if self.inner is Inner.EAGER or self.dry_run:
+        if self.dry_run:
+            return gm.forward
+        if self.inner is Inner.EAGER:  # the graph interpreted: its ops run what is registered for the device
+            try:  # ... but a choice that cannot run is refused as under the other backends
+                lowering.resolve(self.kernels, inductor=False, device=lowering.graph_device(example_inputs))
+            except ValueError as exc:
+                return self.refusal(exc)
             return gm.forward
         try:
             kernels = self._resolve_kernels(example_inputs, index)
@@ -195,25 +216,58 @@ class FxquantBackend:
         return list(latest.values())
 
     def current_reports(self) -> list[GraphReport]:
-        """The reports of graphs still in use: one whose sites a later graph covers again was recompiled."""
+        """The reports of graphs still in use: one whose sites a later graph compiled in the same grad mode covers
+        again was recompiled (a graph compiled under no_grad, for evaluation, sits beside the training graph)."""
         keys = [{(s.site.module_path, s.op, s.node_name) for s in r.sites} for r in self.reports]
         current = []
         for i, rep in enumerate(self.reports):
-            later = set().union(*keys[i + 1:]) if i + 1 < len(keys) else set()
+            later = set().union(*(k for k, r in zip(keys[i + 1:], self.reports[i + 1:])
+                                  if r.grad_enabled == rep.grad_enabled))
             if not keys[i] or not keys[i] <= later:
                 current.append(rep)
         return current
 
+    def _step_reports(self) -> list[GraphReport]:
+        """The graphs of a step: those in use compiled in grad mode (a training step), else (a model only ever
+        called under no_grad) those compiled without."""
+        current = self.current_reports()
+        return [r for r in current if r.grad_enabled] or current
+
     def expected_calls(self) -> tuple[int, int]:
         """(forward, backward) calls of the ``fxquant::quantize`` op per step, in graphs that call the op (a graph
         whose quantizes Inductor generated code for, ``Kernels.INDUCTOR``, calls none: ``fused_calls``)."""
-        reps = [r for r in self.current_reports() if self.kernels_used.get(r.index) is not Kernels.INDUCTOR]
-        return sum(r.expected_calls[0] for r in reps), sum(r.expected_calls[1] for r in reps)
+        return self._calls_of(self._step_reports(), fused=False)
 
     def fused_calls(self) -> tuple[int, int]:
         """(forward, backward) quantizes per step that run as Inductor-generated code, not as op calls."""
-        reps = [r for r in self.current_reports() if self.kernels_used.get(r.index) is Kernels.INDUCTOR]
-        return sum(r.expected_calls[0] for r in reps), sum(r.expected_calls[1] for r in reps)
+        return self._calls_of(self._step_reports(), fused=True)
+
+    def _calls_of(self, reports: list[GraphReport], *, fused: bool, times: dict | None = None) -> tuple[int, int]:
+        """(forward, backward) quantizes of ``reports`` (each ``times[index]`` times; once without ``times``), of
+        the graphs lowered into Inductor's code (``fused``) or of those that call the op; a graph compiled under
+        no_grad has no backward."""
+        fwd = bwd = 0
+        for r in reports:
+            if (self.kernels_used.get(r.index) is Kernels.INDUCTOR) != fused:
+                continue
+            n = 1 if times is None else times.get(r.index, 0)
+            fwd += n * r.expected_calls[0]
+            bwd += n * r.expected_calls[1] * r.grad_enabled
+        return fwd, bwd
+
+    def calls_of_block(self, runs: dict, grad_enabled: bool, *, fused: bool) -> tuple[int, int]:
+        """(forward, backward) quantizes a block of calls should have made: every graph as often as it ran
+        (``runs``: report index -> calls in the block; a module called twice, an evaluation's no_grad graph), and
+        each graph in use for the grad modes of the graphs that ran (none ran: ``grad_enabled``, the mode the
+        block started in) at least once: one that did not run is a shortfall (a frame fell back to eager, the
+        uncompiled module was called)."""
+        times = {i: n for i, n in runs.items() if n}
+        by_index = {r.index: r for r in self.reports}
+        modes = {by_index[i].grad_enabled for i in times if i in by_index} or {grad_enabled}
+        for r in self.current_reports():
+            if r.grad_enabled in modes:
+                times[r.index] = max(times.get(r.index, 0), 1)
+        return self._calls_of(self.reports, fused=fused, times=times)
 
     def unmatched_ops(self) -> list:
         """The unmatched ops of the graphs in use, once per call: per Dynamo frame those of its latest graph (a

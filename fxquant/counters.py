@@ -1,13 +1,15 @@
 """Runtime counters: ``fxquant::quantize`` calls expected vs executed per step (issue 3, item 5).
 
 Expected comes from the rewrite passes (each SiteMeta's ``quantize_calls``: forward, backward) of the
-graphs currently in use; executed is measured, not inferred: the calls of the ``fxquant::quantize`` op (and
+graphs that ran in the block, as often as each ran (a module called twice expects twice; a graph compiled under
+no_grad, an evaluation's, expects no backward), and of the other graphs in use for the same grad mode (a training
+step's, or an evaluation's) once each; executed is measured, not inferred: the calls of the ``fxquant::quantize`` op (and
 of ``fxquant::quantize_reference``, which ``kernels="reference"`` lowers it to) that the dispatcher records
 while the block runs (torch.profiler, CPU activity; the op is dispatched by
 eager, aot_eager and Inductor-generated code alike, and by the autograd engine's threads). Count a step that
 compiles nothing (tracing dispatches the op as well; such a count is flagged ``compiled``). A shortfall
-means some quantization did not run (a frame fell back to eager, a graph was skipped); an excess, that
-a graph ran more often than once per step (e.g. a module called twice) or the model quantizes by itself.
+means some quantization did not run (a frame fell back to eager, the uncompiled module was called, a graph's
+call made fewer quantizes than its passes expect); an excess, that the model quantizes by itself.
 Graphs compiled with ``kernels="inductor"`` quantize in lowered ATen ops (Inductor-generated code, or aot_eager's
 ATen calls) and dispatch no op: they count in ``fused`` (from the passes), not in expected or executed.
 
@@ -70,12 +72,15 @@ def count_quantize_calls(compiled: nn.Module, *, backward: bool = True, strict: 
     from fxquant.passes.strict import report
 
     state = compile_state(compiled)
-    n_graphs = len(state.backend.reports)
+    backend = state.backend
+    n_graphs = len(backend.reports)
+    runs_before, grad_enabled = dict(backend.runs), torch.is_grad_enabled()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         count = QuantizeCount(0, 0, backward=backward)
         yield count
-    count.expected_forward, count.expected_backward = state.expected_quantize_calls()
-    fused_fwd, fused_bwd = state.fused_quantizes()
+    runs = {i: n - runs_before.get(i, 0) for i, n in backend.runs.items()}
+    count.expected_forward, count.expected_backward = backend.calls_of_block(runs, grad_enabled, fused=False)
+    fused_fwd, fused_bwd = backend.calls_of_block(runs, grad_enabled, fused=True)
     count.fused = fused_fwd + (fused_bwd if backward else 0)
     count.executed = count_events(prof.events())
     count.compiled = len(state.backend.reports) != n_graphs

@@ -256,3 +256,50 @@ def test_expected_quantize_calls_follow_autograd_in_attention(monkeypatch):
         model(q, k, v).sum().backward()
     assert (count.expected_forward, count.expected_backward) == (4, 2)  # QK and PV forward; dV = P^T dO
     assert count.ok
+
+
+def test_counters_after_an_evaluation_under_no_grad_and_with_a_module_called_twice():
+    """An evaluation under no_grad compiles a graph of its own beside the training graph: the next training step
+    expects the training graph's quantizes (not the evaluation's) and an evaluation step the evaluation graph's
+    forward, with no backward (strict mode raised on correct training before); a block that calls the model
+    twice expects twice the quantizes."""
+    model = fxquant.compile(make_llama(), "FA_linear_mxfp8", backend="aot_eager", kernels="reference", strict=True)
+    tokens = make_tokens(make_llama().cfg)
+    for _ in range(2):
+        run_step(model, tokens)
+    with count_quantize_calls(model) as train:
+        run_step(model, tokens)
+    for _ in range(2):
+        with torch.no_grad():
+            model(tokens)
+    with count_quantize_calls(model) as after_eval:
+        run_step(model, tokens)
+    assert after_eval.ok and (after_eval.expected_forward, after_eval.expected_backward) == (
+        train.expected_forward, train.expected_backward)
+    with torch.no_grad(), count_quantize_calls(model, backward=False) as evaluation:
+        model(tokens)
+    assert evaluation.ok and evaluation.executed == evaluation.expected_forward > 0
+    with count_quantize_calls(model) as twice:
+        run_step(model, tokens)
+        run_step(model, tokens)
+    assert twice.ok and twice.expected == 2 * train.expected
+
+
+@pytest.mark.skipif(not fxquant.api._ISOLATED, reason="torch.compile has no isolate_recompiles before torch 2.13")
+def test_a_sweep_of_schemes_over_one_model_quantizes_every_one():
+    """fxquant.compile and explain of one model object with ten schemes in one process, no Dynamo reset: each
+    compile is a new backend, so a new cache entry of the model's forward, and the ninth ran unquantized once
+    Dynamo's recompile limit (8) counted the earlier ones."""
+    from fxquant.qfunctions import quantized_linear
+    from fxquant.schemes import Site
+
+    torch.manual_seed(0)
+    model, x = torch.nn.Sequential(torch.nn.Linear(32, 32)), torch.randn(4, 32)
+    names = ["linear_mxfp8", "linear_hifp8", "linear_mxfp4", "linear_nvfp4", "linear_fp8_e4m3", "linear_mxfp6_e3m2",
+             "linear_mxfp6_e2m3", "linear_mxint8", "linear_fp8_e5m2", "linear_mxfp8_e5m2"]
+    for name in names:
+        fxquant.explain(model, x, scheme=name)
+    for name in names:
+        got = fxquant.compile(model, name, backend="aot_eager", strict=True)(x)
+        spec = fxquant.schemes.get(name).linear_for(Site.from_path("0"))
+        assert torch.equal(got, quantized_linear(x, model[0].weight, model[0].bias, spec)), name

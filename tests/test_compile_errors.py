@@ -330,3 +330,16 @@ def test_explain_cli_takes_the_vocabulary_from_the_model(capsys):
     assert "--vocab 128 exceeds the model's embedding (64 rows)" in capsys.readouterr().err
     assert main(["explain", "--scheme", "linear_hifp8", "--model", model, "--batch", "0"]) == 2
     assert "--batch 0: must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_kernels_triton_without_the_kernels_is_refused_under_every_backend(backend):
+    """On a CPU without the Triton kernels registered, kernels='triton' is refused whatever the backend: under
+    eager (the graph interpreted) it ran without a word, while explain and the other backends refused it."""
+    from fxquant import kernels
+
+    if kernels.registered("cpu"):
+        pytest.skip("the Triton kernels are registered for the CPU in this process")
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32))
+    with pytest.raises(ValueError, match="kernels='triton' needs the Triton kernels registered for 'cpu'"):
+        fxquant.compile(model, "linear_mxfp8", backend=backend, kernels="triton")(torch.randn(4, 32))

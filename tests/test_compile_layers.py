@@ -129,3 +129,27 @@ def test_lm_heads_without_a_heads_name_are_lm_heads(tied):
     sites = {s.site.module_path: s for s in fxquant.compile_state(compiled).sites()}
     assert sites[head].site.kind is schemes.SiteKind.LM_HEAD and sites[head].status.value != "rewritten"
     assert sites["dense"].status.value == "rewritten"
+
+
+class _FunctionalTiedHead(nn.Module):
+    """A tied LM head written as ``F.linear(h, self.emb.weight)`` at the model's top level (no head module; the
+    embedding's name is not a head's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.dense = nn.Linear(32, 32)
+
+    def forward(self, ids):
+        return torch.nn.functional.linear(torch.relu(self.dense(self.emb(ids))), self.emb.weight)
+
+
+def test_a_functional_linear_on_an_embeddings_weight_is_the_lm_head():
+    """The site takes the path of the weight's owner ('emb'), which names no head: it was quantized as a plain
+    linear by the linear_* presets; its weight being an nn.Embedding's makes it kind lm_head."""
+    torch._dynamo.reset()
+    compiled = fxquant.compile(_FunctionalTiedHead(), "linear_mxfp8", backend="aot_eager", strict=True)
+    compiled(torch.randint(0, 64, (2, 8))).sum().backward()
+    sites = {s.site.module_path: s for s in fxquant.compile_state(compiled).sites()}
+    assert sites["emb"].site.kind is schemes.SiteKind.LM_HEAD and sites["emb"].status.value == "high"
+    assert sites["dense"].status.value == "rewritten"

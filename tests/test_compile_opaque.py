@@ -178,3 +178,37 @@ def test_grouped_mm_is_listed_unmatched():
     exp = fxquant.explain(MoE(custom=False), x, scheme="linear_mxfp8")
     assert [(u.target, u.module_path, u.opaque) for u in exp.unmatched] == [("_grouped_mm", "experts", False)]
     assert "1 matmul-like ops unmatched" in str(exp)
+
+
+class _Checkpointed(nn.Module):
+    """A block run under torch.utils.checkpoint (Dynamo: tag_activation_checkpoint over a subgraph), then a head."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32))])
+        self.head = nn.Linear(32, 8)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(self.layers[0], x, use_reentrant=self.reentrant)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_linears_in_a_checkpointed_region_are_listed_and_rejected_by_strict(reentrant, caplog):
+    """Ops inside an activation-checkpointed region are not rewritten: each is listed as unmatched with a note
+    naming checkpointing (they were listed nowhere, and the warning blamed a graph break), strict refuses them,
+    and the linear outside the region is still quantized."""
+    torch.manual_seed(0)
+    model, x = _Checkpointed(reentrant), torch.randn(4, 32, requires_grad=True)
+    with caplog.at_level(logging.WARNING, logger="fxquant"):
+        compiled = fxquant.compile(model, "linear_mxfp8", backend="aot_eager")
+        compiled(x).sum().backward()
+    state = fxquant.compile_state(compiled)
+    assert [(s.site.module_path, s.status.value) for s in state.sites()] == [("head", "rewritten")]
+    assert sorted(u.module_path for u in state.unmatched()) == ["layers.0.0", "layers.0.2"]
+    assert all("activation-checkpointed region" in u.note for u in state.unmatched())
+    assert "activation-checkpointed region" in caplog.text
+    torch._dynamo.reset()
+    with pytest.raises(QuantizationError, match="linear in 'layers.0.0'.*activation-checkpointed"):
+        fxquant.compile(model, "linear_mxfp8", backend="aot_eager", strict=True)(x)

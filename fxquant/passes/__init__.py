@@ -49,6 +49,7 @@ class GraphReport:
     expected_calls: tuple[int, int] = (0, 0)  # fxquant::quantize calls per (forward, backward), see expected.py
     graph_module: fx.GraphModule | None = field(default=None, repr=False)  # the rewritten Dynamo graph
     frame: int | None = None  # Dynamo's frame id of the graph (its recompiles share it); None when unknown
+    grad_enabled: bool = True  # compiled under grad mode (Dynamo keeps a no_grad graph beside the training one)
 
     @property
     def failed(self) -> list[SiteMeta]:

@@ -31,11 +31,29 @@ class ModuleNames:
     def __init__(self, root: torch.nn.Module | None) -> None:
         self._by_id: dict[str, str] = {}
         self._param_owner: dict[int, str] = {}  # id(parameter) -> path of the module owning it
+        self._embedding_weights: set[int] = set()  # id() of every nn.Embedding's weight
         if root is not None:
             for name, mod in root.named_modules(remove_duplicate=False):
                 self._by_id.setdefault(str(id(mod)), name)
+                if isinstance(mod, torch.nn.Embedding):
+                    self._embedding_weights.add(id(mod.weight))
             for name, param in root.named_parameters(remove_duplicate=False):
                 self._param_owner.setdefault(id(param), name.rpartition(".")[0])
+
+    @staticmethod
+    def _parameter(arg: object) -> torch.nn.Parameter | None:
+        """The model parameter a placeholder node stands for (Dynamo's graph argument), else None."""
+        if not isinstance(arg, fx.Node) or arg.op != "placeholder":
+            return None
+        grapharg = arg.meta.get("grapharg")
+        example = getattr(grapharg, "example", None) if grapharg is not None else None
+        return example if isinstance(example, torch.nn.Parameter) else None
+
+    def is_embedding_weight(self, arg: object) -> bool:
+        """Whether graph node ``arg`` is an ``nn.Embedding``'s weight (by identity): a linear with it as its weight
+        is a tied LM head whatever the names (``F.linear(h, self.tok_emb.weight)``)."""
+        param = self._parameter(arg)
+        return param is not None and id(param) in self._embedding_weights
 
     def param_owner(self, node: fx.Node) -> str | None:
         """For a GEMM node without a module stack (a module method called in its own compiled frame, e.g. an
@@ -44,12 +62,9 @@ class ModuleNames:
         for arg in node.args:
             if isinstance(arg, fx.Node) and _is_transpose(arg):
                 arg = arg.args[0]
-            if not isinstance(arg, fx.Node) or arg.op != "placeholder":
-                continue
-            grapharg = arg.meta.get("grapharg")
-            example = getattr(grapharg, "example", None) if grapharg is not None else None
-            if isinstance(example, torch.nn.Parameter) and id(example) in self._param_owner:
-                return self._param_owner[id(example)]
+            param = self._parameter(arg)
+            if param is not None and id(param) in self._param_owner:
+                return self._param_owner[id(param)]
         return None
 
     def path_of_entry(self, key: str, dynamo_path: str) -> str:

@@ -220,7 +220,10 @@ def find_sites(gm: fx.GraphModule, names: ModuleNames, layers: LayerNumbering | 
         path = _site_path(names, node, root)
         name = matmul_name(node)
         if name == "linear":
-            matches.append(Match(node, OpKind.LINEAR, layers.site(path, node.meta.get(KIND_KEY))))
+            kind = node.meta.get(KIND_KEY)
+            if kind is None and len(node.args) > 1 and names.is_embedding_weight(node.args[1]):
+                kind = SiteKind.LM_HEAD  # a tied head written F.linear(h, self.<embedding>.weight)
+            matches.append(Match(node, OpKind.LINEAR, layers.site(path, kind)))
         elif name == "scaled_dot_product_attention":
             matches.append(Match(node, OpKind.SDPA, layers.site(path, SiteKind.ATTENTION)))
         elif node.op == "call_function" and node.target is mha_attention_weights:
@@ -239,6 +242,8 @@ def find_sites(gm: fx.GraphModule, names: ModuleNames, layers: LayerNumbering | 
                     for sub in body.graph.nodes:
                         if matmul_name(sub) is not None:
                             unmatched.append(_unmatched(sub, _site_path(names, sub, root) or path))
+        elif node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
+            unmatched.extend(_in_region(gm, node, names, root, path))
         elif name in ("matmul", "@") and _innermost_class(names, node) in LINEAR_MODULE_CLASSES:
             matches.append(Match(node, OpKind.MODULE_MATMUL, layers.site(path)))
         elif name == "addmm" and is_conv1d_addmm(names, node):
@@ -249,6 +254,33 @@ def find_sites(gm: fx.GraphModule, names: ModuleNames, layers: LayerNumbering | 
         elif name is not None or (node.op == "call_function" and aten_matmul(node.target) is not None):
             unmatched.append(_unmatched(node, path))
     return FoundSites(matches, unmatched)
+
+
+_REGION_NOTES = {
+    "tag_activation_checkpoint": "inside an activation-checkpointed region (torch.utils.checkpoint): fxquant does "
+                                 "not rewrite ops there; checkpoint outside the compiled model or not at all",
+}
+
+
+def _in_region(gm: fx.GraphModule, node: fx.Node, names: ModuleNames, root: str | None,
+               path: str) -> list[UnmatchedOp]:
+    """The GEMM-bearing ops in the subgraphs a higher-order op runs (a checkpointed region, a wrapped function,
+    a branch of cond...), nested ones included: the passes rewrite the frame's own graph only, so each is listed
+    as unmatched (strict refuses it) with a note naming the region."""
+    hop = getattr(node.target, "__name__", str(node.target))
+    note = _REGION_NOTES.get(hop, f"inside the subgraph of higher-order op {hop}: fxquant does not rewrite ops there")
+    out: list[UnmatchedOp] = []
+    for arg in node.args:
+        body = getattr(gm, arg.target, None) if isinstance(arg, fx.Node) and arg.op == "get_attr" else None
+        if not isinstance(body, fx.GraphModule):
+            continue
+        for sub in body.graph.nodes:
+            if sub.op == "call_function" and isinstance(sub.target, torch._ops.HigherOrderOperator):
+                out.extend(_in_region(body, sub, names, root, path))
+            elif sub.op in ("call_function", "call_method") and (
+                    matmul_name(sub) is not None or (sub.op == "call_function" and aten_matmul(sub.target))):
+                out.append(_unmatched(sub, _site_path(names, sub, root) or path, note=note))
+    return out
 
 
 def _opaque(node: fx.Node, path: str) -> UnmatchedOp:
