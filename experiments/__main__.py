@@ -181,6 +181,14 @@ def cmd_matrix(args) -> int:
         except (ValueError, TypeError, FileNotFoundError) as exc:
             records.append({"run": name, "status": "refused", "error": str(exc)})
             print(f"[refused] {name}: {exc}", flush=True)
+    by_dir: dict[str, list[str]] = {}
+    for name, *_, launch in launches:
+        by_dir.setdefault(str(Path(launch.run.output_dir).resolve()), []).append(name)
+    for run_dir, names in by_dir.items():  # e.g. two scheme files of one name in different directories
+        if len(names) > 1:
+            msg = f"{' and '.join(names)} resolve to one run directory, {run_dir}: each would overwrite the other's"
+            records.append({"run": names[-1], "status": "refused", "error": msg + "; give the schemes distinct names"})
+            print(f"[refused] {msg}; give the schemes distinct names (a scheme YAML's `name:`)", flush=True)
     if args.dry_run:  # nothing written: the commands and the refusals are the whole answer
         for name, *_, launch in launches:
             print(launch.shell())

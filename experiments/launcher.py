@@ -201,13 +201,21 @@ _ERROR_LINE = re.compile(r"^((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|E
 
 
 def first_error(lines) -> str | None:
-    """The first exception line (`ValueError: ...`) any rank printed, as `rank R: ValueError: ...`; torchrun's
-    own summary (ChildFailedError) only when no rank printed one. None when there is none."""
+    """The first exception line (`ValueError: ...`) any rank printed, as `rank R: ValueError: ...`, with the
+    indented lines that continue a message ending in ':' (a list of problems), joined by '; '; torchrun's own
+    summary (ChildFailedError) only when no rank printed one. None when there is none."""
     fallback = None
+    found: list[str] | None = None
+    rank = None
     for line in lines:
         line = line.rstrip("\n")
         prefix = _RANK_PREFIX.match(line)
         body = line[prefix.end():] if prefix else line
+        if found is not None:  # the message's continuation: the same rank's indented lines
+            if (prefix.group(1) if prefix else None) == rank and body.startswith((" ", "\t")) and body.strip():
+                found.append(body.strip())
+                continue
+            break
         match = _ERROR_LINE.match(body)
         if match is None:
             continue
@@ -215,7 +223,11 @@ def first_error(lines) -> str | None:
         if "ChildFailedError" in body or "elastic" in body:
             fallback = fallback or where + match.group(1)
             continue
-        return where + match.group(1)
+        found, rank = [where + match.group(1)], prefix.group(1) if prefix else None
+        if not body.rstrip().endswith(":"):
+            break
+    if found is not None:
+        return found[0] + (" " + "; ".join(found[1:]) if len(found) > 1 else "")
     return fallback
 
 

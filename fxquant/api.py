@@ -165,7 +165,7 @@ class CompileState:
     def _check_new_graphs(self) -> list[str]:
         sites = self.sites()
         checks.check_model_has_sites(sites, self.unmatched(), type(self.model).__name__)
-        checks.check_rules_match(self.scheme, sites)
+        checks.check_rules_match(self.scheme, sites, self.backend.layers)
         new_breaks = [
             reason.splitlines()[0] for reason, n in _graph_break_counts().items() if n > self._breaks.get(reason, 0)
         ]
@@ -308,7 +308,7 @@ def explain(model: nn.Module, *example_args: object, scheme: str | Path | Scheme
         raise ValueError(checks.no_graph_compiled(type(model).__name__, before, _unimplemented_counts())[0])
     sites, unmatched = fx_backend.current_sites(), fx_backend.unmatched_ops()
     checks.check_model_has_sites(sites, unmatched, type(model).__name__)
-    checks.check_rules_match(resolved, sites)  # as compile: a rule with a selector must match a site
+    checks.check_rules_match(resolved, sites, layers)  # as compile: a rule with a selector must match a site
     graphs = len(fx_backend.reports)
     requested = parse_kernels(kernels)
     device = lowering.graph_device([*example_args, *example_kwargs.values(), *model.parameters()])

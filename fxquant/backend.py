@@ -135,7 +135,7 @@ class FxquantBackend:
         known = [s.site for s in self.current_sites()]
         if self.root is not None:
             known += possible_sites(self.root, self.layers)
-        return unmatched_rule_error(self.scheme, known)
+        return unmatched_rule_error(self.scheme, known + self.layers.other_stages(known))
 
     def refusal(self, exc: ValueError):
         """A compiled graph that raises ``exc`` instead of running (kept in ``pending`` too, for ``explain``,

@@ -153,3 +153,37 @@ def test_a_functional_linear_on_an_embeddings_weight_is_the_lm_head():
     sites = {s.site.module_path: s for s in fxquant.compile_state(compiled).sites()}
     assert sites["emb"].site.kind is schemes.SiteKind.LM_HEAD and sites["emb"].status.value == "high"
     assert sites["dense"].status.value == "rewritten"
+
+
+@pytest.mark.parametrize("rule, kept", [
+    ("{layers: [0]}", ()),  # the first stage's layer: nothing here, not an error
+    ("{first_layers: 1}", ()),
+    ("{layers: [3]}", ("layers.1",)),  # global layer 3 is this stage's layers.1
+    ("{modules: 'layers\\.3\\..*'}", ("layers.1",)),  # a modules regex names the global path
+    ("{modules: 'layers\\.0\\..*'}", ()),  # ... so the first stage's layers.0 is not this stage's
+])
+def test_rules_on_a_pipeline_stage_select_global_layers(rule, kept):
+    """A stage holding global layers 2 and 3 of 4 (local paths layers.0, layers.1): a rule that selects only
+    other stages' layers is no error (the check raised 'match no site' on every stage but the right one), and a
+    ``modules`` regex matches the global path (it matched the stage-local one: another layer than meant)."""
+    scheme = schemes.Scheme.from_yaml_text(f"name: s\nrules:\n  - linear: mxfp8\n  - match: {rule}\n    linear: none\n",
+                                           "s.yaml")
+    model = make_llama()
+    tokens = make_tokens(model.cfg)
+    compiled = fxquant.compile(model, scheme, backend="aot_eager", strict=True, layer_offset=2, num_layers=4)
+    next_token_loss(compiled(tokens), tokens).backward()
+    sites = fxquant.compile_state(compiled).sites()
+    high = sorted({s.site.module_path.split(".mlp")[0].split(".self_attn")[0] for s in sites
+                   if s.site.kind.value != "attention" and s.site.layer is not None and not s.selected})
+    assert tuple(high) == kept
+    sel = [s for s in sites if s.site.module_path == "layers.1.mlp.down_proj"][0]
+    assert sel.site.global_path == "layers.3.mlp.down_proj" and sel.site.layer == 3
+
+
+def test_a_rule_no_stage_can_match_is_still_an_error():
+    scheme = schemes.Scheme.from_yaml_text("name: s\nrules:\n  - linear: mxfp8\n  - match: {layers: [7]}\n"
+                                           "    linear: none\n", "s.yaml")
+    model = make_llama()
+    compiled = fxquant.compile(model, scheme, backend="aot_eager", layer_offset=2, num_layers=4)
+    with pytest.raises(ValueError, match="match no site"):
+        compiled(make_tokens(model.cfg))

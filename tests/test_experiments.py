@@ -178,6 +178,25 @@ def test_a_cell_given_twice_is_refused(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_two_schemes_of_one_name_are_refused_before_running(tmp_path, capsys):
+    """Two scheme files named alike in different directories resolve to one run directory: the second run
+    overwrote the first's, and both cells reported the last run's numbers; refused before anything runs."""
+    from experiments.__main__ import main
+
+    for sub, fmt in (("a", "hifp8"), ("b", "mxfp4_e2m1")):
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / "myscheme.yaml").write_text(f"rules:\n  - linear: {fmt}\n")
+    out = tmp_path / "runs"
+    argv = ["matrix", "--models", "llama32-1b", "--schemes", "bf16", str(tmp_path / "a" / "myscheme.yaml"),
+            str(tmp_path / "b" / "myscheme.yaml"), "--iters", "2", "--out", str(out)]
+    for extra in (["--dry-run"], []):
+        assert main(argv + extra) == 1
+        captured = capsys.readouterr()
+        assert "[start]" not in captured.out and not out.exists()
+        assert captured.out.count("[refused]") == 1 and "resolve to one run directory" in captured.out
+        assert "give the schemes distinct names" in captured.out
+
+
 def test_matrix_refuses_every_bad_cell_before_running_any(tmp_path, capsys):
     """One mistyped model in a matrix: the command stops before the first run (nothing trained, nothing written),
     naming each refused cell."""
@@ -285,6 +304,12 @@ torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
     assert first_error(log) == "rank 1: ValueError: model 'deepseek2_lite-tiny' (MLA + MoE) with tp=2 cannot run on cpu"
     assert first_error(log[-1:]) == "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:"
     assert first_error(["iter 1/3 | loss 5.0\n"]) is None
+    rules = ["[rank0]: ValueError: scheme rules match no site of the model (scheme s, s.yaml):\n",
+             "[rank0]:   rule 1 (layers=7): matched no site: the model's layers are 0..1\n",
+             "[rank0]:   rule 2 (kinds=router): matched no site\n", "[rank1]:   other rank\n", "[rank0]: done\n"]
+    assert first_error(rules) == ("rank 0: ValueError: scheme rules match no site of the model (scheme s, s.yaml): "
+                                  "rule 1 (layers=7): matched no site: the model's layers are 0..1; "
+                                  "rule 2 (kinds=router): matched no site")
 
 
 def test_a_failing_run_prints_the_ranks_error_line(tmp_path, capsys, monkeypatch):

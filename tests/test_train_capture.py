@@ -206,6 +206,14 @@ def test_capture_arguments_map_to_the_run(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="TENSOR_SAVE_ENABLED"):
         with_capture_args(run, parse(["--config", "x"]))
 
+    # a config that holds a capture (experiments resolved the environment into it, a directory per run) keeps it:
+    # the environment every rank inherits replaced it (captures of several runs landed in one directory)
+    monkeypatch.setenv("TENSOR_SAVE_ENABLED", "1")
+    resolved = _replace(run, capture=_replace(env_run.capture, spec="stats_only", dir=str(tmp_path / "env_dir" / "s"),
+                                              iterations=None))
+    assert with_capture_args(resolved, parse(["--config", "x"])) == resolved
+    assert with_capture_args(resolved, parse(["--config", "x", "--control-iter", "2"])).train.control_iter == 2
+
     windowed = resolve_spec(_replace(env_run.capture, iterations=2, micro_batches=1), start_iteration=5)
     base = load_spec("predecessor")
     assert [s.name for s in windowed.sections] == [s.name for s in base.sections]

@@ -95,6 +95,31 @@ def test_control_iter_stops_and_resume_continues_identically(tmp_path):
         train(_run(tmp_path, "split", iters=6, save_interval=3))
 
 
+def test_resume_with_more_iterations_follows_the_new_schedule_and_a_layout_change_is_refused(tmp_path, caplog):
+    """Resuming with a larger --iters (what 'nothing to train' advises) goes on with the schedule of the run's own
+    config, as run_config.json records it (it went on at min_lr on the checkpoint's schedule), saying what changed;
+    a checkpoint written by another parallel layout is refused naming both (an opaque state-dict error)."""
+    import torch
+
+    from fxquant.megatron_glue.train import train
+
+    whole = train(_run(tmp_path, "whole", iters=6))
+    train(_run(tmp_path, "more", iters=3, save_interval=3))
+    with caplog.at_level("WARNING", logger="fxquant.megatron_glue.checkpoint"):
+        rest = train(_run(tmp_path, "more", iters=6, save_interval=3))
+    assert [r["iteration"] for r in rest.records] == [4, 5, 6]
+    assert [r["lr"] for r in rest.records] == [r["lr"] for r in whole.records[3:]]
+    assert "lr schedule differs" in caplog.text and "lr_decay_steps 3 -> 6" in caplog.text
+    rank_file = tmp_path / "more" / "checkpoints" / "iter_0000006" / "rank_00000.pt"
+    payload = torch.load(rank_file, weights_only=True)
+    assert payload["layout"] == {"world_size": 1, "tp": 1, "pp": 1, "dp": 1}
+    payload["layout"] = {"world_size": 2, "tp": 2, "pp": 1, "dp": 1}
+    torch.save(payload, rank_file)
+    with pytest.raises(ValueError, match="written by a job of 2 processes, tp=2, pp=1, dp=1; this job has 1 "
+                                         "processes, tp=1, pp=1, dp=1"):
+        train(_run(tmp_path, "more", iters=8, save_interval=3))
+
+
 def _torchrun(tmp_path, run, nproc: int) -> list[dict]:
     config = tmp_path / f"{Path(run.output_dir).name}.json"
     config.write_text(json.dumps(run.to_dict()))

@@ -4,10 +4,14 @@ Layout: `{dir}/iter_{NNNNNNN}/rank_{RRRRR}.pt` + `{dir}/latest` (text: the itera
 after every rank has finished (barrier), so `latest` only ever names a complete checkpoint. Each file is
 `torch.save` of plain containers (model and optimizer state dicts, the scheduler state, RNG states,
 iteration, consumed samples) and is loaded with `torch.load(weights_only=True)`: no code runs on load.
-Resuming restores everything a step depends on, so a resumed run continues bit for bit.
+Resuming restores everything a step depends on, so a resumed run continues bit for bit. A checkpoint records the
+job's parallel layout and loads only into the same one; the lr schedule is the resuming run's (its config's
+`train_iters`, warm-up and decay), with the step count restored: the same config continues bit for bit, a longer
+`--iters` continues on the longer schedule (a WARNING names what changed).
 """
 from __future__ import annotations
 
+import logging
 import random
 from pathlib import Path
 
@@ -17,6 +21,8 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel import random as megatron_random
 
 from fxquant._fileio import write_atomic
+
+log = logging.getLogger(__name__)
 
 
 def _iter_dir(root: Path, iteration: int) -> Path:
@@ -59,6 +65,22 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _layout() -> dict[str, int]:
+    """The job's parallel layout (world size, tensor/pipeline/data parallel sizes): a checkpoint holds one
+    rank's shard of it, and loads only into the same layout."""
+    from megatron.core import parallel_state as ps
+
+    return {"world_size": dist.get_world_size(), "tp": ps.get_tensor_model_parallel_world_size(),
+            "pp": ps.get_pipeline_model_parallel_world_size(), "dp": ps.get_data_parallel_world_size()}
+
+
+def _layout_text(layout: dict) -> str:
+    return f"{layout['world_size']} processes, tp={layout['tp']}, pp={layout['pp']}, dp={layout['dp']}"
+
+
+_SCHEDULE = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style")
+
+
 def save(root: str | Path, iteration: int, *, model, optimizer, scheduler, consumed_samples: int,
          extra: dict | None = None) -> Path:
     """Write this rank's checkpoint for `iteration`; every rank must call it."""
@@ -67,7 +89,7 @@ def save(root: str | Path, iteration: int, *, model, optimizer, scheduler, consu
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"iteration": iteration, "consumed_samples": consumed_samples, "model": model.state_dict(),
                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-               "rng": _rng_state(), "extra": extra or {}}
+               "rng": _rng_state(), "extra": extra or {}, "layout": _layout()}
     write_atomic(path, lambda handle: torch.save(payload, handle))
     dist.barrier()
     if dist.get_rank() == 0:
@@ -87,8 +109,19 @@ def load(root: str | Path, *, model, optimizer, scheduler, iteration: int | None
         raise FileNotFoundError(f"checkpoint {str(path)!r} is missing: was it written with a different "
                                 f"number of processes?")
     payload = torch.load(path, map_location="cpu", weights_only=True)
+    saved, now = payload.get("layout"), _layout()
+    if saved is not None and saved != now:
+        raise ValueError(f"checkpoint {str(path.parent)!r} was written by a job of {_layout_text(saved)}; this job has "
+                         f"{_layout_text(now)}: resume it with the layout it was written with, or start again in "
+                         "another run directory")
     model.load_state_dict(payload["model"])
     optimizer.load_state_dict(payload["optimizer"])
-    scheduler.load_state_dict(payload["scheduler"])
+    changed = {k: (payload["scheduler"].get(k), v) for k, v in scheduler.state_dict().items()
+               if k in _SCHEDULE and payload["scheduler"].get(k) != v}
+    if changed and dist.get_rank() == 0:
+        log.warning("the checkpoint's lr schedule differs from this run's (%s): training goes on from iteration %d "
+                    "on this run's schedule", ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()),
+                    payload["iteration"])
+    scheduler.load_state_dict(payload["scheduler"])  # the step count; the schedule stays this run's
     _set_rng_state(payload["rng"])
     return payload["iteration"], payload["consumed_samples"], payload["extra"]

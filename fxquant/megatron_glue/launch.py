@@ -45,10 +45,13 @@ def _progress(total: int):
 
 
 def with_capture_args(run, args: argparse.Namespace):
-    """`run` with the capture and `--control-iter` of the command line applied (None of them: unchanged)."""
+    """`run` with the capture and `--control-iter` of the command line applied (None of them: unchanged). The
+    predecessor's environment (`TENSOR_SAVE_ENABLED`, `TENSOR_SAVE_DIR`) applies only to a run whose config holds
+    no capture: `experiments` already resolved it into the config (one directory per run), and every rank inherits
+    the same environment, which would otherwise replace that capture in each rank."""
     from fxquant.megatron_glue.run_config import capture_from_args, stop_after
 
-    capture = capture_from_args(args)
+    capture = capture_from_args(args, env={} if run.capture is not None else None)
     train = run.train
     if args.control_iter is not None or (capture is not None and capture.iterations is not None):
         train = dataclasses.replace(train, control_iter=stop_after(capture, args.control_iter))

@@ -161,5 +161,5 @@ def lr_scheduler(optimizer, cfg: OptimConfig, train_iters: int) -> OptimizerPara
         optimizer, init_lr=0.0, max_lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_steps=warmup,
         lr_decay_steps=max(decay, warmup + 1), lr_decay_style=cfg.decay_style,
         start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=max(decay, 1),
-        wd_incr_style="constant", use_checkpoint_opt_param_scheduler=True,
-    )
+        wd_incr_style="constant", use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True,
+    )  # on resume the schedule stays this run's (checkpoint.load restores the step count)

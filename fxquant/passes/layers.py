@@ -35,6 +35,13 @@ def _layer_prefix(path: str) -> str | None:
     return path[: m.end()] if m else None
 
 
+def with_layer(path: str, layer: int) -> str:
+    """``path`` with the index of its outermost layer stack replaced by ``layer`` (``decoder.layers.0.mlp`` ->
+    ``decoder.layers.3.mlp``)."""
+    m = layer_stack(path)
+    return path if m is None else path[: m.start(1)] + str(layer) + path[m.end(1):]
+
+
 def _check_count(name: str, value: object, minimum: int) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
         raise ValueError(f"{name}={value!r}: must be None or an int >= {minimum}")
@@ -65,7 +72,21 @@ class LayerNumbering:
         if kind is None and path in self.heads:
             kind = SiteKind.LM_HEAD
         local = Site.from_path(path, kind)
-        return dataclasses.replace(local, layer=self.layer(path), num_layers=self.num_layers)
+        layer = self.layer(path)
+        return dataclasses.replace(local, layer=layer, num_layers=self.num_layers,
+                                   global_path=None if layer == local.layer else with_layer(path, layer))
+
+    def other_stages(self, sites: list[Site]) -> list[Site]:
+        """For a pipeline stage (a slice of the global layers): the sites of one layer it holds again for each
+        global layer it does not hold (with their global paths), i.e. what the other stages show; nothing when
+        the stage holds every layer. A scheme rule that selects only other stages' layers (``layers: [5]``,
+        ``last_layers: 1`` on the first stage) matches these, so it is not taken for a rule matching nothing."""
+        held = sorted({s.layer for s in sites if s.layer is not None})
+        if self.num_layers is None or not held or len(held) >= self.num_layers:
+            return []
+        template = [s for s in sites if s.layer == held[0]]
+        return [dataclasses.replace(s, layer=j, global_path=with_layer(s.module_path, j))
+                for j in range(self.num_layers) if j not in held for s in template]
 
     @classmethod
     def of_model(cls, model: nn.Module | None, *, layer_offset: int | None = None,

@@ -172,9 +172,11 @@ def unmatched_rule_error(scheme: Scheme, sites: Iterable[Site]) -> ValueError | 
     return ValueError(f"scheme rules match no site of the model{where}:\n  " + "\n  ".join(map(str, unmatched)))
 
 
-def check_rules_match(scheme: Scheme, sites: list[SiteMeta]) -> None:
-    """Raise ``unmatched_rule_error`` for the sites seen."""
-    error = unmatched_rule_error(scheme, [s.site for s in sites])
+def check_rules_match(scheme: Scheme, sites: list[SiteMeta], layers: LayerNumbering | None = None) -> None:
+    """Raise ``unmatched_rule_error`` for the sites seen (and, on a pipeline stage, the other stages' layers:
+    ``LayerNumbering.other_stages``)."""
+    seen = [s.site for s in sites]
+    error = unmatched_rule_error(scheme, seen + (layers.other_stages(seen) if layers is not None else []))
     if error is not None:
         raise error
 

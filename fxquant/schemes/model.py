@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fxquant.formats.tensor_quant import TensorQuant
 
@@ -67,6 +67,14 @@ class Site:
     kind: SiteKind
     layer: int | None = None
     num_layers: int | None = None
+    # the path with its layer stack's index made global (a pipeline stage's stack restarts at 0): what a rule's
+    # ``modules`` regex matches; None when it is ``module_path``
+    global_path: str | None = field(default=None, compare=False)
+
+    @property
+    def rule_path(self) -> str:
+        """The path a rule's ``modules`` regex matches: global across pipeline stages."""
+        return self.module_path if self.global_path is None else self.global_path
 
     def __post_init__(self) -> None:
         if not isinstance(self.module_path, str):

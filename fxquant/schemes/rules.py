@@ -105,7 +105,7 @@ class Selector:
         return False
 
     def matches(self, site: Site) -> bool:
-        if self.modules is not None and re.fullmatch(self.modules, site.module_path) is None:
+        if self.modules is not None and re.fullmatch(self.modules, site.rule_path) is None:
             return False
         if self.kinds and site.kind not in self.kinds:
             return False
@@ -114,7 +114,7 @@ class Selector:
     def names_explicitly(self, site: Site) -> bool:
         """Whether this selector names ``site`` itself (needed for LM head and embeddings)."""
         return site.kind in self.kinds or (
-            self.modules is not None and re.fullmatch(self.modules, site.module_path) is not None
+            self.modules is not None and re.fullmatch(self.modules, site.rule_path) is not None
         )
 
     def describe(self) -> str:
