@@ -644,3 +644,65 @@ def test_safetensors_header_length_starting_with_0x80_is_not_taken_for_a_pickle(
     (tmp_path / "pickle.safetensors").write_bytes(pickle.dumps({"a": 1}))
     with pytest.raises(CaptureReadError, match="pickle"):
         _check_shard(tmp_path / "pickle.safetensors")
+
+
+def test_the_rank_directory_lock_is_released_while_a_forked_child_lives(tmp_path):
+    """A child forked during a session (a DataLoader worker) shares the lock's file descriptor: closing the
+    session unlocks it all the same, so the next session of the process starts (it was refused, naming itself)."""
+    s = capture.start(spec_text(), tmp_path, run_id="first")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child holds its copy of every descriptor until the parent writes
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0)
+    try:
+        os.close(r)
+        s.close()
+        with capture.start(spec_text(), tmp_path, run_id="second"):
+            capture.save(torch.ones(2), "x")
+    finally:
+        os.write(w, b"x")
+        os.close(w)
+        os.waitpid(pid, 0)
+    assert [rec.run_id for rec in capture.open(tmp_path)] == ["second"]
+
+
+def test_a_filesystem_without_flock_captures_with_a_warning(tmp_path, monkeypatch, caplog):
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with caplog.at_level("WARNING", logger="fxquant.capture.layout"):
+        with capture.start(spec_text(), tmp_path):
+            assert capture.save(torch.ones(2), "x")
+    assert "cannot be locked" in caplog.text and len(capture.open(tmp_path)) == 1
+
+
+@pytest.mark.parametrize("policy", ["stop", "abort"])
+def test_a_failing_capture_after_the_files_budget_is_still_reported(tmp_path, policy):
+    """The buffered tensors' commit before a failing item may reach budget.files; the failure is still recorded
+    (it was lost: a clean summary, and no CaptureError under abort)."""
+    from fxquant.capture.spec import Component, Copy, Gemm, ModuleKind, Role
+    from fxquant.capture.tap import Tap
+
+    spec = capture.load_spec("q.yaml", text="sections: [{name: q, points: [{component: linear, copies: [quantized]}]}]\n"
+                                            f"budget: {{files: 1}}\non_error: {policy}\n")
+    bad = Tap(Component.LINEAR, Role.INPUT, "m", (0,), ModuleKind.FC2, 0, Copy.QUANTIZED, Gemm.FPROP,
+              "no_such_format", -1).encode()
+    s = capture.start(spec, tmp_path)
+    capture.save(torch.ones(4, 4), "g0")
+    s.flush()  # the one shard the budget allows
+    capture.save(torch.ones(4, 4), "g1")
+    s.writer.wait_idle()  # buffered
+    torch.ops.fxquant.capture(torch.ones(4, 4), bad)
+    s.writer.wait_idle()
+    if policy == "abort":
+        with pytest.raises(capture.CaptureError, match="no_such_format"):
+            s.close()
+    else:
+        s.close()
+    assert s.summary["clean"] is False and "no_such_format" in s.summary["error"]
+    assert s.summary["records"] == 1

@@ -46,8 +46,8 @@ def payload(rec: Record, t: torch.Tensor) -> dict:
         "component": "FA" if f["component"] == "attention" else "linear", "rank": f["rank"],
         "iteration": f["iteration"], "micro_batch": f["micro_batch"],
         "save_time": _dt.datetime.fromtimestamp(f.get("time", 0.0)).strftime("%Y-%m-%d %H:%M:%S.%f"),
-        "extras": {k: f.get(k) for k in ("module", "copy", "gemm", "format", "qspec", "tp_rank", "tp_size",
-                                         "pp_rank", "pp_size", "dp_rank", "dp_size", "shard_dim", "run_id")},
+        "extras": {k: f.get(k) for k in ("module", "copy", "gemm", "format", "qspec", "blocked_dim", "tp_rank",
+                                         "tp_size", "pp_rank", "pp_size", "dp_rank", "dp_size", "shard_dim", "run_id")},
     }
     return {"tensor": t.clone(), "tensor_info": info, "metadata": meta}
 

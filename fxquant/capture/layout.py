@@ -175,11 +175,38 @@ class RankDirBusy(RuntimeError):
     """Another process's capture session is writing the rank directory."""
 
 
-def lock_rank_dir(directory: Path):
-    """Take the rank directory's lock for one session (an open file holding an exclusive ``flock``; closing it
-    releases it, as does the process's exit). Two sessions writing one rank directory would pick the same shard
+class RankDirLock:
+    """The lock ``lock_rank_dir`` took: ``release()`` (or leaving its ``with`` block) gives it back."""
+
+    def __init__(self, f) -> None:
+        self._f = f
+
+    def release(self) -> None:
+        """Unlock, then close: unlocking first frees the lock even where a forked child (a DataLoader worker)
+        still holds a copy of the file descriptor. Idempotent."""
+        if self._f is None:
+            return
+        try:
+            fcntl.flock(self._f.fileno(), fcntl.LOCK_UN)
+        except OSError:
+            pass
+        self._f.close()
+        self._f = None
+
+    def __enter__(self) -> "RankDirLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def lock_rank_dir(directory: Path) -> RankDirLock:
+    """Take the rank directory's lock for one session (an exclusive ``flock`` on its ``LOCK`` file, held until
+    ``release()`` or the process's exit). Two sessions writing one rank directory would pick the same shard
     names and tensor keys (``resume_point`` is read once), each renaming its shards over the other's: the second
-    is refused instead. The file holds the owner's pid, for the message."""
+    is refused instead. The file holds the owner's pid, for the message. On a filesystem without ``flock``
+    (ENOLCK, EOPNOTSUPP: some NFS, Lustre and FUSE mounts) a WARNING says the directory is not locked and the
+    session goes on."""
     path = Path(directory) / LOCK
     f = open(path, "a+")
     try:
@@ -190,11 +217,16 @@ def lock_rank_dir(directory: Path):
         f.close()
         raise RankDirBusy(f"{directory} is being written by another capture session (pid {owner}); give each run "
                           "its own capture root, or wait for that one to close") from None
+    except OSError as exc:
+        f.close()
+        log.warning("capture: %s cannot be locked (%s): nothing stops another process writing it at the same time",
+                    directory, exc.strerror or exc)
+        return RankDirLock(None)
     f.seek(0)
     f.truncate()
     f.write(f"{os.getpid()}\n")
     f.flush()
-    return f
+    return RankDirLock(f)
 
 
 _SHARD_INDEX = re.compile(r"^shard-(\d{6,})\.safetensors$")

@@ -121,7 +121,7 @@ class CaptureSession:
         try:
             self._open(spec, config)
         except BaseException:
-            self._dir_lock.close()
+            self._dir_lock.release()
             raise
 
     def _open(self, spec: CaptureSpec, config: SessionConfig) -> None:
@@ -397,7 +397,7 @@ class CaptureSession:
             layout.write_json_atomic(self.dir / layout.COMMITTED, self.summary)
         except OSError as exc:
             log.error("could not write the commit marker in %s: %s", self.dir, exc)
-        self._dir_lock.close()
+        self._dir_lock.release()
         if st.error is not None and self.spec.on_error is ErrorPolicy.ABORT and not self._raised:
             self._raised = True
             raise CaptureError(f"capture failed (on_error: abort): {st.error_reason}") from st.error

@@ -187,7 +187,7 @@ class ShardWriter:
                 except Exception as exc:  # noqa: BLE001 - any failure stops capture (the session applies on_error)
                     # the items prepared before this one are good: their shard is written before the stop
                     buf, buf_bytes, first_at = self._commit(buf), 0, None
-                    if not self.stopped:
+                    if self.state.error is None:  # also after a budget stop that commit reached: never lost
                         self._fail(exc, "capture preparation failed in the writer thread: "
                                         f"{type(exc).__name__}: {exc}")
                     self.state.dropped += item.record_count

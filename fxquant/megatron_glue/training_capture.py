@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -110,10 +111,11 @@ class TrainingCapture:
         root = config.root(run.output_dir)
         if start_iteration == 0:  # a fresh run replaces its captures, as it does its metrics
             for stale in stale_rank_dirs(root, info):
+                log.warning("capture: run starts at iteration 0; removing the earlier run's captures in %s", stale)
+                aside = stale.with_name(f".removing-{stale.name}-{os.getpid()}")  # not a rank-* name: no reader's
                 with layout.lock_rank_dir(stale):  # refused (RankDirBusy) while another session writes it
-                    log.warning("capture: run starts at iteration 0; removing the earlier run's captures in %s",
-                                stale)
-                    shutil.rmtree(stale)
+                    stale.rename(aside)  # atomic: a session starting now makes a new directory and LOCK
+                shutil.rmtree(aside)
         session = capture.start(spec, root, scheme=run.scheme, run_id=shared_run_id(info),
                                 rank=rank_info(info, layer_offset), start_iteration=start_iteration)
         log.info("capture: spec %r -> %s (rank %d, run id %s)", spec.name, session.dir, info.rank,
