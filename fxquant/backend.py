@@ -135,7 +135,8 @@ class FxquantBackend:
         known = [s.site for s in self.current_sites()]
         if self.root is not None:
             known += possible_sites(self.root, self.layers)
-        return unmatched_rule_error(self.scheme, known + self.layers.other_stages(known))
+        return unmatched_rule_error(self.scheme, known + self.layers.other_stages(known),
+                                    stage=self.layers.is_stage(known))
 
     def refusal(self, exc: ValueError):
         """A compiled graph that raises ``exc`` instead of running (kept in ``pending`` too, for ``explain``,
@@ -257,17 +258,29 @@ class FxquantBackend:
 
     def calls_of_block(self, runs: dict, grad_enabled: bool, *, fused: bool) -> tuple[int, int]:
         """(forward, backward) quantizes a block of calls should have made: every graph as often as it ran
-        (``runs``: report index -> calls in the block; a module called twice, an evaluation's no_grad graph), and
-        each graph in use for the grad modes of the graphs that ran (none ran: ``grad_enabled``, the mode the
-        block started in) at least once: one that did not run is a shortfall (a frame fell back to eager, the
-        uncompiled module was called)."""
+        (``runs``: report index -> calls in the block; a module called twice, an evaluation's no_grad graph, a
+        graph of another input shape), and for each frame in use none of whose graphs of the grad modes that ran
+        (none ran: ``grad_enabled``, the mode the block started in) ran, its latest graph once: a shortfall (a
+        frame fell back to eager, the uncompiled module was called)."""
+        return self._calls_of(self.reports, fused=fused, times=self._block_times(runs, grad_enabled))
+
+    def _block_times(self, runs: dict, grad_enabled: bool) -> dict[int, int]:
+        """Report index -> how many calls of that graph a block should have made (``calls_of_block``)."""
         times = {i: n for i, n in runs.items() if n}
         by_index = {r.index: r for r in self.reports}
-        modes = {by_index[i].grad_enabled for i in times if i in by_index} or {grad_enabled}
-        for r in self.current_reports():
-            if r.grad_enabled in modes:
+        ran = [by_index[i] for i in times if i in by_index]
+        modes = {r.grad_enabled for r in ran} or {grad_enabled}
+        frames = {(r.frame, r.grad_enabled) for r in ran if r.frame is not None}
+        for r in self.current_reports():  # a frame none of whose graphs ran: its graph in use, once
+            if r.grad_enabled in modes and (r.frame, r.grad_enabled) not in frames:
                 times[r.index] = max(times.get(r.index, 0), 1)
-        return self._calls_of(self.reports, fused=fused, times=times)
+        return times
+
+    def block_recomputes(self, runs: dict, grad_enabled: bool) -> bool:
+        """Whether a graph of the block has sites in checkpointed regions (``GraphReport.recomputes``): its
+        backward runs the region's forward quantizes again, as many as it needs, beyond ``calls_of_block``."""
+        by_index = {r.index: r for r in self.reports}
+        return any(by_index[i].recomputes for i in self._block_times(runs, grad_enabled) if i in by_index)
 
     def unmatched_ops(self) -> list:
         """The unmatched ops of the graphs in use, once per call: per Dynamo frame those of its latest graph (a

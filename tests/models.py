@@ -25,6 +25,7 @@ class LlamaConfig:
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
     graph_break: bool = False  # force a Dynamo graph break inside every attention block (tests)
+    checkpoint: str | None = None  # run every block under torch.utils.checkpoint: "reentrant" / "non_reentrant"
 
     @property
     def head_dim(self) -> int:
@@ -120,7 +121,11 @@ class Llama(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(tokens)
         for layer in self.layers:
-            x = layer(x, self.rope)
+            if self.cfg.checkpoint is None:
+                x = layer(x, self.rope)
+            else:  # activation checkpointing, as Hugging Face's gradient_checkpointing_enable() runs each layer
+                x = torch.utils.checkpoint.checkpoint(layer, x, self.rope,
+                                                      use_reentrant=self.cfg.checkpoint == "reentrant")
         return self.lm_head(self.norm(x))
 
 

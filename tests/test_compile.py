@@ -303,3 +303,19 @@ def test_a_sweep_of_schemes_over_one_model_quantizes_every_one():
         got = fxquant.compile(model, name, backend="aot_eager", strict=True)(x)
         spec = fxquant.schemes.get(name).linear_for(Site.from_path("0"))
         assert torch.equal(got, quantized_linear(x, model[0].weight, model[0].bias, spec)), name
+
+
+def test_counters_with_two_input_shapes_alternating():
+    """dynamic=False and two batch sizes: two graphs of one frame, both in use; a block that ran one expects that
+    one (it also expected the other, which had not run: strict raised on correct training)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
+    compiled = fxquant.compile(model, "linear_mxfp8", backend="aot_eager", kernels="reference", strict=True,
+                               dynamic=False)
+    a, b = torch.randn(4, 16), torch.randn(6, 16)
+    compiled(a).sum().backward()
+    compiled(b).sum().backward()
+    for x in (a, b, a):
+        with count_quantize_calls(compiled) as count:
+            compiled(x).sum().backward()
+        assert count.ok and count.executed == count.expected == 10

@@ -187,3 +187,28 @@ def test_a_rule_no_stage_can_match_is_still_an_error():
     compiled = fxquant.compile(model, scheme, backend="aot_eager", layer_offset=2, num_layers=4)
     with pytest.raises(ValueError, match="match no site"):
         compiled(make_tokens(model.cfg))
+
+
+
+class _RelativeLogits(nn.Module):
+    """An embedding's weight multiplied inside a layer (relative-position logits), not a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Module()])
+        self.layers[0].rel = nn.Embedding(16, 32)
+        self.layers[0].attn = nn.Linear(32, 32)
+
+    def forward(self, x):
+        h = self.layers[0].attn(x)
+        return torch.nn.functional.linear(h, self.layers[0].rel.weight)
+
+
+def test_an_embeddings_weight_inside_a_layer_is_not_the_lm_head():
+    """The identity rule applies outside the layer stack only: inside a layer such a GEMM stays a linear site and
+    is quantized (it became an LM head, kept in high precision without a word)."""
+    torch._dynamo.reset()
+    compiled = fxquant.compile(_RelativeLogits(), "linear_mxfp8", backend="aot_eager", strict=True)
+    compiled(torch.randn(4, 32)).sum().backward()
+    kinds = {s.site.module_path: (s.site.kind.value, s.status.value) for s in fxquant.compile_state(compiled).sites()}
+    assert kinds == {"layers.0.attn": ("linear", "rewritten"), "layers.0.rel": ("linear", "rewritten")}

@@ -180,35 +180,50 @@ def test_grouped_mm_is_listed_unmatched():
     assert "1 matmul-like ops unmatched" in str(exp)
 
 
-class _Checkpointed(nn.Module):
-    """A block run under torch.utils.checkpoint (Dynamo: tag_activation_checkpoint over a subgraph), then a head."""
 
-    def __init__(self, reentrant: bool) -> None:
+class _Branches(nn.Module):
+    """A linear in each branch of torch.cond (a higher-order op whose subgraphs the passes do not rewrite)."""
+
+    def __init__(self) -> None:
         super().__init__()
-        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32))])
-        self.head = nn.Linear(32, 8)
-        self.reentrant = reentrant
+        self.a, self.b, self.head = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.utils.checkpoint.checkpoint(self.layers[0], x, use_reentrant=self.reentrant)
-        return self.head(h)
+        return self.head(torch.cond(x.sum() > 0, lambda t: self.a(t), lambda t: self.b(t), (x,)))
 
 
-@pytest.mark.parametrize("reentrant", [False, True])
-def test_linears_in_a_checkpointed_region_are_listed_and_rejected_by_strict(reentrant, caplog):
-    """Ops inside an activation-checkpointed region are not rewritten: each is listed as unmatched with a note
-    naming checkpointing (they were listed nowhere, and the warning blamed a graph break), strict refuses them,
-    and the linear outside the region is still quantized."""
+def test_linears_in_a_cond_branch_are_listed_and_rejected_by_strict(caplog):
+    """Ops in the subgraphs of a higher-order op other than a checkpointed region are listed as unmatched with a
+    note naming the op (they were listed nowhere), strict refuses them, the linear outside is still quantized."""
     torch.manual_seed(0)
-    model, x = _Checkpointed(reentrant), torch.randn(4, 32, requires_grad=True)
+    model, x = _Branches(), torch.randn(4, 32)
     with caplog.at_level(logging.WARNING, logger="fxquant"):
         compiled = fxquant.compile(model, "linear_mxfp8", backend="aot_eager")
-        compiled(x).sum().backward()
+        compiled(x)
     state = fxquant.compile_state(compiled)
     assert [(s.site.module_path, s.status.value) for s in state.sites()] == [("head", "rewritten")]
-    assert sorted(u.module_path for u in state.unmatched()) == ["layers.0.0", "layers.0.2"]
-    assert all("activation-checkpointed region" in u.note for u in state.unmatched())
-    assert "activation-checkpointed region" in caplog.text
+    assert sorted(u.module_path for u in state.unmatched()) == ["a", "b"]
+    assert all("higher-order op cond" in u.note for u in state.unmatched())
     torch._dynamo.reset()
-    with pytest.raises(QuantizationError, match="linear in 'layers.0.0'.*activation-checkpointed"):
+    with pytest.raises(QuantizationError, match="linear in '[ab]'.*higher-order op cond"):
         fxquant.compile(model, "linear_mxfp8", backend="aot_eager", strict=True)(x)
+
+
+def test_flex_attention_is_an_opaque_attention_call():
+    """torch's flex_attention (a higher-order op that runs QK^T and PV itself) is listed as an opaque call."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    class Flex(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = nn.Linear(32, 96)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.qkv(x).view(1, 16, 3, 2, 16).permute(2, 0, 3, 1, 4)
+            return flex_attention(q, k, v)
+
+    with torch.no_grad():  # flex_attention's backward does not run on the CPU
+        compiled = fxquant.compile(Flex(), "FA_linear_mxfp8", backend="aot_eager")
+        compiled(torch.randn(1, 16, 32))
+    (u,) = fxquant.compile_state(compiled).unmatched()
+    assert u.target == "flex_attention" and "attention kernel" in u.note

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from torch import fx
 
 from fxquant.passes.decompose_mha import decompose_mha
-from fxquant.passes.expected import expected_calls
+from fxquant.passes.expected import expected_calls, recomputes
 from fxquant.passes.layers import LayerNumbering
 from fxquant.passes.module_paths import ModuleNames
 from fxquant.passes.resolve import resolve_sites
@@ -50,6 +50,7 @@ class GraphReport:
     graph_module: fx.GraphModule | None = field(default=None, repr=False)  # the rewritten Dynamo graph
     frame: int | None = None  # Dynamo's frame id of the graph (its recompiles share it); None when unknown
     grad_enabled: bool = True  # compiled under grad mode (Dynamo keeps a no_grad graph beside the training one)
+    recomputes: bool = False  # sites in checkpointed regions: the backward runs more quantizes (expected.recomputes)
 
     @property
     def failed(self) -> list[SiteMeta]:
@@ -70,17 +71,25 @@ def run_passes(
         metas = [dataclasses.replace(m, status=Status.DRY_RUN) if m.selected else m for m in metas]
         return GraphReport(index, metas, found.unmatched, graph_module=gm)
     done = []
+    owners = {id(gm): gm}
     for match in found.matches:
+        owner = match.owner or gm  # gm, or the body of a checkpointed region (sites module docstring)
+        owners[id(owner)] = owner
         if match.op in (OpKind.LINEAR, OpKind.MODULE_MATMUL):
-            done.append(rewrite_linear(gm.graph, match.node))
+            done.append(rewrite_linear(owner.graph, match.node))
         elif match.op is OpKind.SDPA:
-            done.append(rewrite_sdpa(gm.graph, match.node, attention))
+            done.append(rewrite_sdpa(owner.graph, match.node, attention))
         elif match.op is OpKind.ATTENTION_WEIGHTS:
-            done.append(rewrite_attention_weights(gm.graph, match.node))
+            done.append(rewrite_attention_weights(owner.graph, match.node))
         elif match.op is OpKind.MEGATRON_LINEAR:
-            done.append(rewrite_megatron_linear(gm, match.node))
+            done.append(rewrite_megatron_linear(owner, match.node))
         else:
-            done.append(rewrite_unfused_attention(gm.graph, match.node))
+            done.append(rewrite_unfused_attention(owner.graph, match.node))
+    for owner in owners.values():  # bodies first: the frame's graph module's code refers to them
+        if owner is not gm:
+            owner.graph.lint()
+            owner.recompile()
     gm.graph.lint()
     gm.recompile()
-    return GraphReport(index, done, found.unmatched, expected_calls(gm, dedupe=dedupe), gm)
+    return GraphReport(index, done, found.unmatched, expected_calls(gm, dedupe=dedupe), gm,
+                       recomputes=recomputes(gm))

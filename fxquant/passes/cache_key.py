@@ -57,19 +57,23 @@ class FxquantCacheKey(CustomGraphPass):
 
 def fxquant_targets(gm: torch.fx.GraphModule) -> list[str]:
     """Qualified names of the fxquant functions ``gm`` calls (the rewrite passes' module-level wrappers, the
-    capture taps' ``capture_grad``), sorted."""
+    capture taps' ``capture_grad``), in its graph and in the subgraphs of its higher-order ops (a checkpointed
+    region's body), sorted."""
     names = set()
     for node in gm.graph.nodes:
         module = getattr(node.target, "__module__", None) or ""
         if node.op == "call_function" and (module == "fxquant" or module.startswith("fxquant.")):
             names.add(f"{module}.{node.target.__name__}")
+        elif node.op == "get_attr" and isinstance(body := getattr(gm, node.target, None), torch.fx.GraphModule):
+            names.update(fxquant_targets(body))
     return sorted(names)
 
 
 WITH_EFFECTS = "torch.ops.higher_order.with_effects"
 # Higher-order ops whose arguments are graphs Dynamo traced (Megatron's tensor-parallel mappings and other
-# custom autograd.Functions arrive as autograd_function_apply)
-TRACED_BODY_HOPS = frozenset({"autograd_function_apply", "wrap", "invoke_subgraph"})
+# custom autograd.Functions arrive as autograd_function_apply; torch.utils.checkpoint's region as
+# tag_activation_checkpoint)
+TRACED_BODY_HOPS = frozenset({"autograd_function_apply", "wrap", "invoke_subgraph", "tag_activation_checkpoint"})
 
 
 def effects_cacheable(gm: torch.fx.GraphModule) -> bool:

@@ -22,7 +22,9 @@ in Megatron's unfused attention; at an SDPA site the reference attention (``wrap
 them itself, given the taps as its ``scores_tap`` keyword. Points a site does not materialise (attention
 ``probs`` and ``scores`` under torch's SDPA or the flash kernel, quantized
 copies of operands the scheme keeps in high precision or rounds stochastically) are listed in the
-returned report, never silently dropped. An nn.MultiheadAttention's attention with need_weights=True
+returned report, never silently dropped; so are the points of sites inside an activation-checkpointed region
+(``torch.utils.checkpoint``: the region's body is a subgraph whose forward runs again in the backward, where a
+tap would capture twice). An nn.MultiheadAttention's attention with need_weights=True
 (``attention_weights``, returning (O, P)) is tapped as SDPA on its q, k, v [B*H, L, d] and item 0 of its
 result; its probs are not tapped.
 
@@ -51,7 +53,8 @@ from fxquant.capture.tap import Tap, encode_taps
 from fxquant.passes.graph_edit import copy_meta
 from fxquant.passes.rewrite_linear import conv1d_as_linear
 from fxquant.passes.rewrite_megatron_linear import operand_positions
-from fxquant.passes.sites import META_KEY, OpKind, SiteMeta, body_modules, example_value
+from fxquant.passes.sites import (CHECKPOINT_REGION, META_KEY, OpKind, SiteMeta, body_modules, example_value,
+                                  region_bodies)
 from fxquant.passes.wrappers import fxquant_linear, fxquant_sdpa
 
 log = logging.getLogger(__name__)
@@ -204,6 +207,20 @@ def _site_taps(meta: SiteMeta, op: OpKind, spec: CaptureSpec, report: TapReport)
     return out
 
 
+CHECKPOINTED = ("inside an activation-checkpointed region (torch.utils.checkpoint): no taps there (its forward runs "
+                "again in the backward)")
+
+
+def _checkpointed_bodies(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """The bodies of the checkpointed regions of ``gm``, nested ones included."""
+    out = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is CHECKPOINT_REGION:
+            for body in region_bodies(gm, node):
+                out += [body] + _checkpointed_bodies(body)
+    return out
+
+
 def insert_capture_taps(gm: fx.GraphModule, spec: CaptureSpec) -> TapReport:
     """Insert the taps ``spec`` selects at every site of ``gm`` carrying ``node.meta["fxquant"]``; recompiles."""
     if not isinstance(spec, CaptureSpec):
@@ -255,6 +272,13 @@ def insert_capture_taps(gm: fx.GraphModule, spec: CaptureSpec) -> TapReport:
             for user in users:
                 user.replace_input_with(out, wrapped)
     _insert_forward(graph, forward)
+    for body in _checkpointed_bodies(gm):  # not tapped there: each selected point is said
+        for node in body.graph.nodes:
+            meta = node.meta.get(META_KEY)
+            if isinstance(meta, SiteMeta):
+                for tap, _ in _site_taps(meta, _layout(node, meta), spec, report):
+                    report.unavailable.append(f"{meta.site.module_path} ({meta.op.value}): {tap.component.value}."
+                                              f"{tap.role.value}[{tap.copy.value}]: {CHECKPOINTED}")
     report.unavailable.extend(msg for key, msg in report.absent if key not in report.offered)
     if report.unavailable:  # one warning per graph; the full list at DEBUG and in the returned report
         shown = "; ".join(report.unavailable[:3])

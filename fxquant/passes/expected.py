@@ -17,7 +17,7 @@ import torch
 from torch import fx
 
 from fxquant.passes import wrappers
-from fxquant.passes.sites import META_KEY, OpKind, Status
+from fxquant.passes.sites import CHECKPOINT_REGION, META_KEY, OpKind, Status, region_bodies
 
 _FWD, _BWD = 0, 1
 
@@ -66,19 +66,40 @@ def _operand_keys(node: fx.Node) -> list[tuple[int, tuple]]:
             if spec is not None and run]
 
 
+def _rewritten(gm: fx.GraphModule, region: int = 0) -> list[tuple[int, fx.Node]]:
+    """(region, node) of every rewritten site node of ``gm``: region 0 for its own graph, else an id of the
+    checkpointed region whose body holds it (``sites.CHECKPOINT_REGION``)."""
+    out = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is CHECKPOINT_REGION:
+            for body in region_bodies(gm, node):
+                out += _rewritten(body, id(body))
+            continue
+        meta = node.meta.get(META_KEY)
+        if meta is not None and meta.status is Status.REWRITTEN:
+            out.append((region, node))
+    return out
+
+
+def recomputes(gm: fx.GraphModule) -> bool:
+    """Whether a rewritten site of ``gm`` lies in a checkpointed region: its forward quantizes run again in the
+    backward, as many as the backward needs (``torch.utils.checkpoint``'s recompute, or AOT autograd's
+    partitioner with the region's tags), which ``expected_calls`` does not count."""
+    return any(region for region, _ in _rewritten(gm))
+
+
 def expected_calls(gm: fx.GraphModule, *, dedupe: bool) -> tuple[int, int]:
-    """(forward, backward) quantize calls per step of the rewritten ``gm``."""
+    """(forward, backward) quantize calls per step of the rewritten ``gm`` (a checkpointed region's recompute not
+    included: ``recomputes``)."""
     keys: list[tuple[int, tuple]] = []
     counts = [0, 0]
-    for node in gm.graph.nodes:
-        meta = node.meta.get(META_KEY)
-        if meta is None or meta.status is not Status.REWRITTEN:
-            continue
+    for region, node in _rewritten(gm):
+        meta = node.meta[META_KEY]
         if meta.op is OpKind.MEGATRON_LINEAR:
             counts[_FWD] += meta.quantize_calls[0]
             counts[_BWD] += meta.quantize_calls[1]
         else:
-            keys.extend(_operand_keys(node))
+            keys.extend((phase, (region, key)) for phase, key in _operand_keys(node))
     if dedupe:
         keys = list(dict.fromkeys(keys))
     for phase, _ in keys:

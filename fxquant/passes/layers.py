@@ -76,14 +76,21 @@ class LayerNumbering:
         return dataclasses.replace(local, layer=layer, num_layers=self.num_layers,
                                    global_path=None if layer == local.layer else with_layer(path, layer))
 
+    def is_stage(self, sites: list[Site]) -> bool:
+        """Whether ``sites`` hold only some of the model's ``num_layers`` layers (a pipeline stage's)."""
+        held = {s.layer for s in sites if s.layer is not None}
+        return self.num_layers is not None and bool(held) and len(held) < self.num_layers
+
     def other_stages(self, sites: list[Site]) -> list[Site]:
         """For a pipeline stage (a slice of the global layers): the sites of one layer it holds again for each
-        global layer it does not hold (with their global paths), i.e. what the other stages show; nothing when
-        the stage holds every layer. A scheme rule that selects only other stages' layers (``layers: [5]``,
-        ``last_layers: 1`` on the first stage) matches these, so it is not taken for a rule matching nothing."""
-        held = sorted({s.layer for s in sites if s.layer is not None})
-        if self.num_layers is None or not held or len(held) >= self.num_layers:
+        global layer it does not hold (with their global paths), i.e. what the other stages show if their layers
+        are built like this one's; nothing when the stage holds every layer. A scheme rule that selects only other
+        stages' layers (``layers: [5]``, ``last_layers: 1`` on the first stage) matches these, so it is not taken
+        for a rule matching nothing; a ``modules`` rule, which may name a module only other stages' layers have
+        (DeepSeek-V2-Lite's dense first layer), is not checked on a stage at all (``strict.unmatched_rule_error``)."""
+        if not self.is_stage(sites):
             return []
+        held = sorted({s.layer for s in sites if s.layer is not None})
         template = [s for s in sites if s.layer == held[0]]
         return [dataclasses.replace(s, layer=j, global_path=with_layer(s.module_path, j))
                 for j in range(self.num_layers) if j not in held for s in template]

@@ -30,6 +30,8 @@ OPAQUE_GEMM_CALLS = {
     torch.rnn_relu: ("rnn_relu", _RNN), torch.lstm_cell: ("lstm_cell", _RNN), torch.gru_cell: ("gru_cell", _RNN),
     torch.rnn_tanh_cell: ("rnn_tanh_cell", _RNN), torch.rnn_relu_cell: ("rnn_relu_cell", _RNN),
 }
+if hasattr(torch.ops.higher_order, "flex_attention"):  # F.flex_attention, as Dynamo traces it
+    OPAQUE_GEMM_CALLS[torch.ops.higher_order.flex_attention] = ("flex_attention", _SDPA)
 _ATEN_OPAQUE = {
     "_scaled_dot_product_flash_attention": _SDPA, "_scaled_dot_product_flash_attention_for_cpu": _SDPA,
     "_scaled_dot_product_efficient_attention": _SDPA, "_scaled_dot_product_cudnn_attention": _SDPA,

@@ -23,10 +23,17 @@ directly) is reported as unmatched, and so is every opaque call (``passes.opaque
 GEMMs inside (torch's fused transformer fast paths, recurrent layers, ATen's SDPA kernels, an MHA call
 ``decompose_mha`` refused, a custom op given a >= 2-D parameter of the model, such as an MoE's grouped expert
 GEMM); those carry a ``note``, and strict mode rejects them where the scheme quantizes (``strict.opaque_calls``).
+
+An activation-checkpointed region (``torch.utils.checkpoint``, reentrant or not) reaches the backend as
+``higher_order.tag_activation_checkpoint(body, *args)``: the ops of its body are matched as above and rewritten
+in the body's graph (``Match.owner``), where AOT autograd traces them with the region's recompute tags, so the
+quantizes of the region's forward run again in the backward instead of their results being kept. The ops in the
+subgraphs of any other higher-order op are listed as unmatched with a note naming it.
 This module only reads the graph; ``resolve`` attaches the scheme and the ``rewrite_*`` passes edit it.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import operator
 from dataclasses import dataclass
@@ -39,7 +46,7 @@ from fxquant.passes.layers import LayerNumbering
 from fxquant.passes.module_paths import ModuleNames
 from fxquant.passes.opaque import CUSTOM_OP_NOTE, aten_matmul, custom_op, opaque_call
 from fxquant.passes.wrappers import mha_attention_weights
-from fxquant.schemes.model import AttentionQuant, LinearQuant, Site, SiteKind, site_kind_for
+from fxquant.schemes.model import AttentionQuant, LinearQuant, Site, SiteKind, layer_stack, site_kind_for
 
 META_KEY = "fxquant"  # node.meta[META_KEY] is a SiteMeta (docs/compile.md)
 REFUSED_KEY = "fxquant_mha_refused"  # node.meta: why decompose_mha left an MHA call opaque
@@ -126,6 +133,7 @@ _WEIGHT_VIEWS = {"t", "transpose", "permute", "view", "reshape", "contiguous", "
                  "narrow", "to", "type_as", "float", "half", "bfloat16", "detach"}
 _MATMUL_METHODS = {"matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "mv", "addmv", "__matmul__", "__rmatmul__"}
 AUTOGRAD_FUNCTION_APPLY = torch.ops.higher_order.autograd_function_apply
+CHECKPOINT_REGION = torch.ops.higher_order.tag_activation_checkpoint  # torch.utils.checkpoint, as Dynamo traces it
 
 
 def matmul_name(node: fx.Node) -> str | None:
@@ -189,6 +197,7 @@ class Match:
     node: fx.Node
     op: OpKind
     site: Site
+    owner: fx.GraphModule | None = None  # the module whose graph holds ``node`` (a checkpointed region's body)
 
 
 @dataclass
@@ -211,18 +220,29 @@ def find_sites(gm: fx.GraphModule, names: ModuleNames, layers: LayerNumbering | 
     """Match the GEMM-bearing ops of a Dynamo graph (module docstring); nothing is modified. ``layers`` numbers
     the sites' layers (global across pipeline stages, passes.layers); default: the local ``layers.N``."""
     layers = layers or LayerNumbering()
-    root = names.frame_root(gm.graph)
-    matches: list[Match] = []
-    unmatched: list[UnmatchedOp] = []
+    found = FoundSites([], [])
+    _find(gm, names, layers, names.frame_root(gm.graph), found)
+    return found
+
+
+def _find(gm: fx.GraphModule, names: ModuleNames, layers: LayerNumbering, root: str | None,
+          found: FoundSites) -> None:
+    """``find_sites`` over the nodes of ``gm``'s graph, and of the bodies of the checkpointed regions in it."""
+    matches, unmatched = found.matches, found.unmatched
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method"):
+            continue
+        if node.target is CHECKPOINT_REGION:  # its body's ops are rewritten in place (module docstring)
+            for body in region_bodies(gm, node):
+                _find(body, names, layers, root, found)
             continue
         path = _site_path(names, node, root)
         name = matmul_name(node)
         if name == "linear":
             kind = node.meta.get(KIND_KEY)
-            if kind is None and len(node.args) > 1 and names.is_embedding_weight(node.args[1]):
-                kind = SiteKind.LM_HEAD  # a tied head written F.linear(h, self.<embedding>.weight)
+            if (kind is None and len(node.args) > 1 and layer_stack(path) is None
+                    and names.is_embedding_weight(node.args[1])):
+                kind = SiteKind.LM_HEAD  # a tied head written F.linear(h, self.<embedding>.weight), outside the layers
             matches.append(Match(node, OpKind.LINEAR, layers.site(path, kind)))
         elif name == "scaled_dot_product_attention":
             matches.append(Match(node, OpKind.SDPA, layers.site(path, SiteKind.ATTENTION)))
@@ -253,27 +273,30 @@ def find_sites(gm: fx.GraphModule, names: ModuleNames, layers: LayerNumbering | 
             matches.append(Match(node, op, layers.site(path, SiteKind.ATTENTION)))
         elif name is not None or (node.op == "call_function" and aten_matmul(node.target) is not None):
             unmatched.append(_unmatched(node, path))
-    return FoundSites(matches, unmatched)
+    for i, m in enumerate(matches):
+        if m.owner is None:
+            matches[i] = dataclasses.replace(m, owner=gm)
 
 
-_REGION_NOTES = {
-    "tag_activation_checkpoint": "inside an activation-checkpointed region (torch.utils.checkpoint): fxquant does "
-                                 "not rewrite ops there; checkpoint outside the compiled model or not at all",
-}
+def region_bodies(gm: fx.GraphModule, node: fx.Node) -> list[fx.GraphModule]:
+    """The subgraphs (GraphModules reached through ``get_attr`` arguments) a higher-order op ``node`` runs."""
+    out = []
+    for arg in node.args:
+        body = getattr(gm, arg.target, None) if isinstance(arg, fx.Node) and arg.op == "get_attr" else None
+        if isinstance(body, fx.GraphModule):
+            out.append(body)
+    return out
 
 
 def _in_region(gm: fx.GraphModule, node: fx.Node, names: ModuleNames, root: str | None,
                path: str) -> list[UnmatchedOp]:
-    """The GEMM-bearing ops in the subgraphs a higher-order op runs (a checkpointed region, a wrapped function,
-    a branch of cond...), nested ones included: the passes rewrite the frame's own graph only, so each is listed
-    as unmatched (strict refuses it) with a note naming the region."""
+    """The GEMM-bearing ops in the subgraphs a higher-order op other than a checkpointed region runs (a wrapped
+    function, a branch of cond...), nested ones included: the passes do not rewrite them, so each is listed as
+    unmatched (strict refuses it) with a note naming the op."""
     hop = getattr(node.target, "__name__", str(node.target))
-    note = _REGION_NOTES.get(hop, f"inside the subgraph of higher-order op {hop}: fxquant does not rewrite ops there")
+    note = f"inside the subgraph of higher-order op {hop}: fxquant does not rewrite ops there"
     out: list[UnmatchedOp] = []
-    for arg in node.args:
-        body = getattr(gm, arg.target, None) if isinstance(arg, fx.Node) and arg.op == "get_attr" else None
-        if not isinstance(body, fx.GraphModule):
-            continue
+    for body in region_bodies(gm, node):
         for sub in body.graph.nodes:
             if sub.op == "call_function" and isinstance(sub.target, torch._ops.HigherOrderOperator):
                 out.extend(_in_region(body, sub, names, root, path))

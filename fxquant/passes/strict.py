@@ -162,10 +162,13 @@ def check_model_has_sites(sites: list[SiteMeta], unmatched: list[UnmatchedOp], m
     )
 
 
-def unmatched_rule_error(scheme: Scheme, sites: Iterable[Site]) -> ValueError | None:
+def unmatched_rule_error(scheme: Scheme, sites: Iterable[Site], *, stage: bool = False) -> ValueError | None:
     """The error for rules with a selector (modules, layers or kinds) that match none of ``sites``; None if
-    there are none. A rule without a selector (a preset's "every attention site") may match nothing."""
-    unmatched = [u for u in scheme.unmatched_rules(list(sites)) if any(u.rule.selector.specificity)]
+    there are none. A rule without a selector (a preset's "every attention site") may match nothing, and on a
+    pipeline stage (``stage``) neither may a rule with a ``modules`` regex: the module may exist on another
+    stage only."""
+    unmatched = [u for u in scheme.unmatched_rules(list(sites)) if any(u.rule.selector.specificity)
+                 and not (stage and u.rule.selector.modules is not None)]
     if not unmatched:
         return None
     where = f" (scheme {scheme.name}" + (f", {scheme.source}" if scheme.source else "") + ")"
@@ -176,7 +179,10 @@ def check_rules_match(scheme: Scheme, sites: list[SiteMeta], layers: LayerNumber
     """Raise ``unmatched_rule_error`` for the sites seen (and, on a pipeline stage, the other stages' layers:
     ``LayerNumbering.other_stages``)."""
     seen = [s.site for s in sites]
-    error = unmatched_rule_error(scheme, seen + (layers.other_stages(seen) if layers is not None else []))
+    if layers is None:
+        error = unmatched_rule_error(scheme, seen)
+    else:
+        error = unmatched_rule_error(scheme, seen + layers.other_stages(seen), stage=layers.is_stage(seen))
     if error is not None:
         raise error
 

@@ -199,7 +199,7 @@ def explain_unmatched(index: int, rule: Rule, sites: list[Site]) -> UnmatchedRul
     sel = rule.selector
     comps = [c for c in Component if rule.configures(c)]
     relevant = [s for s in sites if s.kind.component in comps]
-    paths = sorted({s.module_path for s in relevant})
+    paths = sorted({s.rule_path for s in relevant})  # the paths rules match (global on a pipeline stage)
     if not relevant:
         return UnmatchedRule(index, rule, (), f"the model has no {' or '.join(c.value for c in comps)} sites")
     nearest: list[str] = []
@@ -218,5 +218,5 @@ def explain_unmatched(index: int, rule: Rule, sites: list[Site]) -> UnmatchedRul
         layers = sorted({s.layer for s in relevant if s.layer is not None})
         span = f"{layers[0]}..{layers[-1]}" if layers else "none"
         reason = f"no site in the selected layers; the model's layers are {span}"
-        nearest = [s.module_path for s in relevant if sel.kinds == () or s.kind in sel.kinds][:3]
+        nearest = [s.rule_path for s in relevant if sel.kinds == () or s.kind in sel.kinds][:3]
     return UnmatchedRule(index, rule, tuple(nearest), reason)
