@@ -211,10 +211,16 @@ def first_error(lines) -> str | None:
         line = line.rstrip("\n")
         prefix = _RANK_PREFIX.match(line)
         body = line[prefix.end():] if prefix else line
-        if found is not None:  # the message's continuation: the same rank's indented lines
-            if (prefix.group(1) if prefix else None) == rank and body.startswith((" ", "\t")) and body.strip():
+        if found is not None:  # the message's continuation: the same rank's indented lines (others' skipped)
+            if (prefix.group(1) if prefix else None) != rank:
+                continue
+            if body.startswith((" ", "\t")) and body.strip():
                 found.append(body.strip())
                 continue
+            if found[-1].endswith("raised:") and _ERROR_LINE.match(body):  # Dynamo's wrapper: the real error next
+                found.append(body.strip())
+                if body.rstrip().endswith(":"):
+                    continue
             break
         match = _ERROR_LINE.match(body)
         if match is None:

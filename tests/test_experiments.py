@@ -310,6 +310,15 @@ torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
     assert first_error(rules) == ("rank 0: ValueError: scheme rules match no site of the model (scheme s, s.yaml): "
                                   "rule 1 (layers=7): matched no site: the model's layers are 0..1; "
                                   "rule 2 (kinds=router): matched no site")
+    interleaved = [rules[0], "[rank1]: ValueError: scheme rules match no site of the model (scheme s, s.yaml):\n",
+                   rules[1], "[rank1]:   rule 1 (layers=7): matched no site: the model's layers are 0..1\n"]
+    assert first_error(interleaved) == ("rank 0: ValueError: scheme rules match no site of the model (scheme s, "
+                                        "s.yaml): rule 1 (layers=7): matched no site: the model's layers are 0..1")
+    wrapped = ["[rank0]: torch._dynamo.exc.BackendCompilerFailed: backend='FxquantBackend' raised:\n",
+               "[rank0]: ValueError: kernels='triton' needs the Triton kernels registered for 'cpu'\n",
+               "[rank0]: \n"]
+    assert first_error(wrapped) == ("rank 0: torch._dynamo.exc.BackendCompilerFailed: backend='FxquantBackend' "
+                                    "raised: ValueError: kernels='triton' needs the Triton kernels registered for 'cpu'")
 
 
 def test_a_failing_run_prints_the_ranks_error_line(tmp_path, capsys, monkeypatch):

@@ -112,11 +112,11 @@ def test_resume_with_more_iterations_follows_the_new_schedule_and_a_layout_chang
     assert "lr schedule differs" in caplog.text and "lr_decay_steps 3 -> 6" in caplog.text
     rank_file = tmp_path / "more" / "checkpoints" / "iter_0000006" / "rank_00000.pt"
     payload = torch.load(rank_file, weights_only=True)
-    assert payload["layout"] == {"world_size": 1, "tp": 1, "pp": 1, "dp": 1}
-    payload["layout"] = {"world_size": 2, "tp": 2, "pp": 1, "dp": 1}
+    assert payload["layout"] == {"world_size": 1, "tp": 1, "pp": 1, "dp": 1, "ep": 1, "cp": 1}
+    payload["layout"] = {"world_size": 2, "tp": 2, "pp": 1, "dp": 1, "ep": 1, "cp": 1}
     torch.save(payload, rank_file)
-    with pytest.raises(ValueError, match="written by a job of 2 processes, tp=2, pp=1, dp=1; this job has 1 "
-                                         "processes, tp=1, pp=1, dp=1"):
+    with pytest.raises(ValueError, match="written by a job of 2 processes, tp=2, pp=1, dp=1, ep=1, cp=1; this job has 1 "
+                                         "processes, tp=1, pp=1, dp=1, ep=1, cp=1"):
         train(_run(tmp_path, "more", iters=8, save_interval=3))
 
 

@@ -71,11 +71,13 @@ def _layout() -> dict[str, int]:
     from megatron.core import parallel_state as ps
 
     return {"world_size": dist.get_world_size(), "tp": ps.get_tensor_model_parallel_world_size(),
-            "pp": ps.get_pipeline_model_parallel_world_size(), "dp": ps.get_data_parallel_world_size()}
+            "pp": ps.get_pipeline_model_parallel_world_size(), "dp": ps.get_data_parallel_world_size(),
+            "ep": ps.get_expert_model_parallel_world_size(), "cp": ps.get_context_parallel_world_size()}
 
 
 def _layout_text(layout: dict) -> str:
-    return f"{layout['world_size']} processes, tp={layout['tp']}, pp={layout['pp']}, dp={layout['dp']}"
+    sizes = ", ".join(f"{k}={layout[k]}" for k in ("tp", "pp", "dp", "ep", "cp") if k in layout)
+    return f"{layout['world_size']} processes, {sizes}"
 
 
 _SCHEDULE = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style")
