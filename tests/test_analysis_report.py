@@ -161,8 +161,8 @@ def test_cli_verbs_refuse_missing_and_empty_directories(tmp_path, capsys):
     assert main(["report", str(empty), "--out", str(tmp_path / "r2"), "-q"]) == 1
     err = capsys.readouterr().err
     assert "holds no rank-NNNNN directories" in err and f"no capture records in {empty}" in err
-    for verb in ("quant-error", "mx-sweep"):
-        assert main([verb, str(empty), "-q"]) == 2
+    for verb in ("quant-error", "mx-sweep"):  # exit 1, as report and docs/analysis.md (they exited 2)
+        assert main([verb, str(empty), "-q"]) == 1
         assert f"fxquant {verb}: error: no capture records in {empty}" in capsys.readouterr().err
 
 
@@ -277,7 +277,7 @@ def test_where_matching_no_record_is_said_and_skipped_sets_are_reported_once(set
     err = capsys.readouterr().err
     assert f"error: no capture records in {root / 'mxfp8'} match --where role=bogus: nothing to analyse" in err
     assert "see the warnings above" not in err
-    assert main(["quant-error", str(root / "mxfp8"), "--where", "layer=7", "-q"]) == 2
+    assert main(["quant-error", str(root / "mxfp8"), "--where", "layer=7", "-q"]) == 1
     assert "match --where layer=7" in capsys.readouterr().err
     (tmp_path / "junk").mkdir()
     with caplog.at_level(logging.INFO):
@@ -409,3 +409,35 @@ def test_quant_error_summary_pools_sqnr_over_sites_lossless_ones_included(tmp_pa
     assert row["sqnr_db_pooled"] == pytest.approx(10 * math.log10(r2 / e2), rel=1e-6)
     assert row["lossless_sites"] == 1 and row["operands"] == 3
     assert "pooled over captures" in (tmp_path / "r/quant_error/heatmap_sqnr_db_s.svg").read_text()
+
+
+def test_quant_error_of_an_export_pt_directory_equals_that_of_its_capture_set(tmp_path, capsys):
+    """export-pt keeps each quantized copy's blocked dim: its saturated/flushed % are those of the capture set
+    (a wgrad copy, blocked along dim 0, was scored as blocked along the last dim)."""
+    import fxquant
+
+    torch.manual_seed(0)
+    spec = capture.load_spec("q.yaml", text="sections: [{name: q, points: [{component: linear, roles: [input, "
+                                            "grad_output], copies: [hp, quantized]}]}]\n")
+    model = fxquant.compile(torch.nn.Sequential(torch.nn.Linear(64, 64)), "linear_mxfp8", backend="aot_eager",
+                            capture=spec, capture_dir=tmp_path / "set")
+    (model(torch.randn(64, 64) * torch.logspace(-3, 3, 64)) ** 2).sum().backward()
+    fxquant.compile_state(model).capture_session.close()
+    assert main(["capture", "export-pt", str(tmp_path / "set"), str(tmp_path / "pt")]) == 0
+    capsys.readouterr()
+    rows = {}
+    for name, d in (("set", tmp_path / "set"), ("pt", tmp_path / "pt")):
+        assert main(["quant-error", str(d), "--json", "-q"]) == 0
+        rows[name] = sorted((r["module"], r["role"], r["gemm"], r["saturated_pct"], r["flushed_pct"])
+                            for r in map(json.loads, capsys.readouterr().out.splitlines()))
+    assert rows["pt"] == rows["set"] and any(r[2] == "wgrad" for r in rows["set"])
+
+
+def test_mx_sweep_without_stored_operands_says_so(tmp_path, capsys):
+    from tests.analysis_helpers import write_tensors
+
+    write_tensors(tmp_path / "stats", [torch.randn(4, 64)], what="stats")
+    assert main(["mx-sweep", str(tmp_path / "stats"), "-q"]) == 1
+    assert "no MX study rows" in capsys.readouterr().err
+    assert main(["mx-sweep", str(tmp_path / "stats"), "-q", "--offsets="]) == 2
+    assert "give at least one exponent offset" in capsys.readouterr().err

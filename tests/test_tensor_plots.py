@@ -86,3 +86,15 @@ def test_cli_refuses_missing_directories_and_says_when_nothing_was_drawn(tmp_pat
     assert "see the warnings above" not in err
     assert main(["plot-tensors", str(tmp_path / "lin"), "-o", str(tmp_path / "afile")]) == 2  # output is a file
     assert capsys.readouterr().err.startswith("fxquant plot-tensors: error: File exists")
+
+
+def test_two_directories_with_the_same_records_get_a_figure_each(tmp_path, capsys):
+    """Two capture sets with one record each at the same module/role/iteration/seq: two figures, each linked
+    from its own section (the second replaced the first, both sections showing it)."""
+    write_tensors(tmp_path / "a", [torch.zeros(4, 8)])
+    write_tensors(tmp_path / "b", [torch.ones(4, 8)])
+    assert main(["plot-tensors", str(tmp_path / "a"), str(tmp_path / "b"), "-o", str(tmp_path / "out")]) == 0
+    figures = sorted(p.name for p in (tmp_path / "out" / "heatmaps").iterdir())
+    assert len(figures) == 2 and figures[0].startswith("0-a_") and figures[1].startswith("1-b_")
+    index = (tmp_path / "out" / "index.html").read_text()
+    assert all(f"heatmaps/{f}" in index for f in figures)

@@ -77,6 +77,10 @@ class Outputs:
         self.entries: list[Entry] = []
 
     def _path(self, rel: str) -> Path:
+        """Where ``rel`` goes; a second file under one name in one report is a defect (it would replace the first,
+        which the index still lists): refused."""
+        if any(e.path == rel for e in self.entries):
+            raise ValueError(f"report file {rel!r} written twice: the second would replace the first")
         p = self.root / rel
         p.parent.mkdir(parents=True, exist_ok=True)
         return p

@@ -57,7 +57,7 @@ def write(agg: Aggregator, out: Outputs, plots: bool = True) -> dict:
                          *[fmt_num(qd.get(f"q{q:g}")) + mark for q in show_q]])
         parts.append(f"== by {name} ==\n" + tabulate(
             rows, headers=[name, "tensors", "numel", "nan", "inf", "zero frac", "min", "max", "mean", "std", "amax",
-                           "q over", *[f"q{q:g}" for q in show_q]], disable_numparse=True))
+                           "hist numel", *[f"q{q:g}" for q in show_q]], disable_numparse=True))
     if any(d["sampled_tensors"] for rows in result.values() for d in rows):
         parts.append("* quantiles over stored sampled rows (see quantile_coverage in global_stats.json)")
     parts.append(f"quantiles: {QUANTILE_ACCURACY}; {QUANTILE_COVERAGE}")

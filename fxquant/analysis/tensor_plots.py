@@ -126,12 +126,16 @@ def plot_tensors(dirs, out: str | Path, *, where: dict | None = None, max_tensor
     problems: list[str] = []
     outputs = Outputs(Path(out))
     done = 0
-    for root, cs in open_sets(dirs, problems).items():
+    sets = open_sets(dirs, problems)
+    for k, (root, cs) in enumerate(sets.items()):
+        # several DIRs share module/role/iteration/seq: each DIR's figures get a prefix of their own
+        prefix = f"{k}-{slug(Path(root).name)}_" if len(sets) > 1 else ""
         sel = [r for r in (cs.query(**where) if where else cs) if r.has_tensor]
         problems += [f"{root}: skipped: {p}" for p in getattr(cs, "problems", ())]
         for rec in sel:
             if done >= max_tensors:
-                problems.append(f"--max-tensors {max_tensors} reached: the remaining records were not drawn")
+                if not any(p.startswith("--max-tensors") for p in problems):
+                    problems.append(f"--max-tensors {max_tensors} reached: the remaining records were not drawn")
                 break
             f = rec.fields
             try:
@@ -139,8 +143,9 @@ def plot_tensors(dirs, out: str | Path, *, where: dict | None = None, max_tensor
             except (ValueError, OSError) as exc:
                 problems.append(f"{rec.rank_dir}: record seq={f.get('seq')}: {exc}")
                 continue
-            name = slug("_".join(str(f.get(k)) for k in ("module", "role", "copy", "gemm", "rank", "iteration",
-                                                         "micro_batch", "seq") if f.get(k) is not None))
+            name = prefix + slug("_".join(str(f.get(key)) for key in ("module", "role", "copy", "gemm", "rank",
+                                                                       "iteration", "micro_batch", "seq")
+                                          if f.get(key) is not None))
             section = f"{Path(root).name}: {f.get('component')} {f.get('role')}"
             outputs.figure(f"heatmaps/{name}.svg", value_heatmap(t, f, cells), section, f"{f.get('module')} values")
             if f.get("component") == "attention" and f.get("role") in ATTENTION_ROLES:

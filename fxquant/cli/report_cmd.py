@@ -68,6 +68,8 @@ def _kwargs(args: argparse.Namespace) -> dict:
         offsets = tuple(int(v) for v in text.split(",") if v.strip())
     except ValueError:
         raise ValueError(f"--offsets {text!r}: expected comma-separated integers") from None
+    if not offsets:
+        raise ValueError(f"--offsets {text!r}: give at least one exponent offset (e.g. --offsets=-1,0,1)")
     split = (lambda s: None if s is None else [v.strip() for v in s.split(",") if v.strip()])
     return {"workers": args.workers, "where": where_conditions(args.where) or None,
             "formats": split(getattr(args, "formats", None)), "mx_formats": split(getattr(args, "mx_formats", None)),
@@ -119,8 +121,21 @@ def _analyse(args: argparse.Namespace, plots: bool = False):
             print(f"warning: {p}", file=sys.stderr)
         error = nothing_found(res.records, res.problems, args.dirs, args.where)
         if error:
-            raise ValueError(f"{error}: nothing to analyse")
+            raise NothingToAnalyse(f"{error}: nothing to analyse")
         return res.aggregator
+
+
+class NothingToAnalyse(ValueError):
+    """The DIRs gave no record (docs/analysis.md: exit 1, as ``report``)."""
+
+
+def _analysed(args: argparse.Namespace):
+    """``_analyse``'s aggregator, or None after saying why there is none (the verb then exits 1)."""
+    try:
+        return _analyse(args)
+    except NothingToAnalyse as exc:
+        print(f"fxquant {args.verb}: error: {exc}", file=sys.stderr)
+        return None
 
 
 def run_quant_error(args: argparse.Namespace) -> int:
@@ -129,7 +144,9 @@ def run_quant_error(args: argparse.Namespace) -> int:
     from fxquant.analysis import quant_error
     from fxquant.analysis.outputs import clean, fmt_num
 
-    agg = _analyse(args)  # no --sample-blocks: no MX study
+    agg = _analysed(args)  # no --sample-blocks: no MX study
+    if agg is None:
+        return 1
     if not agg.sites:
         print("note: no quantized copies among the selected records (the predecessor's .pt files hold high-precision "
               "tensors only); `fxquant what-if DIR` gives the error they would have in any format", file=sys.stderr)
@@ -149,8 +166,14 @@ def run_mx_sweep(args: argparse.Namespace) -> int:
     from fxquant.analysis import mx_report, mx_study
     from fxquant.analysis.outputs import clean
 
-    agg = _analyse(args)
+    agg = _analysed(args)
+    if agg is None:
+        return 1
     rows = mx_report.rows_of(agg)
+    if not rows:
+        print("fxquant mx-sweep: error: no MX study rows: the selected records hold no high-precision GEMM operand "
+              "with stored values (a statistics-only capture, or --where left none)", file=sys.stderr)
+        return 1
     best = mx_study.recommend(rows)
     if args.json:
         import dataclasses
