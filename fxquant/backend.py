@@ -66,6 +66,7 @@ class FxquantBackend:
         self.layers = layers if layers is not None else LayerNumbering.of_model(root)  # global layer indices
         self.reports: list[GraphReport] = []
         self.runs: collections.Counter[int] = collections.Counter()  # calls of each compiled graph (report index)
+        self.recompute_runs: collections.Counter[int] = collections.Counter()  # calls during a backward
         self.pending: list[Exception] = []
         self._scheme_text = scheme_text(scheme)
 
@@ -107,10 +108,11 @@ class FxquantBackend:
     def _counted(self, compiled: object, index: int) -> object:
         """``compiled`` (the graph's callable, boxed or not), counting its calls in ``runs[index]``: the runtime
         counters expect the quantizes of the graphs that ran (fxquant.counters)."""
-        runs = self.runs
+        runs, recomputes = self.runs, self.recompute_runs
 
         def run(*args: object) -> object:
-            runs[index] += 1
+            # a call while autograd runs a backward is a checkpoint's recompute of this graph's forward
+            (recomputes if torch._C._current_graph_task_id() != -1 else runs)[index] += 1
             return compiled(*args)
 
         run._boxed_call = getattr(compiled, "_boxed_call", False)  # AOT/Inductor's list-of-args convention

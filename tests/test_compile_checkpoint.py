@@ -13,6 +13,7 @@ import torch
 import fxquant
 from fxquant import capture
 from fxquant.counters import count_quantize_calls
+from fxquant.passes.strict import QuantizationError
 from tests.models import make_llama, make_tokens, next_token_loss
 
 
@@ -69,7 +70,7 @@ def test_counters_count_the_recompute_of_checkpointed_regions(backend):
     assert count.recomputed and count.ok and count.expected == without.expected and "at least" in str(count)
     if backend == "aot_eager":  # the partitioner recomputes; the interpreted region (eager) does on torch 2.13
         assert count.executed > count.expected
-    with pytest.raises(fxquant.passes.strict.QuantizationError, match="executed 0"):
+    with pytest.raises(QuantizationError, match="executed 0"):
         with count_quantize_calls(model):
             _step(model._orig_mod, tokens)
 
@@ -89,3 +90,68 @@ def test_capture_points_inside_checkpointed_regions_are_said(tmp_path, caplog):
     assert "layers.0.mlp.down_proj (linear): linear.input[hp]" in missing[6] or any(
         m.startswith("layers.0.mlp.down_proj (linear): linear.input[hp]") for m in missing)
     assert [r.module for r in capture.open(tmp_path)] == ["lm_head"]
+
+
+def test_stochastic_rounding_inside_a_region_is_refused():
+    """The recompute in the backward would draw other random numbers than the forward (the gradients would not
+    belong to the forward that ran): such a site is not rewritten, and said; strict raises."""
+    sr = fxquant.schemes.Scheme.from_yaml_text("name: sr\nrules:\n  - linear: {format: mxfp8, rounding: sr}\n", "sr.yaml")
+    tokens = make_tokens(make_llama().cfg)
+    with pytest.raises(QuantizationError, match="stochastic rounding inside an activation"):
+        _step(_compiled("non_reentrant", sr, backend="aot_eager"), tokens)
+    torch._dynamo.reset()
+    model = _compiled("non_reentrant", sr, backend="aot_eager")
+    model = fxquant.compile(model._orig_mod, sr, backend="aot_eager")  # not strict: said, run in high precision
+    _step(model, tokens)
+    status = {s.site.module_path: s.status.value for s in fxquant.compile_state(model).sites()}
+    assert status["layers.0.mlp.down_proj"] == "failed" and status["lm_head"] == "high"
+
+
+class _MhaBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mha = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+        self.fc = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.fc(self.mha(x, x, x, need_weights=False)[0])
+
+
+class _CheckpointedMha(torch.nn.Module):
+    def __init__(self, checkpoint: bool) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_MhaBlock()])
+        self.checkpoint = checkpoint
+
+    def forward(self, x):
+        block = self.layers[0]
+        return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if self.checkpoint else block(x)
+
+
+def test_multihead_attention_inside_a_region_is_decomposed_and_quantized():
+    torch.manual_seed(0)
+    base, x = _CheckpointedMha(False), torch.randn(2, 8, 32, requires_grad=True)
+    out = {}
+    for checkpoint in (False, True):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        model.checkpoint = checkpoint
+        compiled = fxquant.compile(model, "FA_linear_mxfp8", backend="aot_eager", strict=True)
+        y = compiled(x)
+        y.sum().backward()
+        out[checkpoint] = (y.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+        assert {s.status.value for s in fxquant.compile_state(compiled).sites()} == {"rewritten"}
+    _same(out[True], out[False])
+
+
+def test_counters_with_a_checkpoint_around_the_compiled_module():
+    """A checkpoint around the compiled module (per-layer compile under Hugging Face checkpointing) runs its graph
+    again during the backward: counted as a recompute (at least the step's calls), not as a second step."""
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.GELU(), torch.nn.Linear(48, 32))
+    compiled = fxquant.compile(block, "linear_mxfp8", backend="aot_eager", kernels="reference", strict=True)
+    x = torch.randn(4, 32, requires_grad=True)
+    torch.utils.checkpoint.checkpoint(compiled, x, use_reentrant=False).sum().backward()
+    with count_quantize_calls(compiled) as count:
+        torch.utils.checkpoint.checkpoint(compiled, x, use_reentrant=False).sum().backward()
+    assert count.recomputed and count.ok and count.expected == 12 and count.executed > 12

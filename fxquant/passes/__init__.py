@@ -33,7 +33,10 @@ from fxquant.passes.rewrite_linear import rewrite_linear
 from fxquant.passes.rewrite_megatron_linear import rewrite_megatron_linear
 from fxquant.passes.rewrite_sdpa import rewrite_attention_weights, rewrite_sdpa
 from fxquant.passes.rewrite_unfused_attention import rewrite_unfused_attention
-from fxquant.passes.sites import META_KEY, OpKind, SiteMeta, Status, UnmatchedOp, find_sites
+from fxquant.formats.options import Rounding
+from fxquant.formats.tensor_quant import TensorQuant
+from fxquant.passes.sites import (META_KEY, OpKind, SiteMeta, Status, UnmatchedOp, checkpointed_bodies,
+                                  find_sites)
 from fxquant.schemes.scheme import Scheme
 
 __all__ = ["GraphReport", "LayerNumbering", "META_KEY", "ModuleNames", "OpKind", "SiteMeta", "Status", "UnmatchedOp", "run_passes"]
@@ -57,14 +60,29 @@ class GraphReport:
         return [s for s in self.sites if s.status is Status.FAILED]
 
 
+SR_IN_REGION = ("stochastic rounding inside an activation-checkpointed region (torch.utils.checkpoint): the backward's "
+                "recompute would draw other random numbers than the forward did, so its gradients would not belong to "
+                "the forward; the site runs in high precision (round to nearest there, or checkpoint outside it)")
+
+
+def stochastic(config: object) -> bool:
+    """Whether a resolved LinearQuant / AttentionQuant rounds any operand stochastically."""
+    if isinstance(config, TensorQuant):
+        return config.options.rounding is Rounding.SR
+    if dataclasses.is_dataclass(config):
+        return any(stochastic(getattr(config, f.name)) for f in dataclasses.fields(config))
+    return False
+
+
 def run_passes(
     gm: fx.GraphModule, scheme: Scheme, names: ModuleNames, *, layers: LayerNumbering | None = None,
     index: int = 0, dry_run: bool = False, dedupe: bool = True, attention: str | None = None,
 ) -> GraphReport:
     """Match, resolve and (unless ``dry_run``) rewrite ``gm`` in place; returns the report. ``dedupe``: count
     expected quantize calls as AOT autograd's CSE leaves them (False for the eager inner backend)."""
-    if decompose_mha(gm, names):
-        gm.recompile()
+    for module in [gm, *checkpointed_bodies(gm)]:  # an MHA inside a checkpointed region too
+        if decompose_mha(module, names):
+            module.recompile()
     found = find_sites(gm, names, layers)
     metas = resolve_sites(found, scheme)
     if dry_run:
@@ -75,7 +93,12 @@ def run_passes(
     for match in found.matches:
         owner = match.owner or gm  # gm, or the body of a checkpointed region (sites module docstring)
         owners[id(owner)] = owner
-        if match.op in (OpKind.LINEAR, OpKind.MODULE_MATMUL):
+        meta = match.node.meta[META_KEY]
+        if owner is not gm and meta.config is not None and stochastic(meta.config):
+            meta = dataclasses.replace(meta, status=Status.FAILED, note=SR_IN_REGION)
+            match.node.meta[META_KEY] = meta
+            done.append(meta)
+        elif match.op in (OpKind.LINEAR, OpKind.MODULE_MATMUL):
             done.append(rewrite_linear(owner.graph, match.node))
         elif match.op is OpKind.SDPA:
             done.append(rewrite_sdpa(owner.graph, match.node, attention))

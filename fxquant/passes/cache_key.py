@@ -96,6 +96,8 @@ def effects_cacheable(gm: torch.fx.GraphModule) -> bool:
                 obj = getattr(obj, name, None)
             if isinstance(obj, (torch.ScriptObject, FakeScriptObject)):
                 return False
+            if isinstance(obj, torch.fx.GraphModule) and not effects_cacheable(obj):  # a traced body's own ops
+                return False
     return True
 
 

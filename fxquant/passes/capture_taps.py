@@ -53,8 +53,7 @@ from fxquant.capture.tap import Tap, encode_taps
 from fxquant.passes.graph_edit import copy_meta
 from fxquant.passes.rewrite_linear import conv1d_as_linear
 from fxquant.passes.rewrite_megatron_linear import operand_positions
-from fxquant.passes.sites import (CHECKPOINT_REGION, META_KEY, OpKind, SiteMeta, body_modules, example_value,
-                                  region_bodies)
+from fxquant.passes.sites import META_KEY, OpKind, SiteMeta, body_modules, checkpointed_bodies, example_value
 from fxquant.passes.wrappers import fxquant_linear, fxquant_sdpa
 
 log = logging.getLogger(__name__)
@@ -211,16 +210,6 @@ CHECKPOINTED = ("inside an activation-checkpointed region (torch.utils.checkpoin
                 "again in the backward)")
 
 
-def _checkpointed_bodies(gm: fx.GraphModule) -> list[fx.GraphModule]:
-    """The bodies of the checkpointed regions of ``gm``, nested ones included."""
-    out = []
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is CHECKPOINT_REGION:
-            for body in region_bodies(gm, node):
-                out += [body] + _checkpointed_bodies(body)
-    return out
-
-
 def insert_capture_taps(gm: fx.GraphModule, spec: CaptureSpec) -> TapReport:
     """Insert the taps ``spec`` selects at every site of ``gm`` carrying ``node.meta["fxquant"]``; recompiles."""
     if not isinstance(spec, CaptureSpec):
@@ -272,7 +261,7 @@ def insert_capture_taps(gm: fx.GraphModule, spec: CaptureSpec) -> TapReport:
             for user in users:
                 user.replace_input_with(out, wrapped)
     _insert_forward(graph, forward)
-    for body in _checkpointed_bodies(gm):  # not tapped there: each selected point is said
+    for body in checkpointed_bodies(gm):  # not tapped there: each selected point is said
         for node in body.graph.nodes:
             meta = node.meta.get(META_KEY)
             if isinstance(meta, SiteMeta):

@@ -278,6 +278,16 @@ def _find(gm: fx.GraphModule, names: ModuleNames, layers: LayerNumbering, root: 
             matches[i] = dataclasses.replace(m, owner=gm)
 
 
+def checkpointed_bodies(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """The bodies of the checkpointed regions of ``gm``, nested ones included."""
+    out = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is CHECKPOINT_REGION:
+            for body in region_bodies(gm, node):
+                out += [body] + checkpointed_bodies(body)
+    return out
+
+
 def region_bodies(gm: fx.GraphModule, node: fx.Node) -> list[fx.GraphModule]:
     """The subgraphs (GraphModules reached through ``get_attr`` arguments) a higher-order op ``node`` runs."""
     out = []
