@@ -66,6 +66,9 @@ def test_quantiles_exact_in_rank_within_one_bin_in_value():
     for q, w in zip(qs, want):
         assert abs(got[f"q{q:g}"] - w) <= abs(w) / 16 + 1e-12, (q, got[f"q{q:g}"], w)
     assert bins.quantiles(np.zeros(bins.NSIGNED, dtype=np.int64), qs) == {f"q{q:g}": None for q in qs}
+    inf = torch.tensor([-math.inf] * 10 + [1.0] * 80 + [math.inf] * 10)  # ranks in the Inf bins: the infinities
+    got = bins.quantiles(_hist(inf)[0], (0.01, 0.5, 0.99))
+    assert got["q0.01"] == -math.inf and got["q0.99"] == math.inf and got["q0.5"] == pytest.approx(1.0, rel=1 / 16)
 
 
 @pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e3m2", "mxfp6_e2m3", "mxfp4_e2m1"])

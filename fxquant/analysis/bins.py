@@ -109,7 +109,8 @@ def element_domain(rel: np.ndarray, emax: int) -> np.ndarray:
 
 
 def quantiles(signed: np.ndarray, qs: tuple[float, ...]) -> dict[str, float | None]:
-    """Quantiles from a signed histogram (NaN bins excluded), linear inside a bin."""
+    """Quantiles from a signed histogram (NaN bins excluded), linear inside a bin; a rank in the bin of +Inf or
+    -Inf gives that infinity (written "inf" / "-inf" in JSON)."""
     neg_j = np.arange(NAN_FIRST - 1, 0, -1)
     pos_j = np.arange(1, NAN_FIRST)
     counts = np.concatenate([signed[NMAG + neg_j], [signed[0] + signed[NMAG]], signed[pos_j]]).astype(np.float64)
@@ -125,9 +126,11 @@ def quantiles(signed: np.ndarray, qs: tuple[float, ...]) -> dict[str, float | No
         i = min(int(np.searchsorted(cum, max(target, 0.5), side="left")), len(counts) - 1)
         before = cum[i] - counts[i]
         frac = min(max((target - before) / counts[i], 0.0), 1.0) if counts[i] else 0.0
-        with np.errstate(invalid="ignore"):
+        if math.isinf(hi[i]) or math.isinf(lo[i]):  # the bin of +Inf (or -Inf): the quantile is that infinity
+            v = hi[i] if hi[i] > 0 else lo[i]
+        else:
             v = hi[i] if frac >= 1.0 else lo[i] + frac * (hi[i] - lo[i])
-        out[f"q{q:g}"] = float(v) if math.isfinite(v) else None
+        out[f"q{q:g}"] = float(v)
     return out
 
 
