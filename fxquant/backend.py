@@ -66,7 +66,7 @@ class FxquantBackend:
         self.layers = layers if layers is not None else LayerNumbering.of_model(root)  # global layer indices
         self.reports: list[GraphReport] = []
         self.runs: collections.Counter[int] = collections.Counter()  # calls of each compiled graph (report index)
-        self.recompute_runs: collections.Counter[int] = collections.Counter()  # calls during a backward
+        self.recomputed_runs = 0  # graph calls made during a backward (fxquant.counters)
         self.pending: list[Exception] = []
         self._scheme_text = scheme_text(scheme)
 
@@ -108,11 +108,11 @@ class FxquantBackend:
     def _counted(self, compiled: object, index: int) -> object:
         """``compiled`` (the graph's callable, boxed or not), counting its calls in ``runs[index]``: the runtime
         counters expect the quantizes of the graphs that ran (fxquant.counters)."""
-        runs, recomputes = self.runs, self.recompute_runs
-
         def run(*args: object) -> object:
-            # a call while autograd runs a backward is a checkpoint's recompute of this graph's forward
-            (recomputes if torch._C._current_graph_task_id() != -1 else runs)[index] += 1
+            if torch._C._current_graph_task_id() == -1:
+                self.runs[index] += 1
+            else:  # a call while autograd runs a backward: a checkpoint around the module recomputing its forward
+                self.recomputed_runs += 1
             return compiled(*args)
 
         run._boxed_call = getattr(compiled, "_boxed_call", False)  # AOT/Inductor's list-of-args convention
@@ -137,8 +137,7 @@ class FxquantBackend:
         known = [s.site for s in self.current_sites()]
         if self.root is not None:
             known += possible_sites(self.root, self.layers)
-        return unmatched_rule_error(self.scheme, known + self.layers.other_stages(known),
-                                    stage=self.layers.is_stage(known))
+        return unmatched_rule_error(self.scheme, known, self.layers)
 
     def refusal(self, exc: ValueError):
         """A compiled graph that raises ``exc`` instead of running (kept in ``pending`` too, for ``explain``,
@@ -239,35 +238,29 @@ class FxquantBackend:
     def expected_calls(self) -> tuple[int, int]:
         """(forward, backward) calls of the ``fxquant::quantize`` op per step, in graphs that call the op (a graph
         whose quantizes Inductor generated code for, ``Kernels.INDUCTOR``, calls none: ``fused_calls``)."""
-        return self._calls_of(self._step_reports(), fused=False)
+        return self.calls_of({r.index: 1 for r in self._step_reports()}, fused=False)
 
     def fused_calls(self) -> tuple[int, int]:
         """(forward, backward) quantizes per step that run as Inductor-generated code, not as op calls."""
-        return self._calls_of(self._step_reports(), fused=True)
+        return self.calls_of({r.index: 1 for r in self._step_reports()}, fused=True)
 
-    def _calls_of(self, reports: list[GraphReport], *, fused: bool, times: dict | None = None) -> tuple[int, int]:
-        """(forward, backward) quantizes of ``reports`` (each ``times[index]`` times; once without ``times``), of
-        the graphs lowered into Inductor's code (``fused``) or of those that call the op; a graph compiled under
-        no_grad has no backward."""
+    def calls_of(self, times: dict[int, int], *, fused: bool) -> tuple[int, int]:
+        """(forward, backward) quantizes of the graphs ``times`` names (report index -> calls), of those lowered into
+        Inductor's code (``fused``) or of those that call the op; a graph compiled under no_grad has no backward."""
         fwd = bwd = 0
-        for r in reports:
-            if (self.kernels_used.get(r.index) is Kernels.INDUCTOR) != fused:
-                continue
-            n = 1 if times is None else times.get(r.index, 0)
-            fwd += n * r.expected_calls[0]
-            bwd += n * r.expected_calls[1] * r.grad_enabled
+        for r in self.reports:
+            n = times.get(r.index, 0)
+            if n and (self.kernels_used.get(r.index) is Kernels.INDUCTOR) == fused:
+                fwd += n * r.expected_calls[0]
+                bwd += n * r.expected_calls[1] * r.grad_enabled
         return fwd, bwd
 
-    def calls_of_block(self, runs: dict, grad_enabled: bool, *, fused: bool) -> tuple[int, int]:
-        """(forward, backward) quantizes a block of calls should have made: every graph as often as it ran
-        (``runs``: report index -> calls in the block; a module called twice, an evaluation's no_grad graph, a
-        graph of another input shape), and for each frame in use none of whose graphs of the grad modes that ran
-        (none ran: ``grad_enabled``, the mode the block started in) ran, its latest graph once: a shortfall (a
-        frame fell back to eager, the uncompiled module was called)."""
-        return self._calls_of(self.reports, fused=fused, times=self._block_times(runs, grad_enabled))
-
-    def _block_times(self, runs: dict, grad_enabled: bool) -> dict[int, int]:
-        """Report index -> how many calls of that graph a block should have made (``calls_of_block``)."""
+    def block_times(self, runs: dict[int, int], grad_enabled: bool) -> dict[int, int]:
+        """Report index -> how many calls of that graph a block of calls should have made: every graph as often as
+        it ran (``runs``; a module called twice, an evaluation's no_grad graph, a graph of another input shape),
+        and for each frame in use none of whose graphs of the grad modes that ran (none ran: ``grad_enabled``, the
+        mode the block started in) ran, its latest graph once: a shortfall (a frame fell back to eager, the
+        uncompiled module was called)."""
         times = {i: n for i, n in runs.items() if n}
         by_index = {r.index: r for r in self.reports}
         ran = [by_index[i] for i in times if i in by_index]
@@ -278,11 +271,10 @@ class FxquantBackend:
                 times[r.index] = max(times.get(r.index, 0), 1)
         return times
 
-    def block_recomputes(self, runs: dict, grad_enabled: bool) -> bool:
-        """Whether a graph of the block has sites in checkpointed regions (``GraphReport.recomputes``): its
-        backward runs the region's forward quantizes again, as many as it needs, beyond ``calls_of_block``."""
-        by_index = {r.index: r for r in self.reports}
-        return any(by_index[i].recomputes for i in self._block_times(runs, grad_enabled) if i in by_index)
+    def recomputes_in(self, times: dict[int, int]) -> bool:
+        """Whether a graph ``times`` names has sites in checkpointed regions (``GraphReport.recomputes``): its
+        backward runs the region's forward quantizes again, as many as it needs, beyond ``calls_of``."""
+        return any(r.recomputes for r in self.reports if times.get(r.index))
 
     def unmatched_ops(self) -> list:
         """The unmatched ops of the graphs in use, once per call: per Dynamo frame those of its latest graph (a

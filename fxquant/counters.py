@@ -80,19 +80,18 @@ def count_quantize_calls(compiled: nn.Module, *, backward: bool = True, strict: 
     state = compile_state(compiled)
     backend = state.backend
     n_graphs = len(backend.reports)
-    runs_before, grad_enabled = dict(backend.runs), torch.is_grad_enabled()
-    recomputes_before = dict(backend.recompute_runs)
+    runs_before, recomputed_before = dict(backend.runs), backend.recomputed_runs
+    grad_enabled = torch.is_grad_enabled()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         count = QuantizeCount(0, 0, backward=backward)
         yield count
-    runs = {i: n - runs_before.get(i, 0) for i, n in backend.runs.items()}
-    recomputes = {i: n - recomputes_before.get(i, 0) for i, n in backend.recompute_runs.items()}
-    count.expected_forward, count.expected_backward = backend.calls_of_block(runs, grad_enabled, fused=False)
-    fused_fwd, fused_bwd = backend.calls_of_block(runs, grad_enabled, fused=True)
+    times = backend.block_times({i: n - runs_before.get(i, 0) for i, n in backend.runs.items()}, grad_enabled)
+    count.expected_forward, count.expected_backward = backend.calls_of(times, fused=False)
+    fused_fwd, fused_bwd = backend.calls_of(times, fused=True)
+    count.fused = fused_fwd + (fused_bwd if backward else 0)
     # checkpointed regions in the graphs, or a checkpoint around the compiled module recomputing a graph during the
     # backward: more calls than a step without recompute, how many the checkpoint's kind decides
-    count.recomputed = backend.block_recomputes(runs, grad_enabled) or any(recomputes.values())
-    count.fused = fused_fwd + (fused_bwd if backward else 0)
+    count.recomputed = backend.recomputes_in(times) or backend.recomputed_runs != recomputed_before
     count.executed = count_events(prof.events())
     count.compiled = len(state.backend.reports) != n_graphs
     if not count.ok:

@@ -353,27 +353,26 @@ class CaptureSession:
 
     def _op_failed(self, exc: Exception, tap_text: str) -> None:
         """A capture call's own tensor work failed (sampling, or on CUDA the queued re-quantization and statistics):
-        capture stops, and under ``on_error: abort`` the training thread gets a CaptureError."""
+        handled as a writer failure (``_failed``)."""
         taps = ", ".join(sorted({f"{t.module} {t.role.value}" for t in decode_taps(tap_text)}))
-        reason = f"capture failed on {taps}: {type(exc).__name__}: {exc}"
-        abort = self.spec.on_error is ErrorPolicy.ABORT and not self._raised
-        self._stop(reason, aborting=abort)
-        if abort:
-            self._raised = True
-            self.close()
-            raise CaptureError(f"capture failed (on_error: abort): {reason}") from exc
+        self._failed(f"capture failed on {taps}: {type(exc).__name__}: {exc}", exc)
 
     def _writer_stopped(self) -> None:
         st = self.writer.state
         if st.error is None:
             self._stop(st.budget_reason or "writer stopped")
             return
+        self._failed(st.error_reason or str(st.error), st.error)
+
+    def _failed(self, reason: str, exc: BaseException) -> None:
+        """Capture stops; under ``on_error: abort`` (once) the session closes and the training thread gets a
+        CaptureError."""
         abort = self.spec.on_error is ErrorPolicy.ABORT and not self._raised
-        self._stop(st.error_reason or str(st.error), aborting=abort)
+        self._stop(reason, aborting=abort)
         if abort:
             self._raised = True
             self.close()  # the session ends here: its writer drained, the marker records the error, none active
-            raise CaptureError(f"capture failed (on_error: abort): {st.error_reason}") from st.error
+            raise CaptureError(f"capture failed (on_error: abort): {reason}") from exc
 
     def flush(self) -> None:
         self.writer.flush()

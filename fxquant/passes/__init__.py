@@ -91,7 +91,7 @@ def run_passes(
     done = []
     owners = {id(gm): gm}
     for match in found.matches:
-        owner = match.owner or gm  # gm, or the body of a checkpointed region (sites module docstring)
+        owner = match.owner  # gm, or the body of a checkpointed region (sites module docstring)
         owners[id(owner)] = owner
         meta = match.node.meta[META_KEY]
         if owner is not gm and meta.config is not None and stochastic(meta.config):

@@ -17,7 +17,7 @@ import torch
 from torch import fx
 
 from fxquant.passes import wrappers
-from fxquant.passes.sites import CHECKPOINT_REGION, META_KEY, OpKind, Status, region_bodies
+from fxquant.passes.sites import META_KEY, OpKind, Status, checkpointed_bodies
 
 _FWD, _BWD = 0, 1
 
@@ -66,19 +66,12 @@ def _operand_keys(node: fx.Node) -> list[tuple[int, tuple]]:
             if spec is not None and run]
 
 
-def _rewritten(gm: fx.GraphModule, region: int = 0) -> list[tuple[int, fx.Node]]:
+def _rewritten(gm: fx.GraphModule) -> list[tuple[int, fx.Node]]:
     """(region, node) of every rewritten site node of ``gm``: region 0 for its own graph, else an id of the
-    checkpointed region whose body holds it (``sites.CHECKPOINT_REGION``)."""
-    out = []
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is CHECKPOINT_REGION:
-            for body in region_bodies(gm, node):
-                out += _rewritten(body, id(body))
-            continue
-        meta = node.meta.get(META_KEY)
-        if meta is not None and meta.status is Status.REWRITTEN:
-            out.append((region, node))
-    return out
+    checkpointed region whose body holds it (``sites.checkpointed_bodies``)."""
+    graphs = [(0, gm)] + [(id(body), body) for body in checkpointed_bodies(gm)]
+    return [(region, node) for region, g in graphs for node in g.graph.nodes
+            if (meta := node.meta.get(META_KEY)) is not None and meta.status is Status.REWRITTEN]
 
 
 def recomputes(gm: fx.GraphModule) -> bool:

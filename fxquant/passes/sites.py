@@ -33,7 +33,6 @@ This module only reads the graph; ``resolve`` attaches the scheme and the ``rewr
 """
 from __future__ import annotations
 
-import dataclasses
 import enum
 import operator
 from dataclasses import dataclass
@@ -197,7 +196,7 @@ class Match:
     node: fx.Node
     op: OpKind
     site: Site
-    owner: fx.GraphModule | None = None  # the module whose graph holds ``node`` (a checkpointed region's body)
+    owner: fx.GraphModule  # the module whose graph holds ``node``: the frame's, or a checkpointed region's body
 
 
 @dataclass
@@ -228,7 +227,11 @@ def find_sites(gm: fx.GraphModule, names: ModuleNames, layers: LayerNumbering | 
 def _find(gm: fx.GraphModule, names: ModuleNames, layers: LayerNumbering, root: str | None,
           found: FoundSites) -> None:
     """``find_sites`` over the nodes of ``gm``'s graph, and of the bodies of the checkpointed regions in it."""
-    matches, unmatched = found.matches, found.unmatched
+    unmatched = found.unmatched
+
+    def match(node: fx.Node, op: OpKind, site: Site) -> None:
+        found.matches.append(Match(node, op, site, gm))
+
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method"):
             continue
@@ -243,11 +246,11 @@ def _find(gm: fx.GraphModule, names: ModuleNames, layers: LayerNumbering, root: 
             if (kind is None and len(node.args) > 1 and layer_stack(path) is None
                     and names.is_embedding_weight(node.args[1])):
                 kind = SiteKind.LM_HEAD  # a tied head written F.linear(h, self.<embedding>.weight), outside the layers
-            matches.append(Match(node, OpKind.LINEAR, layers.site(path, kind)))
+            match(node, OpKind.LINEAR, layers.site(path, kind))
         elif name == "scaled_dot_product_attention":
-            matches.append(Match(node, OpKind.SDPA, layers.site(path, SiteKind.ATTENTION)))
+            match(node, OpKind.SDPA, layers.site(path, SiteKind.ATTENTION))
         elif node.op == "call_function" and node.target is mha_attention_weights:
-            matches.append(Match(node, OpKind.ATTENTION_WEIGHTS, layers.site(path, SiteKind.ATTENTION)))
+            match(node, OpKind.ATTENTION_WEIGHTS, layers.site(path, SiteKind.ATTENTION))
         elif node.op == "call_function" and opaque_call(node.target) is not None:
             unmatched.append(_opaque(node, path))
         elif node.op == "call_function" and custom_op(node.target) is not None:
@@ -256,7 +259,7 @@ def _find(gm: fx.GraphModule, names: ModuleNames, layers: LayerNumbering, root: 
         elif node.op == "call_function" and node.target is AUTOGRAD_FUNCTION_APPLY:
             bodies = body_modules(gm, node)
             if _is_linear_apply(gm, node) and site_kind_for(path) is not SiteKind.ATTENTION:
-                matches.append(Match(node, OpKind.MEGATRON_LINEAR, layers.site(path)))
+                match(node, OpKind.MEGATRON_LINEAR, layers.site(path))
             elif bodies is not None:
                 for body in bodies:
                     for sub in body.graph.nodes:
@@ -265,17 +268,14 @@ def _find(gm: fx.GraphModule, names: ModuleNames, layers: LayerNumbering, root: 
         elif node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
             unmatched.extend(_in_region(gm, node, names, root, path))
         elif name in ("matmul", "@") and _innermost_class(names, node) in LINEAR_MODULE_CLASSES:
-            matches.append(Match(node, OpKind.MODULE_MATMUL, layers.site(path)))
+            match(node, OpKind.MODULE_MATMUL, layers.site(path))
         elif name == "addmm" and is_conv1d_addmm(names, node):
-            matches.append(Match(node, OpKind.MODULE_MATMUL, layers.site(path)))
+            match(node, OpKind.MODULE_MATMUL, layers.site(path))
         elif name in ("baddbmm", "bmm") and site_kind_for(path) is SiteKind.ATTENTION:
             op = OpKind.UNFUSED_QK if name == "baddbmm" else OpKind.UNFUSED_PV
-            matches.append(Match(node, op, layers.site(path, SiteKind.ATTENTION)))
+            match(node, op, layers.site(path, SiteKind.ATTENTION))
         elif name is not None or (node.op == "call_function" and aten_matmul(node.target) is not None):
             unmatched.append(_unmatched(node, path))
-    for i, m in enumerate(matches):
-        if m.owner is None:
-            matches[i] = dataclasses.replace(m, owner=gm)
 
 
 def checkpointed_bodies(gm: fx.GraphModule) -> list[fx.GraphModule]:

@@ -162,12 +162,18 @@ def check_model_has_sites(sites: list[SiteMeta], unmatched: list[UnmatchedOp], m
     )
 
 
-def unmatched_rule_error(scheme: Scheme, sites: Iterable[Site], *, stage: bool = False) -> ValueError | None:
+def unmatched_rule_error(scheme: Scheme, sites: Iterable[Site], layers: LayerNumbering | None = None
+                         ) -> ValueError | None:
     """The error for rules with a selector (modules, layers or kinds) that match none of ``sites``; None if
-    there are none. A rule without a selector (a preset's "every attention site") may match nothing, and on a
-    pipeline stage (``stage``) neither may a rule with a ``modules`` regex: the module may exist on another
-    stage only."""
-    unmatched = [u for u in scheme.unmatched_rules(list(sites)) if any(u.rule.selector.specificity)
+    there are none. A rule without a selector (a preset's "every attention site") may match nothing. With the
+    model's ``layers`` numbering, on a pipeline stage the other stages' layers count too
+    (``LayerNumbering.other_stages``), and a rule with a ``modules`` regex may match nothing: the module may exist
+    on another stage only."""
+    sites = list(sites)
+    stage = layers is not None and layers.is_stage(sites)
+    if stage:
+        sites += layers.other_stages(sites)
+    unmatched = [u for u in scheme.unmatched_rules(sites) if any(u.rule.selector.specificity)
                  and not (stage and u.rule.selector.modules is not None)]
     if not unmatched:
         return None
@@ -178,11 +184,7 @@ def unmatched_rule_error(scheme: Scheme, sites: Iterable[Site], *, stage: bool =
 def check_rules_match(scheme: Scheme, sites: list[SiteMeta], layers: LayerNumbering | None = None) -> None:
     """Raise ``unmatched_rule_error`` for the sites seen (and, on a pipeline stage, the other stages' layers:
     ``LayerNumbering.other_stages``)."""
-    seen = [s.site for s in sites]
-    if layers is None:
-        error = unmatched_rule_error(scheme, seen)
-    else:
-        error = unmatched_rule_error(scheme, seen + layers.other_stages(seen), stage=layers.is_stage(seen))
+    error = unmatched_rule_error(scheme, [s.site for s in sites], layers)
     if error is not None:
         raise error
 
