@@ -3,7 +3,8 @@
 #   1. the environment (GPU, driver, clocks, torch, triton);
 #   2. the CUDA tests, two pytest runs side by side: the Triton kernels (quantize, flash attention, quantized
 #      GEMM) against the pure-torch reference bit for bit, and Inductor's lowering of the quantize op (Triton
-#      code generation) against the same reference, op by op and through fxquant.compile;
+#      code generation) against the same reference: the element rounding, op by op, and through
+#      fxquant.compile (checkpointed regions too);
 #   3. benchmarks/run_all.py over SECTIONS, alone on the GPU.
 # Every step has a wall-clock cap, so the whole command ends inside one device call; logs, JUnit XML and the
 # benchmark JSON/markdown go to $OUT (else ./gpu-out).
@@ -23,7 +24,7 @@ sections=${SECTIONS:-ceilings,quantize,linear,model}
 budget_scale=${BUDGET_SCALE:-1}
 bench_args=${BENCH_ARGS:-}    # more run_all.py arguments, e.g. "--seq 2048"
 kernels_tests=${KERNEL_TESTS:-tests/test_kernels.py tests/test_kernels_op.py tests/test_flash_attention.py tests/test_flash_op.py tests/test_qgemm.py tests/test_capture_fastpath.py}
-lowering_tests=${LOWERING_TESTS:-tests/test_formats_lowering.py tests/test_compile_inductor.py}
+lowering_tests=${LOWERING_TESTS:-tests/test_formats_lowering.py tests/test_compile_inductor.py tests/test_formats_steps.py tests/test_compile_checkpoint.py}
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/fxquant-inductor}
 status=0
 

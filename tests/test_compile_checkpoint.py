@@ -32,9 +32,9 @@ def _same(a, b):
         torch.testing.assert_close(a[1][name], b[1][name], rtol=0, atol=0, msg=lambda m: f"grad {name}: {m}")
 
 
-def _compiled(checkpoint, scheme, **kw):
+def _compiled(checkpoint, scheme, device="cpu", **kw):
     base = make_llama()
-    model = copy.deepcopy(base)
+    model = copy.deepcopy(base).to(device)
     model.cfg = type(base.cfg)(**{**base.cfg.__dict__, "checkpoint": checkpoint})
     return fxquant.compile(model, scheme, strict=True, **kw)
 
@@ -47,6 +47,20 @@ def test_checkpointed_layers_are_quantized_to_the_same_bits(backend, kernels, mo
     plain = _step(_compiled(None, "FA_linear_mxfp8", backend=backend, kernels=kernels), tokens)
     torch._dynamo.reset()
     model = _compiled(mode, "FA_linear_mxfp8", backend=backend, kernels=kernels)
+    _same(_step(model, tokens), plain)
+    sites = fxquant.compile_state(model).sites()
+    assert sum(s.status.value == "rewritten" for s in sites) == 2 * (7 + 1) and not fxquant.compile_state(model).unmatched()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["non_reentrant", "reentrant"])
+def test_cuda_checkpointed_layers_are_quantized_to_the_same_bits(mode):
+    """On CUDA, what ``kernels='auto'`` picks there: the quantizes lowered to Inductor's Triton code, the SDPA
+    sites on the flash kernel; the regions' recompute equals the forward bit for bit."""
+    tokens = make_tokens(make_llama().cfg).cuda()
+    plain = _step(_compiled(None, "FA_linear_mxfp8", "cuda", backend="inductor"), tokens)
+    torch._dynamo.reset()
+    model = _compiled(mode, "FA_linear_mxfp8", "cuda", backend="inductor")
     _same(_step(model, tokens), plain)
     sites = fxquant.compile_state(model).sites()
     assert sum(s.status.value == "rewritten" for s in sites) == 2 * (7 + 1) and not fxquant.compile_state(model).unmatched()

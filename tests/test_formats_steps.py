@@ -9,7 +9,7 @@ equals the float32 bit arithmetic of the eager reference (``quantize_arith``).
 - ``grid_step`` against ``mantissa_bits`` for every binade of every element format.
 - ``quantize_steps`` against ``quantize_arith`` for every element format, rounding mode and saturation, on every
   bf16 and fp16 pattern, every float32 within 40 ulps of every rounding midpoint, every float32 of two whole
-  binades, random float32 bit patterns and the specials; eager and compiled.
+  binades, random float32 bit patterns and the specials; eager and compiled (on the GPU too, where there is one).
 """
 from __future__ import annotations
 
@@ -81,10 +81,13 @@ def test_round_to_step_equals_round_integer():
             assert_bitwise_equal(round_to_step(a, step, rounding, u), want, f"step 2**-{k} {rounding}:")
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("bounded", [False, True])
-def test_round_nearest_bits_equals_rounding_to_the_binades_step(bounded):
+def test_round_nearest_bits_equals_rounding_to_the_binades_step(bounded, device):
     """Veltkamp's splitting, ties to even and away, against ``round_to_step`` with the step from ``ufp``, eager and
-    compiled by Inductor (C++; ties away at the element formats' widths):
+    compiled by Inductor (C++ on ``cpu``; Triton on ``cuda``, where ptxas may contract a product and a sum into
+    one FMA: the splitting's product by 2**(23 - m) is exact, so that changes nothing; ties away at the element
+    formats' widths):
     every float32 of [1, 2) (a sixth of them: every mantissa residue mod 6) for every mantissa width 0..22, the ends
     and a sample of every binade of [2**-126, 2**100) for the widths of the element formats, with emin and emax
     placed so that both the fixed step below 2**emin and the clamp above 2**(emax + 1) are reached; specials."""
@@ -112,7 +115,7 @@ def test_round_nearest_bits_equals_rounding_to_the_binades_step(bounded):
                 compiled = torch.compile(lambda t: round_nearest_bits(t, mbits, emin, emax, bounded=bounded,
                                                                       ties_away=ties_away),
                                          backend="inductor", dynamic=False)
-                assert_bitwise_equal(compiled(a), got, f"compiled {mine}")
+                assert_bitwise_equal(compiled(a.to(device)).cpu(), got, f"compiled on {device} {mine}")
 
     one = binade(0, every_mantissa()[::6])
     for mbits in range(23):  # ties away compiled at the element formats' widths
@@ -153,9 +156,11 @@ def test_quantize_steps_equals_bit_arithmetic(spec):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("spec", ALL_SPECS, ids=lambda s: s.name)
-def test_compiled_element_quantize_equals_eager(spec):
-    """Traced, ``ElementSpec.quantize`` takes ``quantize_steps``; Inductor's C++ code equals the eager bit path."""
+def test_compiled_element_quantize_equals_eager(spec, device):
+    """Traced, ``ElementSpec.quantize`` takes ``quantize_steps``; Inductor's code (C++ on ``cpu``, Triton on
+    ``cuda``) equals the eager bit path on the CPU."""
     x = inputs(spec)
     u = uniforms(x.numel(), 3, x.device)
     specs = cases(spec)
@@ -163,10 +168,10 @@ def test_compiled_element_quantize_equals_eager(spec):
     def fn(x, u):
         return tuple(spec.quantize(x, r, sat, u if r == "sr" else None) for r, sat in specs)
 
-    got = torch.compile(fn, backend="inductor", dynamic=False)(x, u)
+    got = torch.compile(fn, backend="inductor", dynamic=False)(x.to(device), u.to(device))
     for (rounding, sat), y in zip(specs, got):
         want = spec.quantize_arith(x, rounding, sat, u if rounding == "sr" else None)
-        assert_bitwise_equal(y, want, f"compiled {spec.name} {rounding} saturate={sat}:")
+        assert_bitwise_equal(y.cpu(), want, f"compiled on {device} {spec.name} {rounding} saturate={sat}:")
 
 
 @pytest.mark.parametrize("name", ["hifp8", "fp8_e4m3", "fp8_e5m2", "bf16", "mxfp8_e4m3", "mxfp4_e2m1", "nvfp4"])
