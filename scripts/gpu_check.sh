@@ -35,14 +35,18 @@ status=0
 } 2>&1 | tee "$out/env.txt"
 
 if [ "$tests_s" -gt 0 ]; then
-    # 12 pytest workers share the 16 cores: two Inductor compile workers each, not one per core each
+    # 14 pytest workers share the 16 cores: two Inductor compile workers each, not one per core each
     export TORCHINDUCTOR_COMPILE_THREADS=2
+    rm -f "$out"/failures_*.txt
+    # each failure's traceback as it happens: a run cut at the cap prints no summary (tests/conftest.py)
     # shellcheck disable=SC2086
+    FXQUANT_FAILURE_LOG="$out/failures_kernels.txt" \
     timeout "$tests_s" "$py" -m pytest -v -p no:cacheprovider -m "triton or gpu" -n 8 $kernels_tests \
         --junitxml="$out/tests_kernels.xml" > "$out/tests_kernels.log" 2>&1 &
     k=$!
     # shellcheck disable=SC2086
-    timeout "$tests_s" "$py" -m pytest -v -p no:cacheprovider -m gpu -n 4 $lowering_tests \
+    FXQUANT_FAILURE_LOG="$out/failures_lowering.txt" \
+    timeout "$tests_s" "$py" -m pytest -v -p no:cacheprovider -m gpu -n 6 $lowering_tests \
         --junitxml="$out/tests_lowering.xml" > "$out/tests_lowering.log" 2>&1 &
     l=$!
     wait $k; rk=$?
@@ -50,6 +54,7 @@ if [ "$tests_s" -gt 0 ]; then
     for f in kernels lowering; do
         echo "== tests_$f: $(tail -1 "$out/tests_$f.log")"
         grep -E "^(FAILED|ERROR)" "$out/tests_$f.log" | head -20
+        [ -s "$out/failures_$f.txt" ] && grep -E "^E   " "$out/failures_$f.txt" | head -20
     done
     echo "== pytest exit: kernels $rk, lowering $rl (124 = cut at ${tests_s} s)"
     [ "$rk" -ne 0 ] || [ "$rl" -ne 0 ] && status=1

@@ -37,6 +37,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         _gate(item, "megatron", has_megatron, "needs megatron-core (pip install megatron-core); not importable")
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With ``FXQUANT_FAILURE_LOG`` set, each failure's report is appended to that file as it happens (by the
+    controller under xdist), so a run killed at a time cap (scripts/gpu_check.sh) keeps its tracebacks."""
+    path = os.environ.get("FXQUANT_FAILURE_LOG")
+    if not path or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+
+
 @pytest.fixture(scope="session")
 def wikitext_dir() -> Path:
     path = SHARED_DATA / "wikitext-2"
