@@ -60,6 +60,8 @@ def test_site_parsing() -> None:
     s = Site.from_path("decoder.layers.3.mlp.linear_fc2", num_layers=8)
     assert (s.kind, s.layer, s.num_layers) == (SiteKind.FC2, 3, 8)
     assert Site.from_path("model.layers.0.self_attn.q_proj").kind is SiteKind.QKV
+    assert Site.from_path("model.layers.0.attention.wqkv").kind is SiteKind.QKV  # InternLM2
+    assert Site.from_path("transformer.blocks.0.attn.Wqkv").kind is SiteKind.QKV  # MPT
     assert Site.from_path("transformer.h.5.attn.c_proj").kind is SiteKind.PROJ
     assert Site.from_path("transformer.h.5.mlp.c_proj").kind is SiteKind.FC2
     assert Site.from_path("lm_head").kind is SiteKind.LM_HEAD

@@ -103,10 +103,12 @@ def _parse_kind(kind: object) -> SiteKind:
     return parse_enum(SiteKind, kind, "kind")
 
 
-# Last path component -> kind, for Megatron-core, Hugging Face (Llama, Mistral, Qwen, GPT-2) and nanoGPT names.
+# Last path component -> kind, for Megatron-core, Hugging Face (Llama, Mistral, Qwen, GPT-2, InternLM2's wqkv,
+# MPT's Wqkv) and nanoGPT names.
 _KIND_BY_NAME = {
     "linear_qkv": SiteKind.QKV, "q_proj": SiteKind.QKV, "k_proj": SiteKind.QKV, "v_proj": SiteKind.QKV,
     "qkv_proj": SiteKind.QKV, "qkv": SiteKind.QKV, "wq": SiteKind.QKV, "wk": SiteKind.QKV, "wv": SiteKind.QKV,
+    "wqkv": SiteKind.QKV, "Wqkv": SiteKind.QKV,
     "c_attn": SiteKind.QKV, "linear_q": SiteKind.QKV, "linear_kv": SiteKind.QKV,
     "linear_q_proj": SiteKind.QKV, "linear_kv_down_proj": SiteKind.QKV, "linear_kv_up_proj": SiteKind.QKV,
     "linear_q_down_proj": SiteKind.QKV, "linear_q_up_proj": SiteKind.QKV,
