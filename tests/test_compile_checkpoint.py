@@ -117,9 +117,10 @@ def test_capture_points_inside_checkpointed_regions_are_said(tmp_path, caplog):
     assert [r.module for r in capture.open(tmp_path)] == ["lm_head"]
 
 
-def test_stochastic_rounding_inside_a_region_is_refused():
+def test_stochastic_rounding_inside_a_region_is_refused(caplog):
     """The recompute in the backward would draw other random numbers than the forward (the gradients would not
-    belong to the forward that ran): such a site is not rewritten, and said; strict raises."""
+    belong to the forward that ran): such a site is not rewritten, and said once; strict raises; explain says
+    the same."""
     sr = fxquant.schemes.Scheme.from_yaml_text("name: sr\nrules:\n  - linear: {format: mxfp8, rounding: sr}\n", "sr.yaml")
     tokens = make_tokens(make_llama().cfg)
     with pytest.raises(QuantizationError, match="stochastic rounding inside an activation"):
@@ -127,9 +128,17 @@ def test_stochastic_rounding_inside_a_region_is_refused():
     torch._dynamo.reset()
     model = _compiled("non_reentrant", sr, backend="aot_eager")
     model = fxquant.compile(model._orig_mod, sr, backend="aot_eager")  # not strict: said, run in high precision
-    _step(model, tokens)
+    with caplog.at_level("WARNING"):
+        _step(model, tokens)
     status = {s.site.module_path: s.status.value for s in fxquant.compile_state(model).sites()}
     assert status["layers.0.mlp.down_proj"] == "failed" and status["lm_head"] == "high"
+    assert "outside torch.compile" not in caplog.text  # the refusal is the reason, not a graph break
+    torch._dynamo.reset()
+    explained = fxquant.explain(model._orig_mod, tokens, scheme=sr)
+    assert {s.site.module_path: s.status.value for s in explained.sites} == {
+        path: {"rewritten": "dry_run"}.get(value, value) for path, value in status.items()}
+    assert len(explained.refused) == 14 and "14 refused" in str(explained)
+    assert "refused: layers.0.mlp.down_proj: stochastic rounding inside" in str(explained)
 
 
 class _MhaBlock(torch.nn.Module):

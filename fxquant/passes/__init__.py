@@ -35,7 +35,7 @@ from fxquant.passes.rewrite_sdpa import rewrite_attention_weights, rewrite_sdpa
 from fxquant.passes.rewrite_unfused_attention import rewrite_unfused_attention
 from fxquant.formats.options import Rounding
 from fxquant.formats.tensor_quant import TensorQuant
-from fxquant.passes.sites import (META_KEY, OpKind, SiteMeta, Status, UnmatchedOp, checkpointed_bodies,
+from fxquant.passes.sites import (META_KEY, Match, OpKind, SiteMeta, Status, UnmatchedOp, checkpointed_bodies,
                                   find_sites)
 from fxquant.schemes.scheme import Scheme
 
@@ -74,6 +74,15 @@ def stochastic(config: object) -> bool:
     return False
 
 
+def _sr_in_region(match: Match, gm: fx.GraphModule) -> bool:
+    """Mark a site inside a checkpointed region whose config rounds stochastically FAILED (``SR_IN_REGION``)."""
+    meta = match.node.meta[META_KEY]
+    if match.owner is gm or meta.config is None or not stochastic(meta.config):
+        return False
+    match.node.meta[META_KEY] = dataclasses.replace(meta, status=Status.FAILED, note=SR_IN_REGION)
+    return True
+
+
 def run_passes(
     gm: fx.GraphModule, scheme: Scheme, names: ModuleNames, *, layers: LayerNumbering | None = None,
     index: int = 0, dry_run: bool = False, dedupe: bool = True, attention: str | None = None,
@@ -84,20 +93,20 @@ def run_passes(
         if decompose_mha(module, names):
             module.recompile()
     found = find_sites(gm, names, layers)
-    metas = resolve_sites(found, scheme)
-    if dry_run:
-        metas = [dataclasses.replace(m, status=Status.DRY_RUN) if m.selected else m for m in metas]
+    resolve_sites(found, scheme)
+    refused = {id(m) for m in found.matches if _sr_in_region(m, gm)}
+    if dry_run:  # what the rewrite below would do, without doing it
+        metas = [m.node.meta[META_KEY] for m in found.matches]
+        metas = [dataclasses.replace(meta, status=Status.DRY_RUN) if meta.selected and id(m) not in refused
+                 else meta for m, meta in zip(found.matches, metas)]
         return GraphReport(index, metas, found.unmatched, graph_module=gm)
     done = []
     owners = {id(gm): gm}
     for match in found.matches:
         owner = match.owner  # gm, or the body of a checkpointed region (sites module docstring)
         owners[id(owner)] = owner
-        meta = match.node.meta[META_KEY]
-        if owner is not gm and meta.config is not None and stochastic(meta.config):
-            meta = dataclasses.replace(meta, status=Status.FAILED, note=SR_IN_REGION)
-            match.node.meta[META_KEY] = meta
-            done.append(meta)
+        if id(match) in refused:
+            done.append(match.node.meta[META_KEY])
         elif match.op in (OpKind.LINEAR, OpKind.MODULE_MATMUL):
             done.append(rewrite_linear(owner.graph, match.node))
         elif match.op is OpKind.SDPA:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fxquant.formats.tensor_quant import TensorQuant
-from fxquant.passes.sites import OpKind, SiteMeta, UnmatchedOp
+from fxquant.passes.sites import OpKind, SiteMeta, Status, UnmatchedOp
 from fxquant.schemes.model import AttentionQuant, LinearQuant, attention_operands, linear_operands
 from fxquant.schemes.rules import UnmatchedRule
 from fxquant.schemes.scheme import Scheme
@@ -23,8 +23,9 @@ _ATTENTION_GEMMS = {
 
 
 def operand_table(meta: SiteMeta) -> dict[str, dict[str, str]]:
-    """``{gemm: {operand: format spec or "-"}}`` of one site (all GEMMs, high precision included)."""
-    cfg = meta.config
+    """``{gemm: {operand: format spec or "-"}}`` of one site (all GEMMs, high precision included; a site the
+    passes refuse, status ``failed``, runs every GEMM in high precision)."""
+    cfg = None if meta.status is Status.FAILED else meta.config
     if meta.op in _ATTENTION_GEMMS:
         table = attention_operands(cfg if isinstance(cfg, AttentionQuant) else AttentionQuant())
         table = {g: table[g] for g in _ATTENTION_GEMMS[meta.op]}
@@ -51,7 +52,13 @@ class Explanation:
 
     @property
     def selected(self) -> list[SiteMeta]:
-        return [s for s in self.sites if s.selected]
+        """Sites the scheme quantizes and compile would rewrite."""
+        return [s for s in self.sites if s.selected and s.status is not Status.FAILED]
+
+    @property
+    def refused(self) -> list[SiteMeta]:
+        """Sites the scheme selects that compile would not rewrite (high precision; ``note`` says why)."""
+        return [s for s in self.sites if s.status is Status.FAILED]
 
     def rows(self) -> list[list[str]]:
         out = []
@@ -67,12 +74,15 @@ class Explanation:
     def __str__(self) -> str:
         from tabulate import tabulate
 
-        n_sel = len(self.selected)
-        lines = [f"scheme {self.scheme.name}: {len(self.sites)} sites matched, {n_sel} quantized; "
+        n_sel, n_refused = len(self.selected), len(self.refused)
+        refused = f", {n_refused} refused (high precision, notes below)" if n_refused else ""
+        lines = [f"scheme {self.scheme.name}: {len(self.sites)} sites matched, {n_sel} quantized{refused}; "
                  f"{len(self.unmatched)} matmul-like ops unmatched; {self.graphs} graph(s)"]
         if self.kernels:
             lines.append(f"quantize kernels: {self.kernels}")
         lines.append(tabulate(self.rows(), headers=["module", "layer", "kind", "op", "gemm", "operands"]))
+        for site in self.refused:
+            lines.append(f"refused: {site.site.module_path or '<root>'}: {site.note}")
         if self.unmatched:
             lines.append("\nunmatched matmul-like ops (high precision):")
             rows = [[u.module_path or "<root>", u.target, " x ".join(u.shapes), u.note, u.stack_line]

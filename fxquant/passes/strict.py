@@ -135,8 +135,9 @@ def selected(scheme: Scheme, site: Site) -> bool:
 
 
 def coverage(expected: list[Site], scheme: Scheme, seen: list[SiteMeta], graph_breaks: list[str]) -> list[str]:
-    """Selected modules of the model that no compiled graph rewrote."""
-    done = {s.site.module_path for s in seen if s.status in (Status.REWRITTEN, Status.DRY_RUN)}
+    """Selected modules of the model that no compiled graph rewrote nor refused (a refused site, status
+    ``failed``, was reported with its reason when its graph compiled)."""
+    done = {s.site.module_path for s in seen if s.status in (Status.REWRITTEN, Status.DRY_RUN, Status.FAILED)}
     missing = [s for s in expected if selected(scheme, s) and s.module_path not in done]
     if not missing:
         return []
