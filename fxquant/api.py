@@ -17,6 +17,7 @@ import copy
 import functools
 import inspect
 import logging
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -151,6 +152,8 @@ class CompileState:
         if self._patch is not None:
             patch, self._patch = self._patch, None
             patch.__exit__(None, None, None)
+        if sys.exc_info()[0] is not None:  # the call raised (an always_call hook runs then too): that error is
+            return                         # the news; checks of what the call compiled would mislead
         self.backend.raise_pending()
         issues = checks.recompile_limit_hits(self._unimpl, _unimplemented_counts())
         if not self._first_call_checked:

@@ -65,6 +65,18 @@ def test_encoder_fast_path_is_an_opaque_gemm_call():
     assert not exp.unmatched and len(exp.selected) == 6  # in_proj, attention, out_proj, linear1, linear2, 1
 
 
+def test_encoder_fast_path_alone_in_a_first_call_is_said_not_raised(caplog):
+    """A first call in eval under no_grad traces only the fast path's opaque call, no site: not strict, that is the
+    opaque call's WARNING and the output, as when the same call follows a training step (it raised 'nothing to
+    quantize' before)."""
+    model = _encoder().eval()
+    x = torch.randn(B, L, E)
+    compiled = fxquant.compile(model, "linear_mxfp8", backend="aot_eager")
+    with torch.no_grad(), caplog.at_level("WARNING"):
+        out = compiled(x)
+    assert out.shape == x.shape and "_transformer_encoder_layer_fwd in '<root>'" in caplog.text
+
+
 class SkippedAttention(AttnModel):
     def forward(self, query, key, value, **kw):
         out, _ = torch._dynamo.disable(self.attn)(query, key, value, need_weights=False)
