@@ -214,3 +214,39 @@ def test_an_embeddings_weight_inside_a_layer_is_not_the_lm_head():
     compiled(torch.randn(4, 32)).sum().backward()
     kinds = {s.site.module_path: (s.site.kind.value, s.status.value) for s in fxquant.compile_state(compiled).sites()}
     assert kinds == {"layers.0.attn": ("linear", "rewritten"), "layers.0.rel": ("linear", "rewritten")}
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + self.fc1(x)
+
+
+class _EncoderDecoder(nn.Module):
+    """Two layer stacks of different depths, as T5 names them (encoder.block.N, decoder.block.N)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder, self.decoder = nn.Module(), nn.Module()
+        self.encoder.block = nn.ModuleList(_Block() for _ in range(4))
+        self.decoder.block = nn.ModuleList(_Block() for _ in range(2))
+
+    def forward(self, x):
+        for block in [*self.encoder.block, *self.decoder.block]:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("selector", ["{last_layers: 1}", "{layers: [-1]}", "{layers: ['-1..-1']}"])
+def test_last_layers_count_within_each_stack(selector):
+    """An encoder-decoder's stacks are counted on their own: the last block of each is selected (only the
+    deeper stack's was, against one count of 4 for both)."""
+    scheme = schemes.Scheme.from_yaml_text(f"rules:\n  - match: {selector}\n    linear: mxfp8\n", "last.yaml")
+    explained = fxquant.explain(_EncoderDecoder(), torch.randn(2, 16), scheme=scheme)
+    assert sorted(s.site.module_path for s in explained.selected) == ["decoder.block.1.fc1", "encoder.block.3.fc1"]
+    first = schemes.Scheme.from_yaml_text("rules:\n  - match: {first_layers: 1}\n    linear: mxfp8\n", "first.yaml")
+    explained = fxquant.explain(_EncoderDecoder(), torch.randn(2, 16), scheme=first)
+    assert sorted(s.site.module_path for s in explained.selected) == ["decoder.block.0.fc1", "encoder.block.0.fc1"]

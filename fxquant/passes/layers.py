@@ -13,6 +13,8 @@ the global index:
 
 ``num_layers`` (for ``last_layers`` and negative indices) is the whole model's count: explicit, else the
 model's ``config.num_layers`` when its layers carry ``layer_number`` (Megatron), else 1 + the largest index.
+A model with several layer stacks and neither (an encoder-decoder's ``encoder.block.N`` and ``decoder.block.N``)
+counts each stack on its own (``stack_layers``): ``last_layers: 1`` selects the last block of each.
 
 The numbering also knows the model's LM heads beyond their names (``heads``): the module Hugging Face's
 ``get_output_embeddings()`` returns (BERT's ``cls.predictions.decoder``, RoBERTa's ``lm_head.decoder``) and any
@@ -55,6 +57,7 @@ class LayerNumbering:
     num_layers: int | None = None
     numbers: dict[str, int] = field(default_factory=dict)  # layer module path -> global index
     heads: frozenset[str] = frozenset()  # module paths of LM heads whose names do not say so (module docstring)
+    stack_layers: dict[str, int] = field(default_factory=dict)  # stack path -> its layer count (module docstring)
 
     def __post_init__(self) -> None:
         _check_count("layer_offset", self.offset, 0)
@@ -73,7 +76,9 @@ class LayerNumbering:
             kind = SiteKind.LM_HEAD
         local = Site.from_path(path, kind)
         layer = self.layer(path)
-        return dataclasses.replace(local, layer=layer, num_layers=self.num_layers,
+        prefix = _layer_prefix(path)
+        count = self.stack_layers.get(prefix.rsplit(".", 1)[0], self.num_layers) if prefix else self.num_layers
+        return dataclasses.replace(local, layer=layer, num_layers=count,
                                    global_path=None if layer == local.layer else with_layer(path, layer))
 
     def is_stage(self, sites: list[Site]) -> bool:
@@ -105,11 +110,14 @@ class LayerNumbering:
             return cls(layer_offset or 0, num_layers)
         numbers: dict[str, int] = {}
         local: list[int] = []
+        stacks: dict[str, int] = {}
         for name, mod in model.named_modules():
             prefix = _layer_prefix(name)
             if prefix != name:
                 continue
-            local.append(int(name.rsplit(".", 1)[1]))
+            stack, index = name.rsplit(".", 1)
+            local.append(int(index))
+            stacks[stack] = max(stacks.get(stack, 0), int(index) + 1)
             number = getattr(mod, "layer_number", None)
             if layer_offset is None and isinstance(number, int) and not isinstance(number, bool) and number >= 1:
                 numbers[name] = number - 1
@@ -118,11 +126,14 @@ class LayerNumbering:
             num_layers = configured if isinstance(configured, int) and configured > max(numbers.values()) else None
         found = list(numbers.values()) or [i + (layer_offset or 0) for i in local]
         top = max(found) if found else None
+        per_stack = {}
         if num_layers is None:
             num_layers = None if top is None else top + 1
+            if not numbers and layer_offset is None and len(stacks) > 1:
+                per_stack = stacks
         elif top is not None and top >= num_layers:
             raise ValueError(f"num_layers={num_layers}: the model has a layer with global index {top}")
-        return cls(layer_offset or 0, num_layers, numbers, _lm_heads(model))
+        return cls(layer_offset or 0, num_layers, numbers, _lm_heads(model), per_stack)
 
 
 def _lm_heads(model: nn.Module) -> frozenset[str]:
