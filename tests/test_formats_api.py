@@ -55,13 +55,13 @@ def test_rejects_bad_dim_and_options():
         formats.get("hifp8").quantize(x, scale_mode="floor")
     with pytest.raises(ValueError, match="scaling='tensor' is not offered for 'bf16'"):
         formats.get("bf16").quantize(x, scaling="tensor")
-    with pytest.raises(ValueError, match=r"scale_target=1000.0 must lie in \(0, 448\]"):
+    with pytest.raises(ValueError, match=r"scale_target=1000.0 must lie in \[2\*\*-126 \(1.17549e-38\), 448\]"):
         formats.get("fp8_e4m3").quantize(x, scaling="tensor", scale_target=1000.0)
     with pytest.raises(TypeError, match="mxfp8_e4m3 has no option 'blocksize'; its options: rounding, scale_mode"):
         formats.get("mxfp8").quantize(x, blocksize=16)
     with pytest.raises(TypeError, match="nvfp4 has no option 'scaling'"):
         formats.get("nvfp4").quantize(x, scaling="tensor")
-    with pytest.raises(ValueError, match=r"scale_target='abc' must be a number in \(0, 448\] for 'fp8_e4m3'"):
+    with pytest.raises(ValueError, match=r"scale_target='abc' must be a number in \[2\*\*-126 .*, 448\] for 'fp8_e4m3'"):
         formats.get("fp8_e4m3").quantize(x, scaling="tensor", scale_target="abc")
     with pytest.raises(ValueError, match="scale_target='abc' in spec .*: must be a number"):
         TensorQuant.from_spec("fp8_e4m3:scaling=tensor,scale_target=abc")
@@ -173,6 +173,40 @@ def test_tensor_quant_roundtrip_and_equality():
         TensorQuant("mxfp8", scaling="tensor")  # was resolve()'s "unexpected keyword argument"
     with pytest.raises(ValueError, match="scale_target=224.0 does not apply to format 'nvfp4'"):
         TensorQuant.from_spec("nvfp4:scale_target=224.0")
+
+
+@pytest.mark.parametrize("target", [1e-50, 1e-40, 2.0**-127, 0.0, -1.0, math.inf, math.nan, True, 449.0])
+def test_scale_target_must_be_a_normal_float32_within_the_formats_range(target):
+    # Below 2**-126 the float32 target is subnormal or 0 and the exponent read from its bits is wrong (1e-50 gave
+    # a scale of 2048, 1e-40 one of 8.5e37): refused, wherever scale_target comes from.
+    x = torch.tensor([1000.0, 3.0, 0.001])
+    allowed = r"in \[2\*\*-126 \(1.17549e-38\), 448\] for 'fp8_e4m3' \(a positive, finite, normal float32"
+    with pytest.raises(ValueError, match=allowed):
+        formats.get("fp8_e4m3").quantize(x, scaling="tensor", scale_target=target)
+    with pytest.raises(ValueError, match=allowed):
+        TensorQuant("fp8_e4m3", scaling="tensor", scale_target=target)
+    if not isinstance(target, bool):
+        with pytest.raises(ValueError, match=allowed):
+            TensorQuant.from_spec(f"fp8_e4m3:scaling=tensor,scale_target={target!r}")
+
+
+def test_scale_target_at_the_smallest_normal_float32_is_accepted():
+    tq = TensorQuant("fp8_e4m3", scaling="tensor", scale_target=2.0**-126)
+    assert tq.options.scale_target == 2.0**-126
+    # amax 1 is placed at 2**-126: k = -126, the tensor scale 2**-k = 2**126; the scale falls as the target rises
+    x = torch.tensor([1.0, 0.5])
+    scales = [
+        formats.get("fp8_e4m3").encode(x, scaling="tensor", scale_target=t).tensor_scale.item()
+        for t in (2.0**-126, 2.0**-100, 1.0, 448.0)
+    ]
+    assert scales == [2.0**126, 2.0**100, 1.0, 2.0**-8]
+
+
+def test_a_repeated_option_in_a_spec_is_refused():
+    with pytest.raises(ValueError, match=r"option 'rounding' is given twice in spec 'mxfp8:rounding=ta,rounding=rne'"):
+        TensorQuant.from_spec("mxfp8:rounding=ta,rounding=rne")
+    with pytest.raises(ValueError, match="option 'saturate' is given twice"):
+        TensorQuant.from_spec("hifp8:saturate=0, saturate=0")
 
 
 def test_quantize_op_matches_reference_and_passes_opcheck():

@@ -236,6 +236,35 @@ def test_layer_spans_and_negative_indices() -> None:
     assert [last2.matches(Site("a", SiteKind.FC1, i, 4)) for i in range(4)] == [False, False, True, True]
 
 
+def test_selector_takes_kind_names_and_layer_indices_as_the_yaml_does() -> None:
+    # kinds=("fc1",) failed later in Rule() ('str' object has no attribute 'component'), layers=(0,) in linear_for
+    sel = Selector(kinds=["fc1", "FC2", SiteKind.FC1], layers=[0, "2..-1", " 3 ", LayerSpan(1, 1)])
+    assert sel.kinds == (SiteKind.FC1, SiteKind.FC2)
+    assert sel.layers == (LayerSpan(0, 0), LayerSpan(2, -1), LayerSpan(3, 3), LayerSpan(1, 1))
+    assert sel == Scheme.from_yaml_text("rules:\n  - match: {kinds: [fc1, fc2], layers: [0, '2..-1', 3, 1]}\n"
+                                        "    linear: mxfp8\n").rules[0].selector
+    hash(sel)  # lists become tuples: a Selector stays hashable
+    rule = Rule(Selector(kinds=("fc1",), layers=(0,)), linear=lin(M8))
+    s = Scheme("s", rules=(rule,))
+    assert [s.linear_for(site) is not None for site in LINEAR_SITES[:8]] == [False, False, True, False] + [False] * 4
+
+
+@pytest.mark.parametrize(("kwargs", "error", "needle"), [
+    ({"kinds": ("fc",)}, ValueError, "kind='fc' is not allowed; choose one of .* \\(did you mean 'fc2'\\?\\)"),
+    ({"kinds": (3,)}, ValueError, "kind=3 is not allowed"),
+    ({"kinds": "fc1"}, TypeError, "Selector.kinds must be a tuple \\(or list\\), e.g. kinds=\\('fc1', 'fc2'\\), got 'fc1'"),
+    ({"layers": 0}, TypeError, "Selector.layers must be a tuple"),
+    ({"layers": (0.5,)}, ValueError, "expected a layer index \\(0, -1\\) or a range .* got 0.5"),
+    ({"layers": ("x",)}, ValueError, "expected a layer index"),
+    ({"layers": ("5..2",)}, ValueError, "layer range 5..2 is empty: start must not exceed stop"),
+    ({"layers": (True,)}, ValueError, "expected a layer index"),
+    ({"modules": 3}, TypeError, "Selector.modules must be a regular expression string or None, got 3"),
+])
+def test_selector_refuses_what_is_no_kind_or_layer(kwargs: dict, error: type, needle: str) -> None:
+    with pytest.raises(error, match=needle):
+        Selector(**kwargs)
+
+
 def test_lm_head_and_embedding_need_explicit_selection() -> None:
     base = (Rule(Selector(), linear=lin(M8)),)
     assert Scheme("a", rules=base).linear_for(HEAD) is None

@@ -103,7 +103,7 @@ def test_every_problem_reported_at_once_with_line_and_path(tmp_path: Path) -> No
         (f"{f}:6: rules[0].linear.dgrad.w:", "scale_mode"),
         (f"{f}:7: rules[1].match: unknown key 'modulez' (did you mean 'modules'?)",),
         (f"{f}:7: rules[1].match.kinds[0]: unknown kind 'fc3'",),
-        (f"{f}:7: rules[1].match.layers[0]:", "'5..2'"),
+        (f"{f}:7: rules[1].match.layers[0]: layer range 5..2 is empty: start must not exceed stop (write '2..5')",),
         (f"{f}:9: rules[2].match.modules:", "not a valid regular expression"),
         (f"{f}:10: rules[2].attention.qk.q: duplicate key 'q'",),
         (f"{f}:10: rules[2].attention: unknown key 'pvv' (did you mean 'pv'?)",),
@@ -175,6 +175,91 @@ def test_a_range_from_the_last_layers_to_the_first_ones_is_refused(span: str, sp
     assert problem.startswith(f"s.yaml:2: rules[0].match.layers[2]: layer range {span} starts counted from the last "
                               f"layer and stops counted from the first"), problem
     assert f"(here {spelled})" in problem
+
+
+@pytest.mark.parametrize("span", ["5..2", "5-2", "-1..-3"])
+def test_a_reversed_range_says_start_exceeds_stop(span: str) -> None:
+    # was "expected a layer index (0, -1) or a range", though it is a range
+    with pytest.raises(SchemeError) as info:
+        Scheme.from_yaml_text(f"rules:\n  - match: {{layers: ['{span}']}}\n    linear: mxfp8\n", "s.yaml")
+    (problem,) = info.value.problems
+    assert problem.startswith("s.yaml:2: rules[0].match.layers[0]: layer range "), problem
+    assert "is empty: start must not exceed stop" in problem and "expected a layer index" not in problem
+
+
+@pytest.mark.parametrize(("match", "key", "what"), [
+    ("{layers: []}", "layers", "an empty list"),
+    ("{kinds: []}", "kinds", "an empty list"),
+    ("{modules: ''}", "modules", "an empty regex"),
+    ("{kinds: [fc1], layers: []}", "layers", "an empty list"),
+])
+def test_an_empty_selector_is_refused_not_taken_as_every_site(match: str, key: str, what: str) -> None:
+    # An empty list used to be stored as () and read as "no selector": the rule matched every site.
+    with pytest.raises(SchemeError) as info:
+        Scheme.from_yaml_text(f"rules:\n  - match: {match}\n    linear: mxfp4\n", "s.yaml")
+    (problem,) = info.value.problems
+    assert problem == (f"s.yaml:2: rules[0].match.{key}: {what} selects nothing; leave the key out to select "
+                       f"every site"), problem
+
+
+def test_an_empty_match_selects_every_site() -> None:
+    s = Scheme.from_yaml_text("rules:\n  - match: {}\n    linear: mxfp4\n")
+    assert s.rules[0].selector == Selector()
+    assert s.linear_for(Site.from_path("layers.3.mlp.fc1", num_layers=4)) is not None
+
+
+@pytest.mark.parametrize(("value", "problems"), [
+    ("{rounding: ta}", [("rules[0].linear.rounding", "rounding", "rules[0].linear")]),
+    ("{saturate: false}", [("rules[0].linear.saturate", "saturate", "rules[0].linear")]),
+    ("{format: none, rounding: ta}", [("rules[0].linear.rounding", "rounding", "rules[0].linear")]),
+    ("{scale_mode: rceil, fprop: {rounding: sr}}", [("rules[0].linear.scale_mode", "scale_mode", "rules[0].linear"),
+                                                   ("rules[0].linear.fprop.rounding", "rounding", "rules[0].linear.fprop")]),
+    # every operand with a format sets its own rounding: the outer one applies to nothing
+    ("{rounding: sr, fprop: {x: mxfp8, rounding: ta}}", [("rules[0].linear.rounding", "rounding", "rules[0].linear")]),
+])
+def test_options_that_reach_no_format_are_an_error(value: str, problems: list[tuple[str, str, str]]) -> None:
+    # These loaded silently and quantized nothing.
+    with pytest.raises(SchemeError) as info:
+        Scheme.from_yaml_text(f"rules:\n  - linear: {value}\n", "s.yaml")
+    assert len(info.value.problems) == len(problems), info.value
+    for problem, (path, key, where) in zip(info.value.problems, problems):
+        assert problem.startswith(f"s.yaml:2: {path}: {key} given but no format in force at {where}:"), problem
+
+
+def test_options_apply_to_a_format_given_further_down() -> None:
+    s = Scheme.from_yaml_text("rules:\n  - linear: {rounding: sr, fprop: {x: mxfp8}, dgrad: {format: hifp8, rounding: ta}}\n")
+    lq = s.rules[0].linear
+    assert lq.fprop == GemmQuant(TensorQuant("mxfp8", rounding="sr"), None)
+    assert lq.dgrad == GemmQuant(TensorQuant("hifp8", rounding="ta"), TensorQuant("hifp8", rounding="ta"))
+    # options inherited by an operand set to none, or reset with null, are not an error
+    s = Scheme.from_yaml_text("rules:\n  - linear: {format: mxfp8, rounding: sr, fprop: {x: none}, dgrad: {rounding: null}}\n")
+    assert s.rules[0].linear.fprop == GemmQuant(None, TensorQuant("mxfp8", rounding="sr"))
+    assert s.rules[0].linear.dgrad.a == TensorQuant("mxfp8")
+
+
+def test_an_inherited_option_the_format_refuses_names_where_it_was_written() -> None:
+    text = "rules:\n  - linear:\n      format: mxfp8\n      scale_mode: rceil\n      fprop: {x: hifp8}\n"
+    with pytest.raises(SchemeError) as info:
+        Scheme.from_yaml_text(text, "s.yaml")
+    (problem,) = info.value.problems
+    assert problem.startswith("s.yaml:5: rules[0].linear.fprop.x: scale_mode='rceil' applies to MX"), problem
+    assert problem.endswith("(scale_mode='rceil' is inherited from rules[0].linear; reset it here with "
+                            "'scale_mode: null', e.g. {format: hifp8, scale_mode: null})"), problem
+    # the reset the message suggests works; an option written at the operand itself is not called inherited
+    reset = Scheme.from_yaml_text(text.replace("{x: hifp8}", "{x: {format: hifp8, scale_mode: null}}"))
+    assert reset.rules[0].linear.fprop.a == TensorQuant("hifp8")
+    with pytest.raises(SchemeError) as info:
+        Scheme.from_yaml_text("rules:\n  - linear: {format: hifp8, scale_mode: rceil}\n", "s.yaml")
+    assert "inherited" not in str(info.value)
+
+
+@pytest.mark.parametrize("target", ["1e-50", "1.0e-40", "0.0", "1000.0"])
+def test_scale_target_out_of_the_normal_float32_range_is_refused_in_yaml(target: str) -> None:
+    with pytest.raises(SchemeError) as info:
+        Scheme.from_yaml_text(f"rules:\n  - linear: {{format: fp8_e4m3, scaling: tensor, scale_target: {target}}}\n", "s.yaml")
+    (problem,) = info.value.problems
+    assert problem.startswith("s.yaml:2: rules[0].linear: scale_target="), problem
+    assert "must lie in [2**-126 (1.17549e-38), 448] for 'fp8_e4m3'" in problem
 
 
 def test_missing_file() -> None:

@@ -20,6 +20,9 @@ from fxquant.formats.element import ElementSpec
 from fxquant.formats.options import QuantOptions, Scaling, parse_enum
 
 
+_F32_MIN_NORMAL = 2.0**-126  # 1.1754943508222875e-38, the smallest normal float32
+
+
 def tensor_scale_exponent(x2: torch.Tensor, target: float) -> torch.Tensor:
     """k (int32 0-dim) with amax * 2**k <= target < amax * 2**(k+1), exactly from bits."""
     amax = x2.abs().amax().to(torch.float32) if x2.numel() else torch.zeros((), device=x2.device)
@@ -61,15 +64,17 @@ class ElementFormat(Format):
         if mode is Scaling.TENSOR:
             if not self.allow_tensor_scaling:
                 raise ValueError(f"scaling='tensor' is not offered for {self.name!r} (allowed: 'none')")
+            allowed = (f"in [2**-126 (1.17549e-38), {self.element.max_normal:g}] for {self.name!r} (a positive, "
+                       f"finite, normal float32 no larger than the format's max normal)")
             try:
+                if isinstance(scale_target, bool):
+                    raise TypeError
                 target = self.element.max_normal if scale_target is None else float(scale_target)
             except (TypeError, ValueError):
-                raise ValueError(f"scale_target={scale_target!r} must be a number in (0, "
-                                 f"{self.element.max_normal:g}] for {self.name!r}") from None
-            if not 0 < target <= self.element.max_normal:
-                raise ValueError(
-                    f"scale_target={scale_target!r} must lie in (0, {self.element.max_normal:g}] for {self.name!r}"
-                )
+                raise ValueError(f"scale_target={scale_target!r} must be a number {allowed}") from None
+            # The exponent is read from the float32 target (tensor_scale_exponent): below 2**-126 it is subnormal or 0.
+            if not _F32_MIN_NORMAL <= target <= self.element.max_normal:
+                raise ValueError(f"scale_target={scale_target!r} must lie {allowed}")
         elif scale_target is not None:
             raise ValueError("scale_target is only meaningful with scaling='tensor'")
         return QuantOptions(rounding=rnd, saturate=sat, scaling=mode, scale_target=target)

@@ -84,6 +84,8 @@ class TensorQuant:
                     f"{did_you_mean(key, _OPTION_KEYS)}"
                 )
             value = value.strip()
+            if key in kwargs:
+                raise ValueError(f"option {key!r} is given twice in spec {spec!r}; give each option once")
             if key == "saturate":
                 if value.lower() not in ("0", "1", "true", "false"):
                     raise ValueError(f"saturate={value!r} in spec {spec!r}: allowed 0, 1, true, false")

@@ -18,7 +18,17 @@ import difflib
 import re
 from dataclasses import dataclass, field
 
-from fxquant.schemes.model import EXPLICIT_ONLY_KINDS, AttentionQuant, Component, LinearQuant, Site, SiteKind
+from fxquant.schemes.model import (
+    EXPLICIT_ONLY_KINDS,
+    AttentionQuant,
+    Component,
+    LinearQuant,
+    Site,
+    SiteKind,
+    _parse_kind,
+)
+
+_RANGE_RE = re.compile(r"^\s*(-?\d+)\s*\.\.\s*(-?\d+)\s*$|^\s*(\d+)\s*-\s*(\d+)\s*$")
 
 
 @dataclass(frozen=True)
@@ -43,7 +53,27 @@ class LayerSpan:
                 f"last_layers"
             )
         if (self.start >= 0) == (self.stop >= 0) and self.start > self.stop:
-            raise ValueError(f"LayerSpan({self.start}, {self.stop}) is empty: start must not exceed stop")
+            raise ValueError(
+                f"layer range {self.start}..{self.stop} is empty: start must not exceed stop "
+                f"(write '{self.stop}..{self.start}')"
+            )
+
+    @classmethod
+    def parse(cls, value: object) -> "LayerSpan":
+        """A LayerSpan from a layer index (``3``, ``-1``, ``"3"``) or a range string (``"2..5"``, ``"2-5"``,
+        ``"-3..-1"``, ``"2..-1"``), as the scheme YAML and ``Selector(layers=...)`` take them; ValueError otherwise."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            return cls(value, value)
+        if isinstance(value, str):
+            m = _RANGE_RE.match(value)
+            if m:
+                a, b = (m.group(1), m.group(2)) if m.group(1) is not None else (m.group(3), m.group(4))
+                return cls(int(a), int(b))  # LayerSpan refuses an empty or mixed-sign range, saying why
+            if re.fullmatch(r"\s*-?\d+\s*", value):
+                return cls(int(value), int(value))
+        raise ValueError(f"expected a layer index (0, -1) or a range ('2..5', '2-5', '2..-1'), got {value!r}")
 
     def _spelled_with_n(self) -> str:
         """The span with its negative bound written as ``N-k``: ``N-1..2``."""
@@ -64,7 +94,9 @@ class LayerSpan:
 
 @dataclass(frozen=True)
 class Selector:
-    """Which sites a rule applies to; every given part must match (layer parts are a union)."""
+    """Which sites a rule applies to; every given part must match (layer parts are a union). An empty ``kinds`` /
+    ``layers`` does not restrict. ``kinds`` may name kinds (``("fc1",)``) and ``layers`` hold indices and range
+    strings (``(0, "2..5")``), as in the YAML: they become SiteKind / LayerSpan here."""
 
     modules: str | None = None  # regex matched against the whole module path (re.fullmatch)
     kinds: tuple[SiteKind, ...] = ()
@@ -73,7 +105,12 @@ class Selector:
     last_layers: int | None = None
 
     def __post_init__(self) -> None:
+        # Kind names and layer indices / range strings become SiteKind / LayerSpan here (the YAML gives the same).
+        object.__setattr__(self, "kinds", tuple(dict.fromkeys(_parse_kind(k) for k in self._items("kinds"))))
+        object.__setattr__(self, "layers", tuple(LayerSpan.parse(v) for v in self._items("layers")))
         if self.modules is not None:
+            if not isinstance(self.modules, str):
+                raise TypeError(f"Selector.modules must be a regular expression string or None, got {self.modules!r}")
             try:
                 re.compile(self.modules)
             except re.error as exc:
@@ -82,6 +119,13 @@ class Selector:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name}={v!r} must be a positive int")
+
+    def _items(self, name: str) -> tuple:
+        v = getattr(self, name)
+        if isinstance(v, (str, int, SiteKind, LayerSpan)) or not isinstance(v, (tuple, list)):
+            example = "('fc1', 'fc2')" if name == "kinds" else "(0, '2..5', -1)"
+            raise TypeError(f"Selector.{name} must be a tuple (or list), e.g. {name}={example}, got {v!r}")
+        return tuple(v)
 
     @property
     def has_layers(self) -> bool:

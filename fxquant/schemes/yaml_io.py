@@ -12,11 +12,12 @@ A VALUE, at the component, GEMM or operand level, is ``none`` (high precision), 
 (``mxfp8`` or ``mxfp8:rounding=ta,scale_mode=floor``) or a mapping with ``format`` / option keys
 (rounding, scale_mode, saturate, scaling, scale_target) and, above the operand level, child keys. Format
 and options cascade down: a child inherits what its parent set and overrides what it sets itself. Child
-keys not written inherit the parent's format (none when the parent set no format).
+keys not written inherit the parent's format (none when the parent set no format). An option that reaches no
+operand with a format is an error; ``null`` unsets an inherited option. An empty ``kinds`` / ``layers`` list or
+``modules`` regex is an error (it would select nothing); a key left out does not restrict the rule.
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import yaml
@@ -45,7 +46,7 @@ MATCH_KEYS = ("modules", "kinds", "layers", "first_layers", "last_layers")
 NONE_WORDS = ("none", "high", "off")
 _LINEAR_TREE = {g: ops for g, ops in LINEAR_GEMMS.items()}
 _ATTN_TREE = {g: ops for g, (_, _, ops) in ATTENTION_GEMMS.items()}
-_RANGE_RE = re.compile(r"^\s*(-?\d+)\s*\.\.\s*(-?\d+)\s*$|^\s*(\d+)\s*-\s*(\d+)\s*$")
+_EMPTY_HINT = "leave the key out to select every site"
 
 
 def _is_none(v: object) -> bool:
@@ -184,6 +185,8 @@ class _Parser:
             try:
                 if not isinstance(v, str):
                     raise ValueError(f"must be a regular expression string, got {v!r}")
+                if not v.strip():
+                    raise ValueError(f"an empty regex selects nothing; {_EMPTY_HINT}")
                 kw["modules"] = Selector(modules=v).modules
             except ValueError as exc:
                 self.error(m["modules"][1], f"{path}.modules", str(exc))
@@ -191,6 +194,9 @@ class _Parser:
         if "kinds" in m:
             kn = m["kinds"][1]
             items = kn.value if isinstance(kn, yaml.SequenceNode) else [kn]
+            if not items:
+                self.error(kn, f"{path}.kinds", f"an empty list selects nothing; {_EMPTY_HINT}")
+                ok = False
             kinds = []
             allowed = [k.value for k in SiteKind]
             for j, it in enumerate(items):
@@ -204,19 +210,16 @@ class _Parser:
         if "layers" in m:
             ln = m["layers"][1]
             items = ln.value if isinstance(ln, yaml.SequenceNode) else [ln]
+            if not items:
+                self.error(ln, f"{path}.layers", f"an empty list selects nothing; {_EMPTY_HINT}")
+                ok = False
             spans = []
             for j, it in enumerate(items):
-                try:
-                    span = self.layer_span(self.value(it))
-                except ValueError as exc:  # a range LayerSpan refuses (mixed signs)
+                try:  # not an index or a range, or a range LayerSpan refuses (empty, mixed signs)
+                    spans.append(LayerSpan.parse(self.value(it)))
+                except ValueError as exc:
                     self.error(it, f"{path}.layers[{j}]", str(exc))
                     ok = False
-                    continue
-                if span is None:
-                    self.error(it, f"{path}.layers[{j}]", f"expected a layer index (0, -1) or a range ('2..5', '2-5'), got {self.value(it)!r}")
-                    ok = False
-                else:
-                    spans.append(span)
             kw["layers"] = tuple(spans)
         for key in ("first_layers", "last_layers"):
             if key in m:
@@ -228,25 +231,12 @@ class _Parser:
                     kw[key] = v
         return Selector(**kw) if ok else None
 
-    @staticmethod
-    def layer_span(v: object) -> LayerSpan | None:
-        if isinstance(v, int) and not isinstance(v, bool):
-            return LayerSpan(v, v)
-        if isinstance(v, str):
-            m = _RANGE_RE.match(v)
-            if m:
-                a, b = (m.group(1), m.group(2)) if m.group(1) is not None else (m.group(3), m.group(4))
-                a, b = int(a), int(b)
-                if (a >= 0) == (b >= 0) and a > b:
-                    return None
-                return LayerSpan(a, b)
-            if re.fullmatch(r"\s*-?\d+\s*", v):
-                return LayerSpan(int(v), int(v))
-        return None
-
     # -- components: cascade of format + options down to operands ------------------------------------------
+    # A scope is a dict: "format", the option keys, and "_from" (option key -> dotted path where it was written).
     def component(self, node: yaml.Node, path: str, tree: dict[str, tuple[str, str]]) -> dict | None:
         n_before = len(self.problems)
+        self._written: list[tuple[str, str, yaml.Node]] = []  # (option, path, key node) written in a mapping
+        used: set[tuple[str, str]] = set()  # (option, path written) that reached an operand with a format
         table: dict[str, dict[str, TensorQuant | None]] = {}
         scope = self.scope(node, path, {}, tuple(tree))
         for gemm, ops in tree.items():
@@ -255,6 +245,17 @@ class _Parser:
             for op in ops:
                 onode, oscope = self.child(gnode, op, f"{path}.{gemm}", gscope, ())
                 table[gemm][op] = self.leaf(oscope)
+                if oscope is not None and oscope.get("format") is not None:
+                    used.update((k, where) for k, where in oscope.get("_from", {}).items() if oscope.get(k) is not None)
+        if len(self.problems) == n_before:
+            for key, where, knode in self._written:
+                if (key, where) not in used:
+                    self.error(
+                        knode, f"{where}.{key}",
+                        f"{key} given but no format in force at {where}: no operand under it gets a format with "
+                        f"this {key} (none is set, or each sets its own {key}); add 'format: ...' here or below, "
+                        f"or drop {key}",
+                    )
         return table if len(self.problems) == n_before else None
 
     def child(self, node, key, path, scope, grandchildren):
@@ -282,7 +283,9 @@ class _Parser:
             except ValueError as exc:
                 self.error(node, path, str(exc))
                 return None
-            return self.checked(node, path, {**parent, "format": tq.format, **tq._kwargs()})
+            written = tq._kwargs()
+            new = {**parent, "format": tq.format, **written, "_from": {**parent.get("_from", {}), **dict.fromkeys(written, path)}}
+            return self.checked(node, path, new)
         allowed = tuple(children) + ("format",) + _OPTION_KEYS
         m = self.mapping(node, path, allowed)
         if m is None:
@@ -298,22 +301,46 @@ class _Parser:
                 except ValueError as exc:
                     self.error(m["format"][1], f"{path}.format", str(exc))
                     return None
+        new["_from"] = dict(parent.get("_from", {}))
         for key in _OPTION_KEYS:
             if key in m:
-                new[key] = self.value(m[key][1])
+                new[key] = self.value(m[key][1])  # None (YAML null) unsets what the parent set
+                new["_from"][key] = path
+                if new[key] is not None:
+                    self._written.append((key, path, m[key][0]))
         if any(k in m for k in ("format",) + _OPTION_KEYS):
             return self.checked(node, path, new)
         return new
 
     def checked(self, node: yaml.Node, path: str, scope: dict) -> dict | None:
+        """``scope`` if its format takes its options, else None (reported). Options that apply to no format are
+        reported once the whole component is read (``component``): a child may still give the format."""
         if scope.get("format") is None:
             return scope
         try:
             self.leaf(scope)
         except (ValueError, TypeError) as exc:
-            self.error(node, path, str(exc))
+            self.error(node, path, str(exc) + self.inherited_culprits(scope, path, str(exc)))
             return None
         return scope
+
+    def inherited_culprits(self, scope: dict, path: str, problem: str) -> str:
+        """Which inherited options (written at an enclosing level) cause ``problem``, and how to drop them."""
+        notes = []
+        for key, where in scope.get("_from", {}).items():
+            if where == path or scope.get(key) is None:
+                continue
+            try:
+                self.leaf({**scope, key: None})
+                fixed = True
+            except (ValueError, TypeError) as exc:
+                fixed = str(exc) != problem
+            if fixed:
+                notes.append(
+                    f"{key}={scope[key]!r} is inherited from {where}; reset it here with '{key}: null', e.g. "
+                    f"{{format: {scope['format']}, {key}: null}}"
+                )
+        return f" ({'; '.join(notes)})" if notes else ""
 
     @staticmethod
     def leaf(scope: dict | None) -> TensorQuant | None:
