@@ -10,6 +10,8 @@ the writer (``unpack``), so the capture path never waits for the device.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import torch
@@ -64,8 +66,7 @@ def _saturated(x: torch.Tensor, tq: TensorQuant, dim: int) -> torch.Tensor:
     if elem.bits > 8:  # bf16/fp16 casts: no scaling
         return (torch.isfinite(xf) & (xf.abs() > elem.max_normal)).sum().double()
     # Scales do not depend on rounding: encode with RNE (never draws random numbers, never touches RNG).
-    rne = TensorQuant(tq.format, rounding="rne", scale_mode=tq.scale_mode, saturate=tq.saturate,
-                      scaling=tq.scaling, scale_target=tq.scale_target)
+    rne = dataclasses.replace(tq, rounding="rne")
     enc = fmt.encode(xf, dim, **rne._kwargs())
     p = elem.decode(enc.codes)  # element values (after scaling), before the scale is applied back
     q = fmt.decode(enc).float()

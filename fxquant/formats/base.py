@@ -172,12 +172,22 @@ class Format(abc.ABC):
         """What depends on the whole tensor (NVFP4's amax, a per-tensor scale), computed once; None if nothing."""
         return None
 
+    def check_shape(self, x: torch.Tensor, dim: int, opts: QuantOptions) -> None:
+        """Raise ValueError if ``opts`` cannot quantize a tensor of ``x``'s shape along ``dim`` (NVFP4's 2-D blocks
+        need a 2-D tensor); every shape is fine otherwise."""
+
+    def row_group(self, opts: QuantOptions) -> int:
+        """Rows of the canonical layout that share scales (16 for NVFP4's 2-D blocks, else 1): a slab of rows
+        (``_quantize_rows``) holds whole groups."""
+        return 1
+
     def _quantize_rows(
         self, x2: torch.Tensor, opts: QuantOptions, seed: int, out_dtype: torch.dtype, chunk_elements: int = CHUNK_ELEMENTS
     ) -> torch.Tensor:
         """``_quantize_canonical`` over slabs of rows (CPU, eager), or in one go."""
         rows, length = x2.shape
-        step = max(1, chunk_elements // max(length, 1))
+        group = self.row_group(opts)
+        step = max(1, chunk_elements // max(length, 1) // group) * group
         if rows <= step or x2.device.type != "cpu" or torch.compiler.is_compiling():
             return self._quantize_canonical(x2, opts, seed, out_dtype=out_dtype)
         ctx = self._tensor_context(x2, opts)
@@ -203,6 +213,7 @@ class Format(abc.ABC):
         if unknown:
             raise TypeError(f"{self.name} has no option {unknown[0]!r}; its options: {', '.join(allowed)}, seed")
         opts = self.resolve(**options)
+        self.check_shape(x, d, opts)
         return d, opts, resolve_seed(opts.rounding, seed)
 
     def quantize(
@@ -242,6 +253,7 @@ class Format(abc.ABC):
         whatever the arithmetic gives (not forced contiguous), so a consumer may fuse the layout change.
         """
         d = check_tensor(x, dim)
+        self.check_shape(x, d, opts)
         if x.numel() == 0:
             return x.clone()
         if self.block_size is None and opts.rounding is not Rounding.SR:

@@ -46,6 +46,24 @@ def unblock(xb: torch.Tensor, length: int) -> torch.Tensor:
     return xb.reshape(xb.shape[0], xb.shape[1] * xb.shape[2])[:, :length]
 
 
+def tile_amax(amax_b: torch.Tensor, rows_per_tile: int) -> torch.Tensor:
+    """Block amaxes ``[rows, nblocks, 1]`` -> each block's tile amax (the largest over the ``rows_per_tile``
+    consecutive rows of its group, the last group holding what is left; NaN propagates), same shape. Whole-tensor
+    ATen ops, the full groups and the last one as two pieces: Inductor's CPU code generation (torch 2.13) gave
+    the last rows uninitialised values when the rows were zero-padded to whole groups and the result sliced back
+    (tests/test_formats_lowering.py checks the traced form against the reference at such shapes)."""
+    rows, nblocks, _ = amax_b.shape
+    a = amax_b.squeeze(-1)
+    full = rows - rows % rows_per_tile
+    pieces = []
+    if full:
+        tiles = a[:full].reshape(-1, rows_per_tile, nblocks).amax(dim=1, keepdim=True)
+        pieces.append(tiles.expand(-1, rows_per_tile, nblocks).reshape(full, nblocks))
+    if rows > full:
+        pieces.append(a[full:].amax(dim=0, keepdim=True).expand(rows - full, nblocks))
+    return (torch.cat(pieces) if len(pieces) > 1 else pieces[0]).unsqueeze(-1)
+
+
 def blocked_uniforms(opts: QuantOptions, seed: int, x2: torch.Tensor, offset: int, block: int) -> torch.Tensor | None:
     """The stochastic-rounding uniforms of canonical ``x2`` (a slab starting at flat index ``offset``), blocked."""
     u = draw_uniforms(opts.rounding, seed, x2.shape, x2.device, offset)
@@ -86,6 +104,8 @@ def block_stage(fmt: Format, x2: torch.Tensor, xb: torch.Tensor, amax: torch.Ten
         xp = x2[:, lo:hi].reshape(rows, (hi - lo) // size, size)
         up = None if u is None else u[:, lo:hi].reshape(xp.shape)
         ap = xp.abs().amax(dim=-1, keepdim=True).to(amax.dtype)
+        if opts.block_2d:  # NVFP4's 16x16 tiles: a block's amax is its tile's
+            ap = tile_amax(ap, fmt.block_size)
         pieces.append(_traced_values(fmt, xp, ap, tensor_amax, up, opts).to(out_dtype).reshape(rows, hi - lo))
     return torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
 

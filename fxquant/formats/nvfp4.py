@@ -8,6 +8,12 @@ amax_tensor == 0 gives all zeros, and so does a tensor too small for the recipe'
 (g underflows to 0, or 1 / g overflows: amax_tensor < 2688 * 2**-128, about 7.9e-36); a NaN or Inf
 anywhere makes the whole tensor NaN (the per-tensor scale is then undefined). Every division is an IEEE
 float32 division, on CUDA too (``fdiv``).
+
+``block_2d=True`` (NVIDIA's recipe for weights): one E4M3 scale per 16x16 tile of a 2-D tensor (16 along
+``dim`` by 16 along the other dimension; tiles at the edges hold what is left), b from the tile's amax; g and
+the elements as above. Each 16-element block of the canonical layout takes its tile's amax, so the 1-D code
+computes the rest, and the same tiles give the same values along either dim: quantize(W, 0) equals
+quantize(W, 1) (round to nearest; stochastic rounding draws by position in the layout of ``dim``).
 """
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ import torch
 from fxquant.formats._bits import F32_MAX, fdiv, nonfinite
 from fxquant.formats.base import Format
 from fxquant.formats.element import E2M1, E4M3, ElementSpec, _tracing
-from fxquant.formats.mx import block_stage, blocked_uniforms, blocks, unblock
+from fxquant.formats.mx import block_stage, blocked_uniforms, blocks, tile_amax, unblock
 from fxquant.formats.options import QuantOptions
 
 NVFP4_BLOCK = 16
@@ -33,20 +39,33 @@ class NVFP4Format(Format):
     element: ElementSpec = E2M1
     scale_layout = "E4M3 per 16 + fp32 per tensor"
 
-    def resolve(self, *, rounding=None, scale_mode=None, saturate=None) -> QuantOptions:
+    def resolve(self, *, rounding=None, scale_mode=None, saturate=None, block_2d=None) -> QuantOptions:
         if scale_mode is not None:
             raise ValueError(f"scale_mode={scale_mode!r} applies to MX formats; NVFP4's scales are fixed by its recipe")
         if saturate is not None and saturate is not True:
             raise ValueError(f"saturate={saturate!r}: NVFP4 elements always saturate; allowed: True")
-        return QuantOptions(rounding=self._rounding(rounding, "rne"), saturate=True)
+        if block_2d is not None and not isinstance(block_2d, bool):
+            raise ValueError(f"block_2d={block_2d!r}: allowed True (16x16 tiles of a 2-D tensor), False")
+        return QuantOptions(rounding=self._rounding(rounding, "rne"), saturate=True, block_2d=bool(block_2d))
+
+    def check_shape(self, x, dim, opts):
+        if opts.block_2d and x.dim() != 2:
+            raise ValueError(f"NVFP4 with block_2d=True quantizes 2-D tensors (16x16 tiles of a weight); got shape "
+                             f"{tuple(x.shape)}")
+
+    def row_group(self, opts):
+        return self.block_size if opts.block_2d else 1
 
     def _tensor_context(self, x2, opts):
         return x2.abs().amax() if x2.numel() else torch.zeros((), device=x2.device)
 
-    def _amax(self, x2: torch.Tensor, amax_t: torch.Tensor | None = None):
-        """(blocked x, block amaxes [rows, nblocks, 1], the tensor's amax); ``amax_t`` given: the whole tensor's."""
+    def _amax(self, x2: torch.Tensor, opts: QuantOptions, amax_t: torch.Tensor | None = None):
+        """(blocked x, block amaxes [rows, nblocks, 1], the tensor's amax); ``amax_t`` given: the whole tensor's.
+        With ``block_2d`` each block's amax is its 16x16 tile's (the rows of ``x2`` are the other dimension)."""
         xb = blocks(x2, self.block_size)
         amax_b = xb.abs().amax(dim=-1, keepdim=True)
+        if opts.block_2d:
+            amax_b = tile_amax(amax_b, self.block_size)
         if amax_t is None:  # the whole tensor's amax is the largest block amax: no second pass over x
             amax_t = amax_b.amax() if amax_b.numel() else torch.zeros((), device=x2.device)
         return xb, amax_b, amax_t
@@ -93,11 +112,11 @@ class NVFP4Format(Format):
             # is then one plain reduction of x (the same value), not the largest of padded block amaxes taken
             # only for it (a second block-amax pass over x).
             ctx = self._tensor_context(x2, opts)
-        xb, amax_b, amax_t = self._amax(x2, ctx)
+        xb, amax_b, amax_t = self._amax(x2, opts, ctx)
         return block_stage(self, x2, xb, amax_b, amax_t, opts, seed, offset, out_dtype)
 
     def _encode_canonical(self, x2, opts, seed):
-        xb, amax_b, amax_t = self._amax(x2)
+        xb, amax_b, amax_t = self._amax(x2, opts)
         g, b, inv, zero, bad = self._scale_values(amax_b, amax_t)
         p = self._elements(xb, inv, blocked_uniforms(opts, seed, x2, 0, self.block_size), opts)
         p = torch.where(zero | bad, 0.0, p)

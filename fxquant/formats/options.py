@@ -61,11 +61,14 @@ class QuantOptions:
     scale_mode: ScaleMode | None = None  # MX formats only
     scaling: Scaling = Scaling.NONE  # element formats with optional per-tensor scaling
     scale_target: float | None = None  # with scaling=TENSOR: amax * 2**k lands at or just under this
+    block_2d: bool = False  # NVFP4: one scale per 16x16 tile of a 2-D tensor (NVIDIA's recipe for weights)
 
     def describe(self) -> str:
         parts = [f"rounding={self.rounding.value}", f"saturate={self.saturate}"]
         if self.scale_mode is not None:
             parts.append(f"scale_mode={self.scale_mode.value}")
+        if self.block_2d:
+            parts.append("block_2d=True")
         if self.scaling is not Scaling.NONE:
             parts.append(f"scaling={self.scaling.value}(target={self.scale_target:g})")
         return ", ".join(parts)

@@ -11,7 +11,7 @@ import torch
 
 from fxquant.formats.options import QuantOptions, did_you_mean
 
-_OPTION_KEYS = ("rounding", "scale_mode", "saturate", "scaling", "scale_target")
+_OPTION_KEYS = ("rounding", "scale_mode", "saturate", "scaling", "scale_target", "block_2d")
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,7 @@ class TensorQuant:
     saturate: bool | None = field(default=None, compare=False)
     scaling: str | None = field(default=None, compare=False)
     scale_target: float | None = field(default=None, compare=False)
+    block_2d: bool | None = field(default=None, compare=False)
     # Equality and hashing use the format and the resolved options, not how they were spelled.
     options: QuantOptions = field(init=False, repr=False)
 
@@ -37,6 +38,8 @@ class TensorQuant:
             extra["scaling"] = self.scaling
         if self.scale_target is not None:
             extra["scale_target"] = self.scale_target
+        if self.block_2d is not None:
+            extra["block_2d"] = self.block_2d
         problem = fmt.inapplicable_option(extra)
         if problem is not None:
             raise ValueError(problem)
@@ -66,6 +69,8 @@ class TensorQuant:
         if o.scale_target is not None:
             parts.append(f"scaling={o.scaling.value}")
             parts.append(f"scale_target={o.scale_target!r}")
+        if o.block_2d:
+            parts.append("block_2d=1")
         return f"{self.format}:{','.join(parts)}"
 
     @classmethod
@@ -86,9 +91,9 @@ class TensorQuant:
             value = value.strip()
             if key in kwargs:
                 raise ValueError(f"option {key!r} is given twice in spec {spec!r}; give each option once")
-            if key == "saturate":
+            if key in ("saturate", "block_2d"):
                 if value.lower() not in ("0", "1", "true", "false"):
-                    raise ValueError(f"saturate={value!r} in spec {spec!r}: allowed 0, 1, true, false")
+                    raise ValueError(f"{key}={value!r} in spec {spec!r}: allowed 0, 1, true, false")
                 kwargs[key] = value.lower() in ("1", "true")
             elif key == "scale_target":
                 try:

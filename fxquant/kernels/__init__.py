@@ -24,7 +24,7 @@ import torch
 log = logging.getLogger(__name__)
 
 __all__ = ["available", "check_interpreter_loops", "has_kernel", "interpreter_loop_problem", "quantize", "register",
-           "registered", "restore_reference"]
+           "registered", "restore_reference", "takes"]
 
 DEVICES = ("cuda", "cpu")
 _TRITON_DEVICES: set[str] = set()  # devices whose fxquant::quantize implementation is the Triton kernels
@@ -74,7 +74,7 @@ def quantize(x: torch.Tensor, tq, dim: int = -1, seed: int | None = None) -> tor
 
 def has_kernel(fmt) -> bool:
     """Whether Triton kernels implement ``fmt``, a Format or a format name (the compatibility formats of
-    formats/legacy.py are reference-only)."""
+    formats/legacy.py are reference-only; of the options, NVFP4's ``block_2d`` is too: ``takes``)."""
     from fxquant import formats
     from fxquant.formats.base import Format
     from fxquant.formats.legacy import LegacyClampFormat
@@ -86,11 +86,17 @@ def has_kernel(fmt) -> bool:
     return not isinstance(fmt, LegacyClampFormat)
 
 
+def takes(tq) -> bool:
+    """Whether the Triton kernels implement TensorQuant ``tq``: its format (``has_kernel``) with its options
+    (NVFP4's 16x16 tiles, ``block_2d``, are the reference's only)."""
+    return has_kernel(tq.fmt) and not tq.options.block_2d
+
+
 def _quantize_op_impl(x: torch.Tensor, qspec: str, dim: int, seed: int | None = None) -> torch.Tensor:
     from fxquant.ops import parse_qspec
 
     tq = parse_qspec(qspec)
-    if not has_kernel(tq.fmt):
+    if not takes(tq):
         return tq.quantize(x, dim, seed=seed)
     return quantize(x, tq, dim, seed)
 

@@ -73,6 +73,9 @@ def quantize(x: torch.Tensor, tq: TensorQuant, dim: int = -1, seed: int | None =
         raise TypeError(f"tq must be a TensorQuant, got {type(tq).__name__}")
     d = check_tensor(x, dim)
     opts = tq.options
+    if opts.block_2d:
+        raise ValueError(f"{tq.spec()}: the Triton kernels do not implement NVFP4's 16x16 tiles (block_2d); "
+                         "tq.quantize (the reference) does, and fxquant::quantize runs it for such a spec")
     seed_ = resolve_seed(opts.rounding, seed)
     if x.numel() == 0:
         return x.clone()

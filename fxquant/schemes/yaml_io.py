@@ -10,7 +10,7 @@
 
 A VALUE, at the component, GEMM or operand level, is ``none`` (high precision), a format spec string
 (``mxfp8`` or ``mxfp8:rounding=ta,scale_mode=floor``) or a mapping with ``format`` / option keys
-(rounding, scale_mode, saturate, scaling, scale_target) and, above the operand level, child keys. Format
+(rounding, scale_mode, saturate, scaling, scale_target, block_2d) and, above the operand level, child keys. Format
 and options cascade down: a child inherits what its parent set and overrides what it sets itself. Child
 keys not written inherit the parent's format (none when the parent set no format). An option that reaches no
 operand with a format is an error; ``null`` unsets an inherited option. An empty ``kinds`` / ``layers`` list or
