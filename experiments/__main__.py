@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import sys
 import time
@@ -12,7 +13,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 from experiments import catalog, compare
-from experiments.launcher import resolve, supervise
+from experiments.launcher import Interrupted, interruptible, resolve, supervise
 from fxquant.capture import compat
 from fxquant.cli import HelpFormatter, quiet_broken_pipe
 from fxquant.cli.collect_plan import collection_for
@@ -23,6 +24,17 @@ from fxquant.megatron_glue.run_config import DEFAULT_CAPTURE_SUBDIR, CompileBack
 
 
 CUSTOM_QUANT_TYPE = "CUSTOM_QUANT_TYPE"  # the predecessor's environment variable naming a run's quant type
+
+
+def positive_seconds(text: str) -> float:
+    """argparse ``type=`` of --timeout: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds > 0") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{text}: must be a finite number of seconds > 0")
+    return value
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -131,12 +143,21 @@ def cmd_list(args) -> int:
 
 
 def written_since(path: Path, since: float) -> Path | None:
-    """``path`` if it exists and was written at or after ``since`` (a time.time()), else None: a run that failed or
-    timed out before writing its metrics leaves an earlier run's file in its directory."""
+    """``path`` if it exists, holds something and was written at or after ``since`` (a time.time()), else None: a
+    run that failed or timed out before writing its metrics leaves an earlier run's file in its directory, or the
+    empty one a fresh run starts with."""
     try:
-        return path if path.stat().st_mtime >= since - 1.0 else None  # 1 s: file times use a coarser clock
+        stat = path.stat()
     except FileNotFoundError:
         return None
+    return path if stat.st_size > 0 and stat.st_mtime >= since - 1.0 else None  # 1 s: file times use a coarser clock
+
+
+def _holds_something(path: Path | None) -> bool:
+    try:
+        return path is not None and path.stat().st_size > 0
+    except FileNotFoundError:
+        return False
 
 
 def cmd_run(args) -> int:
@@ -151,11 +172,12 @@ def cmd_run(args) -> int:
     started = time.time()
     outcome = supervise(launch, args.timeout)
     metrics = written_since(Path(launch.run.output_dir) / "metrics.jsonl", started)
-    print(f"{outcome.status} in {outcome.seconds:.0f}s; log {outcome.log}" +
+    log = outcome.log if _holds_something(outcome.log) else None
+    print(f"{outcome.status} in {outcome.seconds:.0f}s" + (f"; log {log}" if log is not None else "") +
           (f"; metrics {metrics}" if metrics is not None else ""))
     if outcome.status == "failed":
-        print(f"error: {outcome.error or f'exit status {outcome.returncode}, no error line in the log'} "
-              f"(full output: {outcome.log})", file=sys.stderr)
+        print(f"error: {outcome.error or f'exit status {outcome.returncode}, no error line in the log'}" +
+              (f" (full output: {log})" if log is not None else ""), file=sys.stderr)
     if launch.run.capture is not None and launch.run.capture.root(launch.run.output_dir).is_dir():
         print(f"captures: {launch.run.capture.root(launch.run.output_dir)} (spec {launch.run.capture.spec}; "
               f"`fxquant capture ls` / `fxquant report` read it)")
@@ -197,20 +219,35 @@ def cmd_matrix(args) -> int:
     if records:
         print(f"error: {len(records)} of {len(combos)} run(s) refused (above); nothing was run", file=sys.stderr)
         return 1
-    for name, model, dataset, scheme, launch in launches:
+    interrupted = None
+    for _, model, dataset, scheme, launch in launches:
+        name = f"{model}/{dataset}/{launch.run.scheme}"  # a scheme file's cell is named by its scheme, as its run dir
+        record = {"run": name, "model": model, "dataset": dataset, "scheme": launch.run.scheme,
+                  **({"scheme_file": scheme} if launch.run.scheme != scheme else {}),
+                  "run_dir": launch.run.output_dir,
+                  "captures": (str(launch.run.capture.root(launch.run.output_dir))
+                               if launch.run.capture is not None else None)}
         print(f"[start] {name}", flush=True)
         started = time.time()
-        outcome = supervise(launch, args.timeout, echo=("iter ",), prefix=f"  {name} ")  # progress per iteration
+        try:  # progress per iteration
+            outcome = supervise(launch, args.timeout, echo=("iter ", "resumed from "), prefix=f"  {name} ")
+        except OSError as exc:  # its run directory cannot be written: this cell fails, the sweep goes on
+            records.append({**record, "status": "failed", "seconds": round(time.time() - started, 1),
+                            "error": str(exc)})
+            print(f"[failed] {name}: {exc}", flush=True)
+            continue
+        except Interrupted as exc:  # the job is stopped; the cells run so far are summarised, then the command ends
+            records.append({**record, "status": "interrupted", "seconds": round(time.time() - started, 1),
+                            "log": str(exc.log)})
+            print(f"[interrupted] {name}", flush=True)
+            interrupted = exc
+            break
         metrics = written_since(Path(launch.run.output_dir) / "metrics.jsonl", started)  # not an earlier run's
         losses = [] if metrics is None else compare.read_losses(metrics)
         val_losses = [] if metrics is None else compare.read_losses(metrics, key="val_loss")
-        records.append({"run": name, "model": model, "dataset": dataset, "scheme": scheme, "status": outcome.status,
-                        "seconds": round(outcome.seconds, 1), "iterations": len(losses),
-                        "final_loss": losses[-1] if losses else None,
-                        "final_val_loss": val_losses[-1] if val_losses else None, "run_dir": launch.run.output_dir,
-                        "captures": (str(launch.run.capture.root(launch.run.output_dir))
-                                     if launch.run.capture is not None else None),
-                        "log": str(outcome.log)})
+        records.append({**record, "status": outcome.status, "seconds": round(outcome.seconds, 1),
+                        "iterations": len(losses), "final_loss": losses[-1] if losses else None,
+                        "final_val_loss": val_losses[-1] if val_losses else None, "log": str(outcome.log)})
         if outcome.status == "failed":
             records[-1]["error"] = outcome.error
         print(f"[{outcome.status}] {name} in {outcome.seconds:.0f}s" +
@@ -230,6 +267,8 @@ def cmd_matrix(args) -> int:
     if plot is None:  # no run finished: an earlier matrix's figure must not stand beside this summary
         (out / "loss_curves.svg").unlink(missing_ok=True)
     print(f"summary: {out / 'matrix_summary.json'}, {out / 'matrix_summary.txt'}" + (f", {plot}" if plot else ""))
+    if interrupted is not None:
+        raise interrupted
     failed = [r for r in records if r["status"] != "ok"]
     return 1 if failed else 0
 
@@ -246,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "bf16 and FA_linear_<type>, or a scheme name), else bf16")
     run.add_argument("--dry-run", action="store_true",
                      help="print the torchrun command and the resolved config; start and write nothing")
-    run.add_argument("--timeout", type=float, default=3600.0, help="seconds before the run's processes are killed")
+    run.add_argument("--timeout", type=positive_seconds, default=3600.0, help="seconds before the run's processes are killed")
     _common(run)
     run.set_defaults(func=cmd_run)
     matrix = sub.add_parser("matrix", help="a sweep of models x datasets x schemes, supervised", formatter_class=HelpFormatter)
@@ -254,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     matrix.add_argument("--datasets", nargs="+", default=["mock"], help="datasets to run")
     matrix.add_argument("--schemes", nargs="+", default=list(catalog.PREDECESSOR_SCHEMES),
                         help="preset names or scheme YAML paths")
-    matrix.add_argument("--timeout", type=float, default=1800.0, help="seconds per run before it is killed")
+    matrix.add_argument("--timeout", type=positive_seconds, default=1800.0, help="seconds per run before it is killed")
     matrix.add_argument("--last-n", type=positive_int, default=10, help="iterations in the 'last N' relative error")
     matrix.add_argument("--dry-run", action="store_true",
                         help="print each run's torchrun command; start and write nothing")
@@ -264,16 +303,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command's exit status; interrupted (Ctrl-C, SIGTERM), it stops the training job it supervises, prints
+    one line and raises SystemExit(128 + signal), 130 or 143, so that a caller running it in-process (`fxquant
+    collect`) stops too."""
     args = build_parser().parse_args(argv)
     try:
-        status = args.func(args)
-        sys.stdout.flush()  # a closed pipe shows here, not at the interpreter's exit
+        with interruptible():
+            status = args.func(args)
+            sys.stdout.flush()  # a closed pipe shows here, not at the interpreter's exit
         return status
-    except (ValueError, TypeError, FileNotFoundError) as exc:
-        print(f"experiments {args.cmd}: error: {exc}", file=sys.stderr)
-        return 2
+    except Interrupted as exc:
+        stopped = (f"its training job was stopped (log {exc.log})" if exc.log is not None
+                   else "no training job was running")
+        print(f"experiments {args.cmd}: interrupted by {exc}: {stopped}", file=sys.stderr, flush=True)
+        raise SystemExit(exc.exit_status) from None
     except BrokenPipeError:  # `... | head` closed the pipe: stop quietly
         return quiet_broken_pipe()
+    except (ValueError, TypeError, OSError) as exc:  # OSError: e.g. a run directory that cannot be made
+        print(f"experiments {args.cmd}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

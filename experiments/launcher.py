@@ -6,11 +6,14 @@ cannot run; nproc divisible by TP*PP, default TP*PP; batch divisibility; data pa
 tokenizer; capture spec)
 and returns a `Launch`: the RunConfig and the exact torchrun command. Resolving writes nothing.
 `supervise(launch, timeout)` writes the run's `launch.json`, runs torchrun in its own process group, kills
-the whole group on timeout, and on failure finds the first error line a rank printed (`first_error`).
+the whole group on timeout or when the supervisor is interrupted (`Interrupted`, `interruptible`), and on
+failure finds the first error line a rank printed (`first_error`).
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
+import hashlib
 import json
 import os
 import re
@@ -165,15 +168,42 @@ def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", varia
                              f"prepare-data ... --dataset {dataset} -o {prefix}`, or point --data-prefix "
                              f"{dataset}=PREFIX / ${ds.env} at it")
         dataset_label.check(dataset, prefix, tokenizer)
-        data = DataConfig(DataKind.INDEXED, (prefix,), cache_dir=str(Path(out).resolve() / ".data-cache"))
+        data = DataConfig(DataKind.INDEXED, (prefix,), cache_dir=str(data_cache_dir(out, (prefix,))))
     if parse_kernels(kernels) is Kernels.TRITON and (device or run_device()) == "cpu":
         raise ValueError("--kernels triton: the training processes run on the CPU here (no CUDA device), where the "
                          "Triton kernels are not registered; allowed here: auto, inductor, reference")
     run_dir = Path(out).resolve() / mcfg.name / dataset / scheme  # absolute: torchrun runs in the repository
+    _check_writable_dir(out, run_dir)
     run = RunConfig(model=mcfg, train=tcfg, data=data, output_dir=str(run_dir), tokenizer=tokenizer, scheme=scheme,
                     scheme_yaml=scheme_yaml, capture=capture, attention=attention, backend=backend,
                     layout=ParallelLayout(tp=tp, pp=pp), tensorboard=tensorboard, kernels=parse_kernels(kernels))
     return Launch(run=run, nproc=nproc, config_path=run_dir / "launch.json")
+
+
+def data_cache_dir(out: str | Path, prefixes: tuple[str, ...]) -> Path:
+    """Where Megatron keeps the dataset indexes of a run reading `prefixes`: OUT/.data-cache/<key>, the key a
+    hash of each .bin/.idx file's path, size and modification time. Megatron's own cache key covers the path,
+    seed and sample counts but not the contents, so a dataset rebuilt at the same prefix (`fxquant
+    prepare-data`) would otherwise reuse the old indexes (wrong samples, or Megatron's "offset must be
+    non-negative and no greater than buffer length"); rebuilt, it gets a directory of its own."""
+    identity = hashlib.sha256()
+    for prefix in prefixes:
+        for suffix in (".bin", ".idx"):
+            path = Path(f"{prefix}{suffix}").resolve()
+            stat = path.stat()
+            identity.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return Path(out).resolve() / ".data-cache" / identity.hexdigest()[:16]
+
+
+def _check_writable_dir(out: str, run_dir: Path) -> None:
+    """The nearest existing directory on the way to `run_dir` must be a directory (an --out naming a file was a
+    traceback from the first mkdir)."""
+    for existing in (run_dir, *run_dir.parents):
+        if existing.exists():
+            if not existing.is_dir():
+                raise ValueError(f"--out {out!r}: {existing} is not a directory (the run writes {run_dir}); "
+                                 "give --out a directory, or a path that does not exist yet")
+            return
 
 
 def _check_capture_spec(spec: str) -> None:
@@ -195,7 +225,8 @@ class Outcome:
     error: str | None = None  # failed: the first error line a rank printed (`first_error`)
 
 
-ECHOED = ("iter ", "FXQUANT_RESULT", "capture rank ", "training stopped")  # rank output shown on the console
+# rank output shown on the console: progress, the result, captures, early stops, resumes, fxquant's warnings
+ECHOED = ("iter ", "FXQUANT_RESULT", "capture rank ", "training stopped", "resumed from iteration ", "WARNING fxquant.")
 _RANK_PREFIX = re.compile(r"^\[(?:default)?(?:rank)?(\d+)\]:\s?")
 _ERROR_LINE = re.compile(r"^((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Failure|Failed)\b.*)$")
 
@@ -237,9 +268,62 @@ def first_error(lines) -> str | None:
     return fallback
 
 
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM reached the supervisor (raised by the handlers `interruptible()` installs; `supervise`
+    turns a KeyboardInterrupt into one too). Raised out of `supervise` after the job's process group is stopped,
+    with `log` naming its train.log. A BaseException, like KeyboardInterrupt: no `except Exception` swallows it."""
+
+    def __init__(self, signum: int, log: Path | None = None) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.log = signum, log
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+
+
+@contextlib.contextmanager
+def interruptible():
+    """While held (main thread only), SIGINT and SIGTERM raise `Interrupted` (a SIGINT ignored by the caller,
+    e.g. a background job of a script, stays ignored); the previous handlers are restored on exit."""
+    def raise_interrupted(signum, frame):
+        raise Interrupted(signum)
+
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if threading.current_thread() is not threading.main_thread():
+            break  # handlers can only be set there; supervise still turns a KeyboardInterrupt into Interrupted
+        if sig == signal.SIGINT and signal.getsignal(sig) == signal.SIG_IGN:
+            continue
+        previous[sig] = signal.signal(sig, raise_interrupted)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """SIGINT and SIGTERM ignored while the job is being stopped (a second Ctrl-C does not cut that short, nor
+    print a second traceback); nothing changes outside the main thread, where handlers cannot be set."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def supervise(launch: Launch, timeout: float, echo: tuple[str, ...] = ECHOED, prefix: str = "") -> Outcome:
     """Write launch.json, run the launch in a new process group; on timeout kill the group (SIGTERM, then
-    SIGKILL). Rank lines starting with one of `echo` are printed, after `prefix`; all output goes to train.log."""
+    SIGKILL). Rank lines starting with one of `echo` are printed, after `prefix`; all output goes to train.log.
+    Interrupted (Ctrl-C, SIGTERM: `Interrupted`, KeyboardInterrupt) or failing itself, it stops the group the
+    same way (SIGTERM first, so the ranks commit their captures), copies what the ranks still print to
+    train.log, and raises `Interrupted(signum, log)` (the original exception for any other)."""
     launch.config_path.parent.mkdir(parents=True, exist_ok=True)
     launch.config_path.write_text(json.dumps(launch.run.to_dict(), indent=2))
     log = launch.config_path.parent / "train.log"
@@ -249,13 +333,21 @@ def supervise(launch: Launch, timeout: float, echo: tuple[str, ...] = ECHOED, pr
         proc = subprocess.Popen(launch.command(), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
         timer = threading.Timer(timeout, _kill_group, args=(proc,))  # fires even when the run prints nothing
-        timer.start()
+        timer.daemon = True
         try:
+            timer.start()
             for line in proc.stdout:
                 handle.write(line)
                 if echo and line.startswith(echo):
                     print(prefix + line.rstrip(), flush=True)
             proc.wait()
+        except BaseException as exc:  # the job must not outlive its supervisor
+            timer.cancel()
+            with _signals_held():
+                _stop(proc, handle)
+            if isinstance(exc, (Interrupted, KeyboardInterrupt)):
+                raise Interrupted(getattr(exc, "signum", signal.SIGINT), log) from None
+            raise
         finally:
             timer.cancel()
     seconds = time.monotonic() - start
@@ -267,14 +359,53 @@ def supervise(launch: Launch, timeout: float, echo: tuple[str, ...] = ECHOED, pr
     return Outcome("ok", proc.returncode, seconds, log)
 
 
+def _stop(proc: subprocess.Popen, handle) -> None:
+    """Kill the job's group (`_kill_group`, in a thread) while its last output is copied to `handle`: ranks
+    committing captures must not block on a full pipe nobody reads."""
+    killer = threading.Thread(target=_kill_group, args=(proc,), daemon=True)
+    killer.start()
+    try:
+        for line in proc.stdout:
+            handle.write(line)
+    except (OSError, ValueError):  # the pipe or the log is gone: the kill goes on regardless
+        pass
+    killer.join()
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+    """SIGTERM to the job's process group (torchrun and its ranks), SIGKILL to whatever of it is left 10 s later;
+    returns when no process of the group is left (or 10 s after the SIGKILL)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
             return
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            proc.poll()  # reap torchrun: a zombie still counts as a member of the group
+            if not _group_alive(proc.pid):
+                return
+            time.sleep(0.1)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a live process is left in the group: from /proc where there is one (a zombie member, orphaned,
+    waits there for an init that may not reap it), else whether the group can be signalled."""
+    stats = list(Path("/proc").glob("[0-9]*/stat"))
+    if not stats:
         try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # a member we may not signal is still a member
+            return True
+        return True
+    for stat in stats:
+        try:
+            text = stat.read_text()
+        except OSError:  # the process ended while we looked
             continue
+        state, _ppid, pgrp = text[text.rindex(")") + 2:].split()[:3]
+        if int(pgrp) == pgid and state not in ("Z", "X"):
+            return True
+    return False

@@ -107,6 +107,8 @@ def test_dry_run_every_scheme(model, dataset, data_prefixes, tmp_path, capsys):
     (["--model", "llama31-8b", "--backend", "none", "--scheme", "FA_mxfp8"], "--backend none runs the model uncompiled"),
     (["--model", "llama31-8b", "--scheme", "nowhere/mine.yaml"], "'nowhere/mine.yaml': no such scheme file"),
     (["--model", "llama31-8b", "--capture", "predecesor"], "did you mean 'predecessor'"),
+    (["--model", "llama31-8b", "--tensor-save-dir", "D"],
+     "--tensor-save-dir 'D' says where captures go: it needs --save-tensors (or TENSOR_SAVE_ENABLED=1) or --capture"),
 ])
 def test_impossible_combinations_are_refused(argv, message, capsys):
     from experiments.__main__ import main
@@ -167,7 +169,7 @@ def test_relative_data_and_tokenizer_paths_are_resolved_where_they_were_given(da
     assert code == 0
     assert config["data"]["prefixes"] == [str(prefix)]
     assert config["tokenizer"] == str((tmp_path / "tokenizer").resolve())
-    assert config["data"]["cache_dir"] == str(prefix.parent / "runs" / ".data-cache")
+    assert Path(config["data"]["cache_dir"]).parent == prefix.parent / "runs" / ".data-cache"
 
 
 def test_a_cell_given_twice_is_refused(tmp_path, capsys):
@@ -374,3 +376,228 @@ def test_a_run_without_capture_notes_an_earlier_runs_captures(tmp_path):
     assert _replacing_note(launch) is None
     (Path(launch.run.output_dir) / "captures" / "rank-00000").mkdir(parents=True)
     assert "captures nothing and leaves them" in _replacing_note(launch)
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """Live processes whose command line contains `text` (zombies have none)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text in cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                found.append(int(cmdline.parent.name))
+        except OSError:  # ended while we looked
+            continue
+    return [pid for pid in found if pid != os.getpid()]
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").is_file(), reason="finds the job's processes through /proc")
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_an_interrupted_run_stops_its_training_job(tmp_path, sig):
+    """SIGTERM or Ctrl-C (SIGINT) to `experiments run`: the torchrun job (its own process group) is stopped with
+    it, not left training in the background; one line says so, no traceback, exit status 128 + signal."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    signum = getattr(signal, sig)
+    out = tmp_path / "runs"
+    env = {k: v for k, v in os.environ.items() if k not in ("CUSTOM_QUANT_TYPE", "TENSOR_SAVE_ENABLED")}
+    env["OMP_NUM_THREADS"] = "1"
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-m", "experiments", "run", "--model", "llama32-1b", "--backend", "none",
+                             "--eval-interval", "0", "--iters", "2000", "--out", str(out), "--timeout", "300"],
+                            cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True,  # a terminal's Ctrl-C reaches the supervisor alone, as here
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    metrics = out / "llama32-1b-tiny" / "mock" / "bf16" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 120
+        while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        assert _processes_mentioning(str(out))  # torchrun and its rank are running
+        proc.send_signal(signum)
+        stdout, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + signum, stdout + stderr
+        assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
+        assert f"experiments run: interrupted by {sig}: its training job was stopped (log " in stderr
+        assert _processes_mentioning(str(out)) == []
+        size = metrics.stat().st_size
+        time.sleep(1.5)
+        assert metrics.stat().st_size == size  # nothing trains on
+    finally:
+        for pid in [proc.pid, *_processes_mentioning(str(out))]:  # this test's processes, should it fail
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.communicate()
+
+
+def test_the_dataset_index_cache_follows_the_dataset_files(tmp_path):
+    """Megatron's index cache key does not cover the dataset's contents: a dataset rebuilt at the same prefix
+    gets a cache directory of its own under OUT/.data-cache (else old indexes: wrong samples, or a crash)."""
+    from experiments.launcher import resolve
+    from fxquant.megatron_glue import dataset_label
+
+    prefix = tmp_path / "data" / "wiki"
+    prefix.parent.mkdir()
+
+    def cache_dir() -> str:
+        return resolve(model="llama32-1b", dataset="wikipedia", scheme="bf16", data_prefix=str(prefix),
+                       out=str(tmp_path / "runs")).run.data.cache_dir
+
+    def build(size: int) -> None:
+        for suffix in (".bin", ".idx"):
+            prefix.with_suffix(suffix).write_bytes(b"\0" * size)
+            os.utime(prefix.with_suffix(suffix), ns=(1, 1))  # one modification time: the size tells them apart
+        dataset_label.write(prefix, dataset_label.DatasetLabel("wikipedia"))
+
+    build(64)
+    first = cache_dir()
+    assert Path(first).parent == (tmp_path / "runs" / ".data-cache").resolve()
+    assert cache_dir() == first  # the same files: the same cache
+    build(32)  # rebuilt at the same prefix
+    rebuilt = cache_dir()
+    assert rebuilt != first
+    os.utime(prefix.with_suffix(".bin"))  # rewritten in place, same size: a new modification time
+    assert cache_dir() not in (first, rebuilt)
+
+
+def test_rank_warnings_and_resumes_reach_the_console(tmp_path, capsys):
+    """The console shows fxquant's WARNING lines and the resume line of the ranks (Megatron's mock-dataset
+    warnings stay in train.log)."""
+    import sys
+    from dataclasses import dataclass
+
+    from experiments.launcher import Launch, resolve, supervise
+
+    @dataclass(frozen=True)
+    class Scripted(Launch):
+        script: str = ""
+
+        def command(self) -> list[str]:
+            return [sys.executable, "-c", self.script]
+
+    lines = ["WARNING megatron.core.datasets.gpt_dataset: Unable to save MockGPTDataset indexes",
+             "resumed from iteration 4 (/x/checkpoints)",
+             "WARNING fxquant.megatron_glue.checkpoint: the checkpoint's lr schedule differs",
+             "iter      5/6 | loss 5.0"]
+    launch = resolve(model="llama32-1b", dataset="mock", scheme="bf16", out=str(tmp_path))
+    outcome = supervise(Scripted(run=launch.run, nproc=1, config_path=launch.config_path,
+                                 script=f"print({chr(10).join(lines)!r})"), timeout=60)
+    assert outcome.status == "ok"
+    assert capsys.readouterr().out.splitlines() == lines[1:]
+    assert outcome.log.read_text().splitlines() == lines
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan"])
+def test_a_timeout_must_be_positive(value, capsys):
+    from experiments.__main__ import main
+
+    for cmd in (["run", "--model", "llama32-1b"], ["matrix", "--models", "llama32-1b"]):
+        with pytest.raises(SystemExit) as exc:
+            main([*cmd, "--timeout", value, "--dry-run"])
+        assert exc.value.code == 2
+        assert f"--timeout: {value}: must be a finite number of seconds > 0" in capsys.readouterr().err
+
+
+def test_an_out_that_is_a_file_is_an_error_line(tmp_path, capsys, monkeypatch):
+    from experiments.__main__ import main
+
+    monkeypatch.delenv("CUSTOM_QUANT_TYPE", raising=False)
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for extra in (["--dry-run"], ["--iters", "1"]):
+        assert main(["run", "--model", "llama32-1b", "--out", str(afile), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"experiments run: error: --out {str(afile)!r}: {afile} is not a directory")
+
+
+def _scheme_file(tmp_path) -> Path:
+    scheme = tmp_path / "schemes" / "my_scheme.yaml"
+    scheme.parent.mkdir()
+    scheme.write_text("rules:\n  - linear: hifp8\n")
+    return scheme
+
+
+def _trained(launch):
+    """What a supervised run leaves, for a matrix whose `supervise` is replaced: two iterations of metrics."""
+    from experiments.launcher import Outcome
+
+    run_dir = Path(launch.run.output_dir)
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"iteration": 1, "loss": 5.0}\n{"iteration": 2, "loss": 4.0}\n')
+    return Outcome("ok", 0, 1.0, run_dir / "train.log")
+
+
+def test_matrix_names_scheme_files_by_name_and_goes_on_past_a_cell_it_cannot_write(tmp_path, capsys, monkeypatch):
+    """A cell whose run directory cannot be written (OSError) fails and the sweep goes on to a summary (it
+    aborted without one); a scheme YAML's cell is named by the scheme's name, as its run directory, in the
+    summary and the loss curves (it was the file's path)."""
+    import experiments.__main__ as cli
+
+    monkeypatch.delenv("CUSTOM_QUANT_TYPE", raising=False)
+    scheme = _scheme_file(tmp_path)
+
+    def supervise(launch, timeout, **kwargs):
+        if launch.run.scheme == "bf16":
+            raise OSError(28, "No space left on device")
+        return _trained(launch)
+
+    monkeypatch.setattr(cli, "supervise", supervise)
+    out = tmp_path / "runs"
+    assert cli.main(["matrix", "--models", "llama32-1b", "--schemes", "bf16", str(scheme), "--out", str(out)]) == 1
+    summary = json.loads((out / "matrix_summary.json").read_text())
+    assert [(r["run"], r["status"]) for r in summary["runs"]] == [("llama32-1b/mock/bf16", "failed"),
+                                                                   ("llama32-1b/mock/my_scheme", "ok")]
+    assert "No space left on device" in summary["runs"][0]["error"]
+    assert summary["runs"][1]["scheme"] == "my_scheme" and summary["runs"][1]["scheme_file"] == str(scheme)
+    assert str(scheme) not in (out / "matrix_summary.txt").read_text()
+    svg = (out / "loss_curves.svg").read_text()
+    assert "my_scheme" in svg and str(scheme) not in svg
+    assert "[failed] llama32-1b/mock/bf16: [Errno 28] No space left on device" in capsys.readouterr().out
+
+
+def test_an_interrupted_matrix_summarises_the_cells_run(tmp_path, capsys, monkeypatch):
+    """Interrupted, a matrix writes the summary of the cells run so far, the interrupted one marked, and exits
+    with 128 + signal after one line."""
+    import signal
+
+    import experiments.__main__ as cli
+    from experiments.launcher import Interrupted
+
+    monkeypatch.delenv("CUSTOM_QUANT_TYPE", raising=False)
+
+    def supervise(launch, timeout, **kwargs):
+        if launch.run.scheme == "bf16":
+            return _trained(launch)
+        raise Interrupted(signal.SIGINT, Path(launch.run.output_dir) / "train.log")
+
+    monkeypatch.setattr(cli, "supervise", supervise)
+    out = tmp_path / "runs"
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["matrix", "--models", "llama32-1b", "--schemes", "bf16", "FA_mxfp8", "linear_mxfp8", "--out", str(out)])
+    assert exc.value.code == 130
+    runs = json.loads((out / "matrix_summary.json").read_text())["runs"]
+    assert [(r["run"], r["status"]) for r in runs] == [("llama32-1b/mock/bf16", "ok"),
+                                                       ("llama32-1b/mock/FA_mxfp8", "interrupted")]
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "experiments matrix: interrupted by SIGINT: its training job was stopped (log " in err
+
+
+def test_written_since_names_only_files_that_hold_something(tmp_path):
+    """The console names metrics.jsonl only when it holds something (a fresh run that failed before its first
+    iteration leaves it empty)."""
+    import time
+
+    from experiments.__main__ import written_since
+
+    started = time.time()
+    metrics = tmp_path / "metrics.jsonl"
+    assert written_since(metrics, started) is None
+    metrics.write_text("")
+    assert written_since(metrics, started) is None
+    metrics.write_text('{"iteration": 1}\n')
+    assert written_since(metrics, started) == metrics

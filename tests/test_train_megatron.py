@@ -244,3 +244,64 @@ def test_warmup_is_clipped_so_the_run_reaches_the_peak_lr(iters, warmup, expecte
         scheduler.step(1)
     assert max(lrs) == pytest.approx(cfg.lr)
     assert lrs[0] > 0 or expected > 0  # --iters 1 trains at the peak lr, not at 0
+
+
+def test_resume_under_other_settings_is_refused_naming_each_difference(tmp_path):
+    """A checkpoint records the run's settings: resuming under another precision, attention, sequence length or
+    scheme is refused with each difference named (it went on silently), before run_config.json is rewritten (a
+    refused run, or one with nothing to train, leaves the configuration the checkpoint was made by). A resume
+    under the same settings says so (`resumed`) and reports the run's checkpoints even when it saves none."""
+    from dataclasses import replace
+
+    from fxquant.megatron_glue.config import AttentionKind
+    from fxquant.megatron_glue.run_config import OptimConfig, Precision
+    from fxquant.megatron_glue.train import train
+
+    train(_run(tmp_path, "r", iters=2, save_interval=2))
+    config = tmp_path / "r" / "run_config.json"
+    written = config.read_text()
+    other = _run(tmp_path, "r", iters=4, save_interval=2, seq_length=64, precision=Precision.BF16)
+    with pytest.raises(ValueError) as exc:
+        train(replace(other, attention=AttentionKind.LOCAL, scheme_yaml="rules: []\n"))
+    message = str(exc.value)
+    for difference in ("seq_length: checkpoint 32, this run 64", "precision: checkpoint 'fp32', this run 'bf16'",
+                       "attention: checkpoint 'sdpa', this run 'local'",
+                       "scheme YAML: checkpoint a preset, this run a scheme file"):
+        assert difference in message
+    assert "another --out" in message and f"delete '{tmp_path / 'r' / 'checkpoints'}'" in message
+    assert config.read_text() == written
+    with pytest.raises(ValueError, match="nothing to train"):
+        train(_run(tmp_path, "r", iters=2, save_interval=2, optim=OptimConfig(lr=1e-3, min_lr=1e-4)))
+    assert config.read_text() == written
+
+    said = []
+    result = train(_run(tmp_path, "r", iters=3), resumed=lambda it, where: said.append((it, where)))
+    assert said == [(2, tmp_path / "r" / "checkpoints")] and result.checkpoint_dir == tmp_path / "r" / "checkpoints"
+    assert [r["iteration"] for r in result.records] == [3]
+
+
+def test_a_fresh_run_removes_an_earlier_runs_sites_report(tmp_path):
+    """fxquant_sites.json belongs to the run that wrote it: a run starting at iteration 0 that writes none
+    (--backend none) leaves no earlier one beside its metrics."""
+    from fxquant.megatron_glue.train import SITES_FILE, train
+
+    stale = tmp_path / "s" / SITES_FILE
+    stale.parent.mkdir()
+    stale.write_text('{"scheme": "FA_linear_hifp8", "sites": []}')
+    train(_run(tmp_path, "s", iters=1))
+    assert not stale.exists()
+
+
+def test_the_training_entry_point_says_it_resumed(tmp_path, capsys):
+    """`launch` prints `resumed from iteration N (DIR)` (the supervisor echoes it), and its FXQUANT_RESULT names
+    the run's checkpoints after a resume that saved none of its own."""
+    from fxquant.megatron_glue.launch import main
+
+    for iters, save_interval in ((2, 2), (3, 0)):
+        config = tmp_path / f"run{iters}.json"
+        config.write_text(json.dumps(_run(tmp_path, "e", iters=iters, save_interval=save_interval).to_dict()))
+        assert main(["--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert f"resumed from iteration 2 ({tmp_path / 'e' / 'checkpoints'})" in out
+    result = json.loads(out.rsplit("FXQUANT_RESULT ", 1)[1].splitlines()[0])
+    assert result["checkpoints"] == str(tmp_path / "e" / "checkpoints") and result["iterations"] == 3

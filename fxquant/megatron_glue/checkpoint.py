@@ -5,9 +5,11 @@ after every rank has finished (barrier), so `latest` only ever names a complete 
 `torch.save` of plain containers (model and optimizer state dicts, the scheduler state, RNG states,
 iteration, consumed samples) and is loaded with `torch.load(weights_only=True)`: no code runs on load.
 Resuming restores everything a step depends on, so a resumed run continues bit for bit. A checkpoint records the
-job's parallel layout and loads only into the same one; the lr schedule is the resuming run's (its config's
-`train_iters`, warm-up and decay), with the step count restored: the same config continues bit for bit, a longer
-`--iters` continues on the longer schedule (a WARNING names what changed).
+job's parallel layout and the run's settings (`run_settings`: model, precision, attention, sequence length, batch
+sizes, seed, scheme and its YAML text) and loads only into the same ones, refusing with every difference named;
+the lr schedule is the resuming run's (its config's `train_iters`, warm-up and decay), with the step count
+restored: the same config continues bit for bit, a longer `--iters` continues on the longer schedule (a WARNING
+names what changed).
 """
 from __future__ import annotations
 
@@ -80,18 +82,49 @@ def _layout_text(layout: dict) -> str:
     return f"{layout['world_size']} processes, {sizes}"
 
 
+def run_settings(run, bf16: bool) -> dict:
+    """What a checkpoint of `run` (a RunConfig; `bf16`: the precision it resolved to) must be resumed with: the
+    model, precision, attention, sequence length, batch sizes, seed, scheme name and scheme YAML text. Resumed
+    under other ones, training would go on silently as another experiment than the one its metrics began."""
+    t = run.train
+    return {"model": run.to_dict()["model"], "precision": "bf16" if bf16 else "fp32", "attention": run.attention.value,
+            "seq_length": t.seq_length, "micro_batch_size": t.micro_batch_size,
+            "global_batch_size": t.global_batch_size, "seed": t.seed, "scheme": run.scheme,
+            "scheme_yaml": run.scheme_yaml}
+
+
+def _differences(saved: dict, now: dict) -> list[str]:
+    """`key: checkpoint X, this run Y` per differing setting (model fields one by one; a YAML text only named)."""
+    out = []
+    for key in sorted(set(saved) | set(now)):
+        a, b = saved.get(key), now.get(key)
+        if a == b:
+            continue
+        if key == "model" and isinstance(a, dict) and isinstance(b, dict):
+            out += [f"model.{k}: checkpoint {a.get(k)!r}, this run {b.get(k)!r}"
+                    for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+        elif key == "scheme_yaml":
+            out.append("scheme YAML: " + ("the text differs" if a is not None and b is not None else
+                                          f"checkpoint {'a scheme file' if a else 'a preset'}, this run "
+                                          f"{'a scheme file' if b else 'a preset'}"))
+        else:
+            out.append(f"{key}: checkpoint {a!r}, this run {b!r}")
+    return out
+
+
 _SCHEDULE = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style")
 
 
 def save(root: str | Path, iteration: int, *, model, optimizer, scheduler, consumed_samples: int,
-         extra: dict | None = None) -> Path:
-    """Write this rank's checkpoint for `iteration`; every rank must call it."""
+         extra: dict | None = None, settings: dict | None = None) -> Path:
+    """Write this rank's checkpoint for `iteration`; every rank must call it. `settings`: `run_settings(...)`,
+    which `load` requires again."""
     root = Path(root)
     path = _rank_file(root, iteration)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"iteration": iteration, "consumed_samples": consumed_samples, "model": model.state_dict(),
                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-               "rng": _rng_state(), "extra": extra or {}, "layout": _layout()}
+               "rng": _rng_state(), "extra": extra or {}, "layout": _layout(), "settings": settings}
     write_atomic(path, lambda handle: torch.save(payload, handle))
     dist.barrier()
     if dist.get_rank() == 0:
@@ -100,8 +133,11 @@ def save(root: str | Path, iteration: int, *, model, optimizer, scheduler, consu
     return path.parent
 
 
-def load(root: str | Path, *, model, optimizer, scheduler, iteration: int | None = None) -> tuple[int, int, dict]:
-    """Restore this rank's state; returns (iteration, consumed_samples, extra)."""
+def load(root: str | Path, *, model, optimizer, scheduler, iteration: int | None = None,
+         settings: dict | None = None) -> tuple[int, int, dict]:
+    """Restore this rank's state; returns (iteration, consumed_samples, extra). `settings` (`run_settings(...)`):
+    the checkpoint must have been saved with equal ones, else ValueError naming each difference, before any
+    state is touched (None: not checked)."""
     root = Path(root)
     iteration = latest_iteration(root) if iteration is None else iteration
     if iteration is None:
@@ -116,6 +152,18 @@ def load(root: str | Path, *, model, optimizer, scheduler, iteration: int | None
         raise ValueError(f"checkpoint {str(path.parent)!r} was written by a job of {_layout_text(saved)}; this job has "
                          f"{_layout_text(now)}: resume it with the layout it was written with, or start again in "
                          "another run directory")
+    recorded = payload.get("settings")
+    if settings is not None and recorded is not None:
+        differences = _differences(recorded, settings)
+        if differences:
+            raise ValueError(f"checkpoint {str(path.parent)!r} was written by a run with other settings "
+                             f"({'; '.join(differences)}): resume it with the settings it was written with, write "
+                             f"this run somewhere else (another --out), or delete {str(root)!r} to start again at "
+                             "iteration 0")
+    elif settings is not None and dist.get_rank() == 0:
+        log.warning("checkpoint %s records no run settings (written by an earlier version): resuming without "
+                    "checking that precision, attention, sequence length, batch sizes and scheme are the same",
+                    path.parent)
     model.load_state_dict(payload["model"])
     optimizer.load_state_dict(payload["optimizer"])
     changed = {k: (payload["scheduler"].get(k), v) for k, v in scheduler.state_dict().items()

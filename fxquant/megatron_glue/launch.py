@@ -8,8 +8,10 @@ Capture can be switched on here too, over the JSON: `--capture SPEC` (shipped na
 predecessor's `--save-tensors`, `--tensor-save-dir DIR`, `--control-iter N` and `TENSOR_SAVE_ENABLED`,
 `TENSOR_SAVE_DIR` (`run_config.capture_from_args`; with the predecessor's switch, training also stops after
 N iterations, as it did, and a `training stopped ...` line says so). Every rank prints one `capture rank R:
-...` line (records, bytes, where, why it stopped). SIGTERM (torchrun forwards it; the experiment supervisor sends it on timeout) raises SystemExit in
-the training thread, so the capture session is drained and committed before the process ends.
+...` line (records, bytes, where, why it stopped); a resumed run prints `resumed from iteration N (DIR)`.
+SIGTERM (torchrun forwards it; the experiment supervisor sends it on timeout and when it is interrupted) raises
+SystemExit in the training thread, so the capture session is drained and committed before the process ends;
+later SIGTERMs are ignored meanwhile.
 """
 from __future__ import annotations
 
@@ -68,7 +70,16 @@ def stopped_line(run, done: int) -> str:
             f"all {t.train_iters}")
 
 
+def resumed_line(iteration: int, checkpoint_dir) -> None:
+    """The console line of a run that resumes from its run directory's checkpoint."""
+    CONSOLE.info(f"resumed from iteration {iteration} ({checkpoint_dir})")
+
+
 def _terminate(signum, frame):
+    """The first SIGTERM ends the process (SystemExit, so captures are committed on the way out); later ones
+    are ignored (torchrun forwards the supervisor's, which also reaches the ranks through their process group),
+    so they cannot cut that commit short. SIGKILL, 10 s later, ends a process that hangs."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise SystemExit(128 + signum)
 
 
@@ -110,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         run = with_capture_args(RunConfig.from_dict(json.load(handle)), args)
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        result = train(run, progress=_progress(run.train.train_iters))
+        result = train(run, progress=_progress(run.train.train_iters), resumed=resumed_line)
         if result.capture is not None:
             CONSOLE.info(describe(result.capture))
         if result.records:

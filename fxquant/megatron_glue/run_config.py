@@ -204,7 +204,8 @@ def capture_from_args(args, env: dict | None = None) -> CaptureConfig | None:
     with `SPEC` or the shipped `predecessor` spec, windowed to `--control-iter N` iterations (default 1);
     `--tensor-save-dir` / `TENSOR_SAVE_DIR` is the root (default `./enhanced_tensor_logs`), and
     `--collect-micro-batches M` keeps micro-batches 0..M-1. `--capture` alone keeps the spec's windows and
-    writes under the run directory (or `--tensor-save-dir` when given)."""
+    writes under the run directory (or `--tensor-save-dir` when given); `--tensor-save-dir` without either
+    switch is refused (it was ignored)."""
     from fxquant.capture import compat
 
     spec = getattr(args, "capture", None)
@@ -217,9 +218,13 @@ def capture_from_args(args, env: dict | None = None) -> CaptureConfig | None:
     if micro_batches is not None:
         raise ValueError("--collect-micro-batches narrows the predecessor's capture window: it needs --save-tensors "
                          "(or TENSOR_SAVE_ENABLED=1)")
+    save_dir = getattr(args, "tensor_save_dir", None)
     if spec is None:
+        if save_dir is not None:
+            raise ValueError(f"--tensor-save-dir {save_dir!r} says where captures go: it needs --save-tensors (or "
+                             "TENSOR_SAVE_ENABLED=1) or --capture SPEC; without them the run captures nothing")
         return None
-    return CaptureConfig(spec=spec, dir=getattr(args, "tensor_save_dir", None))
+    return CaptureConfig(spec=spec, dir=save_dir)
 
 
 def per_run_capture(capture: CaptureConfig | None, subdir: str) -> CaptureConfig | None:

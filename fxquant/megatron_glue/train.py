@@ -6,8 +6,9 @@ optimizer step (`optim`), Megatron's LR scheduler, metrics (JSONL per iteration:
 tokens/s, step time, MoE aux losses; optional TensorBoard), the NaN/Inf sentinel (`sentinel`: the first
 non-finite iteration and its parameters, recorded or fatal), the validation loss every `eval_interval`
 iterations (`evaluation.Validator`, recorded as `val_loss`), periodic checkpoints (`checkpoint`) and
-auto-resume from the run directory. `control_iter` stops the run after that many iterations of this run (the
-predecessor's `--control-iter`). The model is compiled through `compile_model` (fxquant.compile with the run's
+auto-resume from the run directory (refused when the checkpoint's settings differ from the run's;
+`run_config.json` is written only once that check has passed). `control_iter` stops the run after that many
+iterations of this run (the predecessor's `--control-iter`). The model is compiled through `compile_model` (fxquant.compile with the run's
 scheme and capture spec) while `graph_breaks.quiet_tp_group_lookup()` is held, so Megatron's model is one
 graph. With `run.capture`, each rank writes one capture session (`training_capture.TrainingCapture`: iteration
 and micro-batch counters follow the schedule, forward and backward; closed and committed at the end, on error
@@ -82,6 +83,19 @@ def _check_batch(run: RunConfig, dp: int) -> int:
     return t.global_batch_size // per_step
 
 
+def _remove_earlier_outputs(run_dir: Path) -> None:
+    """A run starting at iteration 0 replaces an earlier run's outputs, not only its metrics: its TensorBoard
+    events, non-finite report and sites report go at once, so none stays beside this run's metrics when this run
+    ends without writing its own (--backend none writes no sites report; a run may fail or be killed)."""
+    for stale in (run_dir / TENSORBOARD_DIR, run_dir / REPORT_FILE, run_dir / SITES_FILE):
+        if stale.exists():
+            log.info("run starts at iteration 0: removing the earlier run's %s", stale)
+            if stale.is_dir():
+                shutil.rmtree(stale)
+            else:
+                stale.unlink()
+
+
 class _MetricsSink:
     """metrics.jsonl (+ TensorBoard when asked and installed), written by the logging rank only."""
 
@@ -91,14 +105,8 @@ class _MetricsSink:
         self.writer = None
         if not enabled:
             return
-        if start_iteration == 0:  # a fresh run replaces an earlier run's outputs, not only its metrics
-            for stale in (run_dir / TENSORBOARD_DIR, run_dir / REPORT_FILE):
-                if stale.exists():
-                    log.info("run starts at iteration 0: removing the earlier run's %s", stale)
-                    if stale.is_dir():
-                        shutil.rmtree(stale)
-                    else:
-                        stale.unlink()
+        if start_iteration == 0:  # `train` removed them as the run started; a sink made on its own does too
+            _remove_earlier_outputs(run_dir)
         kept = []
         if self.path.is_file():  # a resumed run: keep what led up to the checkpoint, drop the rest
             kept = [line for line in self.path.read_text().splitlines()
@@ -127,8 +135,10 @@ class _MetricsSink:
             self.writer.close()
 
 
-def train(run: RunConfig, progress: Callable[[dict], None] | None = None) -> TrainResult:
-    """Train per `run`; every rank of the job calls it. `progress(record)` is called on the logging rank."""
+def train(run: RunConfig, progress: Callable[[dict], None] | None = None,
+          resumed: Callable[[int, Path], None] | None = None) -> TrainResult:
+    """Train per `run`; every rank of the job calls it. `progress(record)` is called on the logging rank, and so is
+    `resumed(iteration, checkpoint_dir)` when the run resumes from a checkpoint."""
     t = run.train
     info = initialize_parallel(run.layout, seed=t.seed)
     device = info.device
@@ -140,8 +150,6 @@ def train(run: RunConfig, progress: Callable[[dict], None] | None = None) -> Tra
     num_micro = _check_batch(run, info.dp_size)
     run_dir = Path(run.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if info.rank == 0:
-        (run_dir / "run_config.json").write_text(json.dumps(run.to_dict(), indent=2))
 
     model = build_gpt_model(run.model, attention=run.attention, device=device, bf16=bf16,
                             params_dtype=torch.bfloat16 if bf16 else torch.float32, seed=t.seed,
@@ -155,14 +163,22 @@ def train(run: RunConfig, progress: Callable[[dict], None] | None = None) -> Tra
     scheduler = lr_scheduler(optimizer, t.optim, t.train_iters)
 
     ckpt_dir = run_dir / "checkpoints"
+    settings = checkpoint.run_settings(run, bf16)
     start, consumed = 0, 0
     if run.resume and checkpoint.latest_iteration(ckpt_dir) is not None:
-        start, consumed, _ = checkpoint.load(ckpt_dir, model=model, optimizer=optimizer, scheduler=scheduler)
+        start, consumed, _ = checkpoint.load(ckpt_dir, model=model, optimizer=optimizer, scheduler=scheduler,
+                                             settings=settings)
         log.info("resumed from %s at iteration %d", ckpt_dir, start)
         if start >= t.train_iters:
             raise ValueError(f"nothing to train: {ckpt_dir} holds a checkpoint at iteration {start}, and this run "
                              f"trains to {t.train_iters}; raise --iters to go on, or remove {ckpt_dir} to start "
                              "again")
+        if resumed is not None and info.is_logging_rank:
+            resumed(start, ckpt_dir)
+    if info.rank == 0:  # after the resume checks: a refused run leaves the configuration its checkpoint was made by
+        (run_dir / "run_config.json").write_text(json.dumps(run.to_dict(), indent=2))
+    if start == 0 and info.is_logging_rank:
+        _remove_earlier_outputs(run_dir)
     capture = None
     if run.capture is not None:  # after resume: the predecessor's window counts from the start iteration
         capture = TrainingCapture.open(run, info, layer_offset(model), start)
@@ -199,7 +215,9 @@ def train(run: RunConfig, progress: Callable[[dict], None] | None = None) -> Tra
 
         sink = _MetricsSink(run_dir, start, info.is_logging_rank, run.tensorboard)
         sentinel = NonFiniteSentinel(t.nonfinite, run_dir, info.is_logging_rank, info.rank)
-        result = TrainResult(run_dir=run_dir, iterations=start, metrics_path=sink.path if info.is_logging_rank else None)
+        result = TrainResult(run_dir=run_dir, iterations=start,
+                             metrics_path=sink.path if info.is_logging_rank else None,
+                             checkpoint_dir=ckpt_dir if start else None)  # resumed: the run's checkpoints are there
         moe_aux = MoEAuxLosses(model.config)
         moe_aux.start(device)
         runnable.train()
@@ -232,7 +250,7 @@ def train(run: RunConfig, progress: Callable[[dict], None] | None = None) -> Tra
                 if t.save_interval and (result.iterations % t.save_interval == 0
                                         or result.iterations == t.train_iters):
                     checkpoint.save(ckpt_dir, result.iterations, model=model, optimizer=optimizer,
-                                    scheduler=scheduler, consumed_samples=consumed)
+                                    scheduler=scheduler, consumed_samples=consumed, settings=settings)
                     result.checkpoint_dir = ckpt_dir
     except BaseException:  # error or interrupt: what was captured is drained and committed, then re-raised
         if capture is not None:
