@@ -24,7 +24,7 @@ sections=${SECTIONS:-ceilings,quantize,linear,model}
 budget_scale=${BUDGET_SCALE:-1}
 bench_args=${BENCH_ARGS:-}    # more run_all.py arguments, e.g. "--seq 2048"
 kernels_tests=${KERNEL_TESTS:-tests/test_kernels.py tests/test_kernels_op.py tests/test_flash_attention.py tests/test_flash_op.py tests/test_qgemm.py tests/test_capture_fastpath.py}
-lowering_tests=${LOWERING_TESTS:-tests/test_formats_lowering.py tests/test_compile_inductor.py tests/test_formats_steps.py tests/test_compile_checkpoint.py}
+lowering_tests=${LOWERING_TESTS:-tests/test_formats_lowering.py tests/test_compile_inductor.py tests/test_formats_steps.py tests/test_compile_checkpoint.py tests/test_formats_nvfp4_2d.py}
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/fxquant-inductor}
 status=0
 

@@ -130,3 +130,14 @@ rules:
     out = fxquant.compile(model, scheme, backend="aot_eager", strict=True)(x)
     want = TensorQuant("nvfp4").quantize(x.detach()) @ tiles_recipe(model.weight.detach()).t() + model.bias.detach()
     torch.testing.assert_close(out.detach(), want, rtol=1e-6, atol=1e-6)  # the GEMM's own summation order aside
+
+
+@pytest.mark.gpu
+def test_cuda_op_equals_the_cpu_recipe():
+    """On CUDA the op (compiled by Inductor: NVFP4 stays the op there) runs the reference for the tiles; its values
+    equal the recipe computed on the CPU."""
+    for shape in SHAPES:
+        torch._dynamo.reset()
+        w = _tensor(shape, torch.float32, seed=4)
+        fn = torch.compile(lambda t: torch.ops.fxquant.quantize(t, TQ.spec(), 0, None), backend=lowering.inductor_backend)
+        assert_bitwise_equal(fn(w.cuda()).cpu(), tiles_recipe(w), f"cuda {shape}:")
