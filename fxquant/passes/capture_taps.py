@@ -196,7 +196,7 @@ def _site_taps(meta: SiteMeta, op: OpKind, spec: CaptureSpec, report: TapReport)
             continue
         quants = _quant_operands(meta, role, op)
         if not quants:
-            report.unavailable.append(f"{what}: kept in high precision by the scheme (no quantized copy)")
+            report.unavailable.append(f"{what}: {KEPT_HIGH}")
         for gemm, tq, dim in quants:
             if tq.options.rounding.value == "sr":
                 report.unavailable.append(f"{what} for {gemm.value}: stochastic rounding cannot be re-quantized "
@@ -206,6 +206,7 @@ def _site_taps(meta: SiteMeta, op: OpKind, spec: CaptureSpec, report: TapReport)
     return out
 
 
+KEPT_HIGH = "kept in high precision by the scheme (no quantized copy)"
 CHECKPOINTED = ("inside an activation-checkpointed region (torch.utils.checkpoint): no taps there (its forward runs "
                 "again in the backward)")
 
@@ -269,12 +270,7 @@ def insert_capture_taps(gm: fx.GraphModule, spec: CaptureSpec) -> TapReport:
                     report.unavailable.append(f"{meta.site.module_path} ({meta.op.value}): {tap.component.value}."
                                               f"{tap.role.value}[{tap.copy.value}]: {CHECKPOINTED}")
     report.unavailable.extend(msg for key, msg in report.absent if key not in report.offered)
-    if report.unavailable:  # one warning per graph; the full list at DEBUG and in the returned report
-        shown = "; ".join(report.unavailable[:3])
-        more = f" (+{len(report.unavailable) - 3} more; -vv or logging DEBUG lists them)" if len(report.unavailable) > 3 else ""
-        log.warning("capture: %d selected points cannot be captured in this graph: %s%s", len(report.unavailable), shown, more)
-        for line in report.unavailable:
-            log.debug("capture: %s", line)
+    _say_unavailable(report.unavailable)
     graph.lint()
     gm.recompile()
     return report
@@ -348,6 +344,27 @@ def _insert_forward(graph: fx.Graph, forward: dict[fx.Node, list[_Pending]]) -> 
             point = graph.inserting_after(target) if first.after else graph.inserting_before(first.site)
             with point:
                 _new(graph, first.site, CAPTURE, (target, encode_taps([p.tap for p in group])))
+
+
+def _say_unavailable(unavailable: list[str]) -> None:
+    """One WARNING per graph for the points it cannot offer, the full list at DEBUG. Quantized copies of operands
+    the scheme keeps in high precision are expected wherever a spec asks for every quantized copy (the shipped
+    ``predecessor`` spec under a scheme that quantizes some operands only): counted in the WARNING when there is
+    one, else said at INFO."""
+    if not unavailable:
+        return
+    notable = [u for u in unavailable if not u.endswith(KEPT_HIGH)]
+    kept = len(unavailable) - len(notable)
+    if notable:
+        more = f" (+{len(notable) - 3} more; -vv or logging DEBUG lists them)" if len(notable) > 3 else ""
+        also = f"; and {kept} quantized copies of operands the scheme keeps in high precision" if kept else ""
+        log.warning("capture: %d selected points cannot be captured in this graph: %s%s%s", len(notable),
+                    "; ".join(notable[:3]), more, also)
+    else:
+        log.info("capture: %d selected quantized copies do not exist in this graph: the scheme keeps those operands in "
+                 "high precision", kept)
+    for line in unavailable:
+        log.debug("capture: %s", line)
 
 
 def _new(graph: fx.Graph, site: fx.Node, target, args: tuple) -> fx.Node:
