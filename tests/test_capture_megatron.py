@@ -129,3 +129,50 @@ def test_unfused_attention_points_are_reported_only_when_no_site_of_the_module_h
     assert not [u for u in unavailable if "not materialised" in u], unavailable
     cs = capture.open(tmp_path)
     assert {"probs", "value", "output"} <= set(cs.query(component="attention").values("role"))
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "linear_mxfp8"])
+def test_megatron_linears_traced_without_grad_are_tapped(single_process, tmp_path, scheme):
+    """Under no_grad (evaluation) a Column/RowParallelLinear is traced as ``matmul(x, weight.t())``
+    (``module_matmul``): its input, weight ([out, in], before the transpose) and output are tapped as at any
+    linear site and equal the eager module's, and a quantized copy is the GEMM's operand (nothing listed as
+    uncapturable; the points were 'not materialised at a module_matmul site')."""
+    from fxquant.megatron_glue.graph_breaks import traceable_megatron
+
+    spec = capture.load_spec("nograd.yaml", text="""
+sections:
+  - layers: {kinds: [qkv, proj, fc1, fc2]}
+    points: [{component: linear, roles: [input, weight, output], copies: [hp, quantized]}]
+""")
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    eager, batch = _model_and_batch("sdpa")
+    want: dict = {}
+
+    def keep(m, args, out, name):
+        want[(name, "input")], want[(name, "weight")], want[(name, "output")] = args[0], m.weight.detach(), out[0]
+
+    for name, mod in eager.named_modules():
+        if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)) and name != "output_layer":
+            mod.register_forward_hook(lambda m, a, o, name=name: keep(m, a, o, name))
+    with torch.no_grad(), traceable_megatron():
+        eager(*batch)
+    model, _ = _model_and_batch("sdpa")
+    be = FxquantBackend(schemes.get(scheme), capture=spec, inner="aot_eager", root=model)
+    with capture.start(spec, tmp_path, scheme=scheme), torch.no_grad(), traceable_megatron():
+        torch.compile(model, backend=be)(*batch)
+    assert {s.op.value for s in be.current_sites() if s.site.kind.value == "fc1"} == {"module_matmul"}
+    assert not [u for r in be.tap_reports for u in r.unavailable if "(no quantized copy)" not in u]
+    cs = capture.open(tmp_path)
+    hp = cs.query(copy="hp")
+    assert len(hp) == 2 * 4 * 3
+    for rec in hp:  # quantized, the model computes other activations than the eager one: its weights still match
+        first = rec.module == "decoder.layers.0.self_attention.linear_qkv" and rec.role == "input"
+        if scheme == "bf16" or rec.role == "weight" or first:
+            assert torch.equal(cs.load(rec, check=True), want[(rec.module, rec.role)]), (rec.module, rec.role)
+    quantized = cs.query(copy="quantized")  # input for fprop and wgrad, weight for fprop and dgrad, as with grad
+    assert len(quantized) == (0 if scheme == "bf16" else 2 * 4 * 4)
+    for rec in quantized:
+        src = cs.load(cs.query(copy="hp", module=rec.module, role=rec.role)[0]).reshape(-1, rec.shape[-1])
+        dim = {"fprop": 1, "dgrad": 0, "wgrad": 0}[rec.gemm]
+        assert rec.blocked_dim == dim and torch.equal(cs.load(rec), TensorQuant("mxfp8").quantize(src, dim))

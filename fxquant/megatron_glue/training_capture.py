@@ -182,6 +182,6 @@ def describe(summary: dict) -> str:
     if summary.get("error"):
         line += f" (error: {summary['error']})"
     if summary.get("uncapturable"):
-        line += (f"; {summary['uncapturable']} selected point(s) not in the compiled graphs (the log's 'cannot be "
-                 "captured' warnings name them)")
+        line += (f"; {summary['uncapturable']} selected point(s) not in the compiled graphs (quantized copies of "
+                 "operands kept in high precision, or what the log's 'cannot be captured' warnings name)")
     return line

@@ -54,7 +54,7 @@ from fxquant.passes.graph_edit import copy_meta
 from fxquant.passes.rewrite_linear import conv1d_as_linear
 from fxquant.passes.rewrite_megatron_linear import operand_positions
 from fxquant.passes.sites import META_KEY, OpKind, SiteMeta, body_modules, checkpointed_bodies, example_value
-from fxquant.passes.wrappers import fxquant_linear, fxquant_sdpa
+from fxquant.passes.wrappers import fxquant_linear, fxquant_matmul, fxquant_sdpa
 
 log = logging.getLogger(__name__)
 
@@ -98,13 +98,40 @@ class TapReport:
 
 @dataclass(frozen=True)
 class _SiteNodes:
-    """The graph nodes holding a site's operands (by position, as in _POSITIONS) and its result."""
+    """The graph nodes holding a site's operands (by position, as in _POSITIONS) and its result; ``readers[i]``
+    reads operand i where it is not the site node itself (a Megatron matmul's weight reaches it through its
+    transpose)."""
 
     operands: tuple[fx.Node | None, ...]
     output: fx.Node | None
+    readers: tuple[fx.Node | None, ...] = ()
+
+    def reader(self, i: int, node: fx.Node) -> fx.Node:
+        return self.readers[i] if i < len(self.readers) and self.readers[i] is not None else node
+
+
+_MATMULS = (torch.matmul, operator.matmul, fxquant_matmul)
+
+
+def _transposed(node: object) -> fx.Node | None:
+    """The 2-D tensor a ``w.t()`` / ``torch.t(w)`` node transposes, else None."""
+    if not isinstance(node, fx.Node) or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    is_t = (node.op == "call_method" and node.target == "t") or (node.op == "call_function" and node.target is torch.t)
+    value = example_value(node.args[0])
+    return node.args[0] if is_t and isinstance(value, torch.Tensor) and value.dim() == 2 else None
+
+
+def _megatron_matmul(node: fx.Node, meta: SiteMeta) -> bool:
+    """A Megatron linear traced with grad disabled: ``matmul(x, weight.t())`` (or its rewrite, ``fxquant_matmul``)."""
+    return (meta.op is OpKind.MODULE_MATMUL and node.target in _MATMULS and len(node.args) >= 2
+            and _transposed(node.args[1]) is not None)
 
 
 def _site_nodes(gm: fx.GraphModule, node: fx.Node, op: OpKind) -> _SiteNodes:
+    meta = node.meta.get(META_KEY)
+    if isinstance(meta, SiteMeta) and _megatron_matmul(node, meta):  # tapped as the linear it is: weight [out, in]
+        return _SiteNodes((node.args[0], _transposed(node.args[1])), node, (None, node.args[1]))
     if op is OpKind.ATTENTION_WEIGHTS:  # returns (O, P): the output is its getitem 0
         firsts = [u for u in node.users if u.target is operator.getitem and u.args[1] == 0]
         return _SiteNodes(tuple(_operand(node, op, i) for i in range(3)), firsts[0] if len(firsts) == 1 else None)
@@ -133,9 +160,10 @@ def _operand(node: fx.Node, op: OpKind, i: int) -> fx.Node | None:
 def _layout(node: fx.Node, meta: SiteMeta) -> OpKind:
     """The op kind whose operand positions and GEMM axes a site node has: an HF Conv1D site (``module_matmul``) is
     tapped as the linear it is, rewritten into ``fxquant_linear`` on ``torch.t(weight)`` (``rewrite_linear``) or,
-    kept in high precision, into ``F.linear`` on it where a tap is inserted (``conv1d_as_linear``)."""
+    kept in high precision, into ``F.linear`` on it where a tap is inserted (``conv1d_as_linear``); so is a
+    Megatron linear traced with grad disabled, ``matmul(x, weight.t())``, its weight taken before the transpose."""
     conv1d = meta.op is OpKind.MODULE_MATMUL and node.target is torch.addmm
-    return OpKind.LINEAR if node.target is fxquant_linear or conv1d else meta.op
+    return OpKind.LINEAR if node.target is fxquant_linear or conv1d or _megatron_matmul(node, meta) else meta.op
 
 
 def _quant_operands(meta: SiteMeta, role: Role, op: OpKind) -> list[tuple[Gemm, object, int]]:
@@ -249,10 +277,10 @@ def insert_capture_taps(gm: fx.GraphModule, spec: CaptureSpec) -> TapReport:
             else:
                 forward.setdefault(target, []).append(_Pending(tap, node, where[0] == "out"))
         for i, grad_taps in grad_args.items():  # one gradient per (site, operand): one call for all its taps
-            operand = nodes.operands[i]
-            with graph.inserting_before(node):
+            operand, reader = nodes.operands[i], nodes.reader(i, node)
+            with graph.inserting_before(reader):
                 wrapped = _new(graph, node, capture_grad, (operand, encode_taps(grad_taps)))
-            node.replace_input_with(operand, wrapped)
+            reader.replace_input_with(operand, wrapped)
         if grad_out:
             out = nodes.output
             users = list(out.users)
