@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from dataclasses import replace
 
 import numpy
 import pytest
@@ -152,3 +153,21 @@ def test_empty_input_writes_nothing(tmp_path):
     with pytest.raises(ValueError, match="empty"):
         write_indexed_dataset([], tmp_path / "empty", ByteTokenizer())
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sampled_split_without_documents_is_refused(tmp_path, single_process):
+    """Two documents split 98,2,0 leave the validation split none: Megatron looped forever looking for epochs of
+    zero tokens (the rank spun, its log empty); refused with the counts, and fine without validation."""
+    from fxquant.megatron_glue.data import DataConfig, DataKind, build_datasets, write_indexed_dataset
+    from fxquant.megatron_glue.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    stats = write_indexed_dataset(["first document " * 200, "second document " * 200], tmp_path / "two", tok)
+    config = DataConfig(DataKind.INDEXED, (stats.prefix,), cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match=r"the validation split of .* holds no document: split '98,2,0' of its 2 "
+                                         r"document\(s\) gives it documents 2\.\.2"):
+        build_datasets(config, tok, seq_length=32, train_samples=8, valid_samples=4)
+    train, _ = build_datasets(config, tok, seq_length=32, train_samples=8)  # no validation: nothing to refuse
+    assert len(train) >= 8
+    with pytest.raises(ValueError, match="the train split"):
+        build_datasets(replace(config, split="0,100,0"), tok, seq_length=32, train_samples=8)

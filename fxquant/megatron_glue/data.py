@@ -177,12 +177,31 @@ def build_datasets(data: DataConfig, tokenizer, *, seq_length: int, train_sample
         path_to_cache=data.cache_dir, reset_position_ids=False, reset_attention_mask=False,
         eod_mask_loss=False, create_attention_mask=False, mmap_bin_files=True,
     )
+    if data.kind is DataKind.INDEXED:
+        check_splits(data, config.split_matrix, (train_samples, valid_samples))
     cls = MockGPTDataset if data.kind is DataKind.MOCK else GPTDataset
     train, valid, _ = BlendedMegatronDatasetBuilder(
         cls, [train_samples, valid_samples or None, None], lambda: True, config).build()
     if train is None:
         raise ValueError(f"the train split of {data} is empty (split={data.split!r})")
     return train, valid
+
+
+def check_splits(data: DataConfig, split_matrix, samples: tuple[int, int]) -> None:
+    """ValueError when a split that is sampled (train; valid when ``samples[1]``) holds no document of a prefix:
+    Megatron would loop forever looking for epochs of zero tokens (``_get_num_epochs``), the rank spinning
+    with nothing in its log. Megatron's own split bounds: documents round(lo * n) .. round(hi * n)."""
+    for prefix in data.prefixes:
+        documents = read_indexed_dataset(prefix).document_indices.shape[0] - 1
+        for name, wanted, bounds in zip(("train", "validation"), samples, split_matrix):
+            if not wanted or bounds is None:
+                continue
+            lo, hi = (int(round(b * float(documents))) for b in bounds)
+            if hi <= lo:
+                raise ValueError(f"the {name} split of {prefix} holds no document: split {data.split!r} of its "
+                                 f"{documents} document(s) gives it documents {lo}..{hi}; give the dataset more "
+                                 f"documents (or DataConfig.split another split)"
+                                 + (", or run without validation (--eval-interval 0)" if name == "validation" else ""))
 
 
 class PretrainingSampler:
