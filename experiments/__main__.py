@@ -153,13 +153,6 @@ def written_since(path: Path, since: float) -> Path | None:
     return path if stat.st_size > 0 and stat.st_mtime >= since - 1.0 else None  # 1 s: file times use a coarser clock
 
 
-def _holds_something(path: Path | None) -> bool:
-    try:
-        return path is not None and path.stat().st_size > 0
-    except FileNotFoundError:
-        return False
-
-
 def cmd_run(args) -> int:
     launch = _resolve(args, args.model, args.dataset, _run_scheme(args))
     if args.dry_run:
@@ -172,7 +165,7 @@ def cmd_run(args) -> int:
     started = time.time()
     outcome = supervise(launch, args.timeout)
     metrics = written_since(Path(launch.run.output_dir) / "metrics.jsonl", started)
-    log = outcome.log if _holds_something(outcome.log) else None
+    log = written_since(outcome.log, started)
     print(f"{outcome.status} in {outcome.seconds:.0f}s" + (f"; log {log}" if log is not None else "") +
           (f"; metrics {metrics}" if metrics is not None else ""))
     if outcome.status == "failed":

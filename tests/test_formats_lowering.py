@@ -381,7 +381,7 @@ def _check_cuda(specs: list[str], dim: int, *inputs: torch.Tensor) -> None:
 
 
 def spec_groups() -> dict[str, list[str]]:
-    """``all_specs`` by format: one compiled graph each (89 of them in one graph ran past 200 s on an H200)."""
+    """``all_specs`` by format: one compiled graph each (one graph of all of them ran past 200 s on an H200)."""
     groups: dict[str, list[str]] = {}
     for spec in all_specs():
         groups.setdefault(spec.split(":")[0], []).append(spec)

@@ -307,7 +307,7 @@ def test_a_fresh_run_removes_stale_rank_directories_and_outputs(tmp_path):
     an earlier run's TensorBoard events and non-finite report; a resumed run keeps them."""
     from fxquant.megatron_glue.parallel import ParallelInfo
     from fxquant.megatron_glue.sentinel import REPORT_FILE
-    from fxquant.megatron_glue.train import TENSORBOARD_DIR, _MetricsSink
+    from fxquant.megatron_glue.train import TENSORBOARD_DIR, _remove_earlier_outputs
     from fxquant.megatron_glue.training_capture import stale_rank_dirs
 
     root = tmp_path / "captures"
@@ -327,5 +327,5 @@ def test_a_fresh_run_removes_stale_rank_directories_and_outputs(tmp_path):
         (run_dir / TENSORBOARD_DIR).mkdir(parents=True, exist_ok=True)
         (run_dir / TENSORBOARD_DIR / "events.out").write_text("x")
         (run_dir / REPORT_FILE).write_text("{}")
-        _MetricsSink(run_dir, start, True, False).close()
+        _remove_earlier_outputs(run_dir, start)
         assert (run_dir / TENSORBOARD_DIR).exists() == kept and (run_dir / REPORT_FILE).exists() == kept

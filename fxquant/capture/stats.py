@@ -11,7 +11,6 @@ the writer (``unpack``), so the capture path never waits for the device.
 from __future__ import annotations
 
 import dataclasses
-
 import math
 
 import torch

@@ -83,10 +83,13 @@ def _check_batch(run: RunConfig, dp: int) -> int:
     return t.global_batch_size // per_step
 
 
-def _remove_earlier_outputs(run_dir: Path) -> None:
+def _remove_earlier_outputs(run_dir: Path, start_iteration: int) -> None:
     """A run starting at iteration 0 replaces an earlier run's outputs, not only its metrics: its TensorBoard
     events, non-finite report and sites report go at once, so none stays beside this run's metrics when this run
-    ends without writing its own (--backend none writes no sites report; a run may fail or be killed)."""
+    ends without writing its own (--backend none writes no sites report; a run may fail or be killed). A resumed
+    run keeps them."""
+    if start_iteration:
+        return
     for stale in (run_dir / TENSORBOARD_DIR, run_dir / REPORT_FILE, run_dir / SITES_FILE):
         if stale.exists():
             log.info("run starts at iteration 0: removing the earlier run's %s", stale)
@@ -105,8 +108,6 @@ class _MetricsSink:
         self.writer = None
         if not enabled:
             return
-        if start_iteration == 0:  # `train` removed them as the run started; a sink made on its own does too
-            _remove_earlier_outputs(run_dir)
         kept = []
         if self.path.is_file():  # a resumed run: keep what led up to the checkpoint, drop the rest
             kept = [line for line in self.path.read_text().splitlines()
@@ -177,8 +178,8 @@ def train(run: RunConfig, progress: Callable[[dict], None] | None = None,
             resumed(start, ckpt_dir)
     if info.rank == 0:  # after the resume checks: a refused run leaves the configuration its checkpoint was made by
         (run_dir / "run_config.json").write_text(json.dumps(run.to_dict(), indent=2))
-    if start == 0 and info.is_logging_rank:
-        _remove_earlier_outputs(run_dir)
+    if info.is_logging_rank:
+        _remove_earlier_outputs(run_dir, start)
     capture = None
     if run.capture is not None:  # after resume: the predecessor's window counts from the start iteration
         capture = TrainingCapture.open(run, info, layer_offset(model), start)

@@ -94,11 +94,11 @@ def run_passes(
             module.recompile()
     found = find_sites(gm, names, layers)
     resolve_sites(found, scheme)
-    refused = {id(m) for m in found.matches if _sr_in_region(m, gm)}
+    refused = {id(m) for m in found.matches if _sr_in_region(m, gm)}  # status FAILED
     if dry_run:  # what the rewrite below would do, without doing it
         metas = [m.node.meta[META_KEY] for m in found.matches]
-        metas = [dataclasses.replace(meta, status=Status.DRY_RUN) if meta.selected and id(m) not in refused
-                 else meta for m, meta in zip(found.matches, metas)]
+        metas = [dataclasses.replace(meta, status=Status.DRY_RUN) if meta.selected and meta.status is not Status.FAILED
+                 else meta for meta in metas]
         return GraphReport(index, metas, found.unmatched, graph_module=gm)
     done = []
     owners = {id(gm): gm}
