@@ -164,6 +164,11 @@ def test_report_cli_checks_metrics_runs_reference_and_last_n(tmp_path, capsys):
     assert main(["report", "--metrics", str(tmp_path / "a"), "--metrics", str(tmp_path / "b"), "--reference", "bf61",
                  "-o", str(out), "-q"]) == 0
     assert "warning: --metrics: no run labelled 'bf61' among bf16, FA_linear_mxfp4" in capsys.readouterr().err
+    # a single run has nothing to be compared with: the report says so in its table, with no console warning
+    assert main(["report", "--metrics", str(tmp_path / "b"), "-o", str(tmp_path / "one"), "-q"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert (tmp_path / "one/training/loss_vs_reference.txt").read_text().startswith(
+        "one run (FA_linear_mxfp4): no run labelled 'bf16' to compare it with")
     for bad in ("0", "-3"):
         with pytest.raises(SystemExit) as exit_:
             main(["report", "--metrics", str(tmp_path / "a"), "--last-n", bad, "-o", str(out), "-q"])

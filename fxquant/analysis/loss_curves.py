@@ -128,8 +128,11 @@ def reference_of(run: Run, runs: list[Run], reference: str) -> Run | None:
 
 
 def problems(runs: list[Run], reference: str) -> list[str]:
-    """What keeps runs from being compared: no reference run at all, or none of a run's model and dataset."""
+    """What keeps runs from being compared: no reference run at all, or none of a run's model and dataset. A single
+    run that is not the reference has nothing to be compared with: not a problem (``write``'s text says so)."""
     refs = [r for r in runs if reference in (r.label, r.scheme)]
+    if len(runs) == 1 and not refs:
+        return []
     if runs and not refs:
         return [f"--metrics: no run labelled {reference!r} among {', '.join(r.label for r in runs)}: relative "
                 f"loss errors not computed (--reference LABEL names the reference run)"]
@@ -190,6 +193,9 @@ def write(runs: list[Run], out: Outputs, reference: str = "bf16", last_n: int = 
     txt = tabulate([[fmt_num(r[h]) if not isinstance(r[h], str) else r[h] for h in head if h != "path"] for r in rows],
                    headers=[h for h in head if h != "path"], disable_numparse=True)
     notes = problems(runs, reference)
+    if len(runs) == 1 and not has_ref:
+        notes = [f"one run ({runs[0].label}): no run labelled {reference!r} to compare it with (--reference LABEL "
+                 "names the reference run)"]
     if notes:
         txt = "\n".join(notes) + "\n\n" + txt
     out.text("training/loss_vs_reference.txt", txt, SECTION, f"Mean relative error vs {reference} (text)")
