@@ -80,7 +80,7 @@ class Site:
         if not isinstance(self.module_path, str):
             raise TypeError(f"Site.module_path must be a str, got {type(self.module_path).__name__}")
         if not isinstance(self.kind, SiteKind):
-            object.__setattr__(self, "kind", _parse_kind(self.kind))
+            object.__setattr__(self, "kind", parse_kind(self.kind))
         for name in ("layer", "num_layers"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
@@ -93,11 +93,11 @@ class Site:
         kind, when not given, is guessed from the module name (``site_kind_for``)."""
         m = layer_stack(module_path)
         layer = int(m.group(1)) if m else None
-        k = site_kind_for(module_path) if kind is None else _parse_kind(kind)
+        k = site_kind_for(module_path) if kind is None else parse_kind(kind)
         return cls(module_path, k, layer, num_layers)
 
 
-def _parse_kind(kind: object) -> SiteKind:
+def parse_kind(kind: object) -> SiteKind:
     from fxquant.formats.options import parse_enum
 
     return parse_enum(SiteKind, kind, "kind")

@@ -25,7 +25,7 @@ from fxquant.schemes.model import (
     LinearQuant,
     Site,
     SiteKind,
-    _parse_kind,
+    parse_kind,
 )
 
 _RANGE_RE = re.compile(r"^\s*(-?\d+)\s*\.\.\s*(-?\d+)\s*$|^\s*(\d+)\s*-\s*(\d+)\s*$")
@@ -106,7 +106,7 @@ class Selector:
 
     def __post_init__(self) -> None:
         # Kind names and layer indices / range strings become SiteKind / LayerSpan here (the YAML gives the same).
-        object.__setattr__(self, "kinds", tuple(dict.fromkeys(_parse_kind(k) for k in self._items("kinds"))))
+        object.__setattr__(self, "kinds", tuple(dict.fromkeys(parse_kind(k) for k in self._items("kinds"))))
         object.__setattr__(self, "layers", tuple(LayerSpan.parse(v) for v in self._items("layers")))
         if self.modules is not None:
             if not isinstance(self.modules, str):
