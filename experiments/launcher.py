@@ -5,9 +5,10 @@ a scheme YAML file parsed; TP dividing heads / groups / FFN; PP dividing layers;
 cannot run; nproc divisible by TP*PP, default TP*PP; batch divisibility; data path and its dataset label;
 tokenizer; capture spec)
 and returns a `Launch`: the RunConfig and the exact torchrun command. Resolving writes nothing.
-`supervise(launch, timeout)` writes the run's `launch.json`, runs torchrun in its own process group, kills
-the whole group on timeout or when the supervisor is interrupted (`Interrupted`, `interruptible`), and on
-failure finds the first error line a rank printed (`first_error`).
+`supervise(launch, timeout)` writes the run's `launch.json`, claims its dataset index cache (`claim_data_cache`:
+the caches of the same prefixes' earlier files are removed), runs torchrun in its own process group, kills the
+whole group on timeout or when the supervisor is interrupted (`Interrupted`, `interruptible`), and on failure
+finds the first error line a rank printed (`first_error`).
 """
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ import contextlib
 import difflib
 import hashlib
 import json
+import logging
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,6 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from experiments import catalog
+from fxquant._fileio import write_atomic
 from fxquant.lowering import Kernels, parse_kernels
 from fxquant.megatron_glue import dataset_label
 from fxquant.megatron_glue.config import check_host_layout
@@ -34,6 +38,8 @@ from fxquant.megatron_glue.sentinel import NonFinitePolicy
 from fxquant.megatron_glue.run_config import (AttentionKind, CaptureConfig, CompileBackend, DataConfig, DataKind,
                                               ParallelLayout, Precision, RunConfig, per_run_capture,
                                               stop_after)
+
+logger = logging.getLogger(__name__)  # `log` names a run's train.log here
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEME_NAME = re.compile(r"[A-Za-z0-9_.+-]+")  # a scheme name is a directory name of the run
@@ -180,12 +186,17 @@ def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", varia
     return Launch(run=run, nproc=nproc, config_path=run_dir / "launch.json")
 
 
+DATA_CACHE_MARKER = "fxquant_prefixes.json"  # in each OUT/.data-cache/<key>: the prefixes whose indexes it holds
+_DATA_CACHE_KEY = re.compile(r"[0-9a-f]{16}")
+
+
 def data_cache_dir(out: str | Path, prefixes: tuple[str, ...]) -> Path:
     """Where Megatron keeps the dataset indexes of a run reading `prefixes`: OUT/.data-cache/<key>, the key a
     hash of each .bin/.idx file's path, size and modification time. Megatron's own cache key covers the path,
     seed and sample counts but not the contents, so a dataset rebuilt at the same prefix (`fxquant
     prepare-data`) would otherwise reuse the old indexes (wrong samples, or Megatron's "offset must be
-    non-negative and no greater than buffer length"); rebuilt, it gets a directory of its own."""
+    non-negative and no greater than buffer length"); rebuilt, it gets a directory of its own
+    (`claim_data_cache` removes the old one)."""
     identity = hashlib.sha256()
     for prefix in prefixes:
         for suffix in (".bin", ".idx"):
@@ -193,6 +204,33 @@ def data_cache_dir(out: str | Path, prefixes: tuple[str, ...]) -> Path:
             stat = path.stat()
             identity.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
     return Path(out).resolve() / ".data-cache" / identity.hexdigest()[:16]
+
+
+def claim_data_cache(cache_dir: str | Path, prefixes: tuple[str, ...]) -> list[Path]:
+    """Mark `cache_dir` (a `data_cache_dir`) as holding the indexes of `prefixes` (`DATA_CACHE_MARKER`: their
+    resolved paths) and remove its stale siblings: the directories beside it named like a key whose marker names
+    the same set of prefixes (indexes of those prefixes' earlier files, which no run reads again). Nothing else
+    is touched: not a directory without a marker, nor one whose marker does not parse or names other prefixes.
+    Returns the removed directories (each logged at INFO)."""
+    cache_dir = Path(cache_dir).resolve()
+    resolved = sorted(str(Path(p).resolve()) for p in prefixes)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(cache_dir / DATA_CACHE_MARKER, lambda f: f.write(json.dumps({"prefixes": resolved}).encode()))
+    removed = []
+    for sibling in sorted(cache_dir.parent.iterdir()):
+        if sibling == cache_dir or not _DATA_CACHE_KEY.fullmatch(sibling.name) or sibling.is_symlink():
+            continue
+        marker = sibling / DATA_CACHE_MARKER
+        try:
+            recorded = json.loads(marker.read_text())["prefixes"]
+        except (OSError, ValueError, KeyError, TypeError):  # no marker, or not ours: not a cache to remove
+            continue
+        if isinstance(recorded, list) and all(isinstance(p, str) for p in recorded) and set(recorded) == set(resolved):
+            shutil.rmtree(sibling)
+            logger.info("removed %s: the dataset indexes of %s before the files were rebuilt", sibling,
+                        ", ".join(resolved))
+            removed.append(sibling)
+    return removed
 
 
 def _check_writable_dir(out: str, run_dir: Path) -> None:
@@ -326,6 +364,9 @@ def supervise(launch: Launch, timeout: float, echo: tuple[str, ...] = ECHOED, pr
     train.log, and raises `Interrupted(signum, log)` (the original exception for any other)."""
     launch.config_path.parent.mkdir(parents=True, exist_ok=True)
     launch.config_path.write_text(json.dumps(launch.run.to_dict(), indent=2))
+    data = launch.run.data
+    if data.kind is DataKind.INDEXED and data.cache_dir is not None:
+        claim_data_cache(data.cache_dir, data.prefixes)
     log = launch.config_path.parent / "train.log"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     start = time.monotonic()

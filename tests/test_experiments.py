@@ -435,58 +435,91 @@ def test_an_interrupted_run_stops_its_training_job(tmp_path, sig):
         proc.communicate()
 
 
-def test_the_dataset_index_cache_follows_the_dataset_files(tmp_path):
+def test_the_dataset_index_cache_follows_the_dataset_files(tmp_path, caplog):
     """Megatron's index cache key does not cover the dataset's contents: a dataset rebuilt at the same prefix
-    gets a cache directory of its own under OUT/.data-cache (else old indexes: wrong samples, or a crash)."""
-    from experiments.launcher import resolve
+    gets a cache directory of its own under OUT/.data-cache (else old indexes: wrong samples, or a crash). A run
+    of it removes the directories of the prefix's earlier files (they stayed there forever), and nothing else:
+    not another prefix's cache, nor a directory without fxquant's marker."""
+    from experiments.launcher import resolve, supervise
     from fxquant.megatron_glue import dataset_label
 
     prefix = tmp_path / "data" / "wiki"
     prefix.parent.mkdir()
 
-    def cache_dir() -> str:
-        return resolve(model="llama32-1b", dataset="wikipedia", scheme="bf16", data_prefix=str(prefix),
-                       out=str(tmp_path / "runs")).run.data.cache_dir
+    def launch(at=prefix):
+        return resolve(model="llama32-1b", dataset="wikipedia", scheme="bf16", data_prefix=str(at),
+                       out=str(tmp_path / "runs"))
 
-    def build(size: int) -> None:
+    def cache_dir() -> str:
+        return launch().run.data.cache_dir
+
+    def build(size: int, at=prefix) -> None:
         for suffix in (".bin", ".idx"):
-            prefix.with_suffix(suffix).write_bytes(b"\0" * size)
-            os.utime(prefix.with_suffix(suffix), ns=(1, 1))  # one modification time: the size tells them apart
-        dataset_label.write(prefix, dataset_label.DatasetLabel("wikipedia"))
+            at.with_suffix(suffix).write_bytes(b"\0" * size)
+            os.utime(at.with_suffix(suffix), ns=(1, 1))  # one modification time: the size tells them apart
+        dataset_label.write(at, dataset_label.DatasetLabel("wikipedia"))
+
+    def run(at=prefix) -> Path:  # a supervised run whose ranks build indexes in the cache directory, as Megatron's
+        started = launch(at)
+        cache = Path(started.run.data.cache_dir)
+        script = (f"import os; os.makedirs({str(cache)!r}, exist_ok=True); "
+                  f"open({str(cache / 'x-document_index.npy')!r}, 'wb').write(bytes(64))")
+        assert supervise(_scripted(started, script), timeout=60).status == "ok"
+        return cache
 
     build(64)
     first = cache_dir()
     assert Path(first).parent == (tmp_path / "runs" / ".data-cache").resolve()
     assert cache_dir() == first  # the same files: the same cache
+    assert not (tmp_path / "runs").exists()  # resolving writes nothing
+    assert run() == Path(first)
+    other = tmp_path / "data" / "other"
+    build(16, at=other)
+    kept = [run(other), Path(first).parent / "0123456789abcdef", Path(first).parent / "notes"]
+    for unmarked in kept[1:]:  # no marker: not fxquant's to remove
+        unmarked.mkdir(parents=True)
+        (unmarked / "x-document_index.npy").write_bytes(b"")
     build(32)  # rebuilt at the same prefix
     rebuilt = cache_dir()
     assert rebuilt != first
+    with caplog.at_level("INFO", logger="experiments.launcher"):
+        run()
+    assert not Path(first).exists()
+    assert (Path(rebuilt) / "x-document_index.npy").is_file()
+    assert f"removed {first}: the dataset indexes of {prefix.resolve()}" in caplog.text
+    assert all((d / "x-document_index.npy").is_file() for d in kept)
+    marker = json.loads((Path(rebuilt) / "fxquant_prefixes.json").read_text())  # what the cache holds indexes of
+    assert marker == {"prefixes": [str(prefix.resolve())]}
     os.utime(prefix.with_suffix(".bin"))  # rewritten in place, same size: a new modification time
     assert cache_dir() not in (first, rebuilt)
+
+
+def _scripted(launch, script: str):
+    """`launch` with its ranks replaced by one Python script: `supervise` without torchrun."""
+    import sys
+    from dataclasses import dataclass
+
+    from experiments.launcher import Launch
+
+    @dataclass(frozen=True)
+    class Scripted(Launch):
+        def command(self) -> list[str]:
+            return [sys.executable, "-c", script]
+
+    return Scripted(run=launch.run, nproc=launch.nproc, config_path=launch.config_path)
 
 
 def test_rank_warnings_and_resumes_reach_the_console(tmp_path, capsys):
     """The console shows fxquant's WARNING lines and the resume line of the ranks (Megatron's mock-dataset
     warnings stay in train.log)."""
-    import sys
-    from dataclasses import dataclass
-
-    from experiments.launcher import Launch, resolve, supervise
-
-    @dataclass(frozen=True)
-    class Scripted(Launch):
-        script: str = ""
-
-        def command(self) -> list[str]:
-            return [sys.executable, "-c", self.script]
+    from experiments.launcher import resolve, supervise
 
     lines = ["WARNING megatron.core.datasets.gpt_dataset: Unable to save MockGPTDataset indexes",
              "resumed from iteration 4 (/x/checkpoints)",
              "WARNING fxquant.megatron_glue.checkpoint: the checkpoint's lr schedule differs",
              "iter      5/6 | loss 5.0"]
     launch = resolve(model="llama32-1b", dataset="mock", scheme="bf16", out=str(tmp_path))
-    outcome = supervise(Scripted(run=launch.run, nproc=1, config_path=launch.config_path,
-                                 script=f"print({chr(10).join(lines)!r})"), timeout=60)
+    outcome = supervise(_scripted(launch, f"print({chr(10).join(lines)!r})"), timeout=60)
     assert outcome.status == "ok"
     assert capsys.readouterr().out.splitlines() == lines[1:]
     assert outcome.log.read_text().splitlines() == lines

@@ -246,38 +246,92 @@ def test_warmup_is_clipped_so_the_run_reaches_the_peak_lr(iters, warmup, expecte
     assert lrs[0] > 0 or expected > 0  # --iters 1 trains at the peak lr, not at 0
 
 
-def test_resume_under_other_settings_is_refused_naming_each_difference(tmp_path):
-    """A checkpoint records the run's settings: resuming under another precision, attention, sequence length or
-    scheme is refused with each difference named (it went on silently), before run_config.json is rewritten (a
-    refused run, or one with nothing to train, leaves the configuration the checkpoint was made by). A resume
-    under the same settings says so (`resumed`) and reports the run's checkpoints even when it saves none."""
+def test_resume_under_other_settings_is_refused_naming_each_difference(tmp_path, caplog):
+    """A checkpoint records the run's settings: resuming under another precision, attention, sequence length,
+    scheme, data split or optimizer hyperparameter is refused with each difference named (it went on silently;
+    the optimizer's state dict restores the checkpoint's weight decay and betas over the run's), before
+    run_config.json is rewritten (a refused run, or one with nothing to train, leaves the configuration the
+    checkpoint was made by). A checkpoint that does not record some settings resumes, naming them at INFO. A
+    resume under the same settings, another `kernels` choice included, says so (`resumed`) and reports the run's
+    checkpoints even when it saves none."""
     from dataclasses import replace
 
+    import torch
+
+    from fxquant.lowering import Kernels
     from fxquant.megatron_glue.config import AttentionKind
-    from fxquant.megatron_glue.run_config import OptimConfig, Precision
+    from fxquant.megatron_glue.run_config import DataConfig, OptimConfig, Precision
     from fxquant.megatron_glue.train import train
 
     train(_run(tmp_path, "r", iters=2, save_interval=2))
     config = tmp_path / "r" / "run_config.json"
     written = config.read_text()
-    other = _run(tmp_path, "r", iters=4, save_interval=2, seq_length=64, precision=Precision.BF16)
+    optim = OptimConfig(lr=3e-3, min_lr=3e-4, warmup_iters=1, weight_decay=0.0, adam_beta2=0.99, clip_grad=0.5)
+    other = _run(tmp_path, "r", iters=4, save_interval=2, seq_length=64, precision=Precision.BF16, optim=optim,
+                 data=DataConfig(split="90,10,0"))
     with pytest.raises(ValueError) as exc:
         train(replace(other, attention=AttentionKind.LOCAL, scheme_yaml="rules: []\n"))
     message = str(exc.value)
     for difference in ("seq_length: checkpoint 32, this run 64", "precision: checkpoint 'fp32', this run 'bf16'",
                        "attention: checkpoint 'sdpa', this run 'local'",
-                       "scheme YAML: checkpoint a preset, this run a scheme file"):
+                       "scheme YAML: checkpoint a preset, this run a scheme file",
+                       "data.split: checkpoint '98,2,0', this run '90,10,0'",
+                       "optim.weight_decay: checkpoint 0.1, this run 0.0",
+                       "optim.adam_beta2: checkpoint 0.95, this run 0.99",
+                       "optim.clip_grad: checkpoint 1.0, this run 0.5"):
         assert difference in message
+    assert "optim.lr" not in message and "optim.decay" not in message  # the schedule: the run's own, warned about
     assert "another --out" in message and f"delete '{tmp_path / 'r' / 'checkpoints'}'" in message
     assert config.read_text() == written
+    with pytest.raises(ValueError, match=r"other settings \(optim\.adam_beta1: checkpoint 0\.9, this run 0\.8\)"):
+        train(_run(tmp_path, "r", iters=4, optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_iters=1, adam_beta1=0.8)))
     with pytest.raises(ValueError, match="nothing to train"):
         train(_run(tmp_path, "r", iters=2, save_interval=2, optim=OptimConfig(lr=1e-3, min_lr=1e-4)))
     assert config.read_text() == written
 
+    rank_file = tmp_path / "r" / "checkpoints" / "iter_0000002" / "rank_00000.pt"
+    payload = torch.load(rank_file, weights_only=True)
+    for key in ("tokenizer", "data", "optim"):  # as a checkpoint written before they were recorded
+        del payload["settings"][key]
+    torch.save(payload, rank_file)
     said = []
-    result = train(_run(tmp_path, "r", iters=3), resumed=lambda it, where: said.append((it, where)))
+    with caplog.at_level("INFO", logger="fxquant.megatron_glue.checkpoint"):
+        result = train(replace(_run(tmp_path, "r", iters=3), kernels=Kernels.REFERENCE),
+                       resumed=lambda it, where: said.append((it, where)))
+    assert "does not record data, optim, tokenizer" in caplog.text
     assert said == [(2, tmp_path / "r" / "checkpoints")] and result.checkpoint_dir == tmp_path / "r" / "checkpoints"
     assert [r["iteration"] for r in result.records] == [3]
+
+
+def test_run_settings_cover_tokenizer_data_and_optimizer_but_not_derived_or_machine_choices(tmp_path):
+    """The tokenizer and the data prefixes are settings; the data cache directory (derived from the files), the
+    compile backend and `kernels` (the same bits whichever is chosen) and the lr schedule are not. Every
+    OptimConfig field is either a recorded setting or part of the lr schedule (a new field must choose)."""
+    import dataclasses
+    from dataclasses import replace
+
+    from fxquant.lowering import Kernels
+    from fxquant.megatron_glue import checkpoint
+    from fxquant.megatron_glue.run_config import CompileBackend, DataConfig, DataKind, OptimConfig
+
+    for name in ("a", "b"):
+        for suffix in (".bin", ".idx"):
+            (tmp_path / f"{name}{suffix}").write_bytes(b"")
+    data = DataConfig(DataKind.INDEXED, (str(tmp_path / "a"),), cache_dir=str(tmp_path / "cache1"))
+    run = _run(tmp_path, "s", data=data)
+    saved = checkpoint.run_settings(run, bf16=False)
+    other = replace(run, tokenizer="/tokenizers/llama3", data=replace(data, prefixes=(str(tmp_path / "b"),)))
+    assert checkpoint.run_settings(other, bf16=False) != saved
+    differences, _ = checkpoint._compare(saved, checkpoint.run_settings(other, bf16=False))
+    assert differences == [f"data.prefixes: checkpoint [{str(tmp_path / 'a')!r}], this run [{str(tmp_path / 'b')!r}]",
+                           "tokenizer: checkpoint 'byte', this run '/tokenizers/llama3'"]
+    schedule = OptimConfig(lr=1e-3, min_lr=0.0, decay_style="linear")
+    same = replace(run, data=replace(data, cache_dir=str(tmp_path / "cache2")), backend=CompileBackend.INDUCTOR,
+                   kernels=Kernels.TRITON, train=replace(run.train, train_iters=60, optim=schedule))
+    assert checkpoint.run_settings(same, bf16=False) == saved
+    recorded, lr_schedule = set(checkpoint.OPTIMIZER_SETTINGS), {"lr", "min_lr", "warmup_iters", "decay_iters",
+                                                                 "decay_style"}
+    assert {f.name for f in dataclasses.fields(OptimConfig)} == recorded | lr_schedule and not recorded & lr_schedule
 
 
 def test_a_fresh_run_removes_an_earlier_runs_sites_report(tmp_path):

@@ -6,10 +6,12 @@ after every rank has finished (barrier), so `latest` only ever names a complete 
 iteration, consumed samples) and is loaded with `torch.load(weights_only=True)`: no code runs on load.
 Resuming restores everything a step depends on, so a resumed run continues bit for bit. A checkpoint records the
 job's parallel layout and the run's settings (`run_settings`: model, precision, attention, sequence length, batch
-sizes, seed, scheme and its YAML text) and loads only into the same ones, refusing with every difference named;
-the lr schedule is the resuming run's (its config's `train_iters`, warm-up and decay), with the step count
-restored: the same config continues bit for bit, a longer `--iters` continues on the longer schedule (a WARNING
-names what changed).
+sizes, seed, scheme and its YAML text, tokenizer, data, optimizer hyperparameters) and loads only into the same
+ones, refusing with every difference named; a setting the checkpoint does not record (written before it was
+recorded) is not checked, and named at INFO. The lr schedule is the resuming run's (its config's `train_iters`,
+warm-up and decay), with the step count restored: the same config continues bit for bit, a longer `--iters`
+continues on the longer schedule (a WARNING names what changed). The compile backend and `kernels` are not
+settings: every choice computes the same bits, so a run may resume on another machine with another choice.
 """
 from __future__ import annotations
 
@@ -82,34 +84,54 @@ def _layout_text(layout: dict) -> str:
     return f"{layout['world_size']} processes, {sizes}"
 
 
+# Optimizer hyperparameters a resume must keep: each changes the update, and the optimizer's `load_state_dict`
+# restores its param groups' values (weight decay, betas, eps) from the checkpoint, so a changed one would be
+# silently replaced. The lr schedule (lr, min_lr, warmup_iters, decay_iters, decay_style) is the resuming run's
+# own (`load` warns when it changed).
+OPTIMIZER_SETTINGS = ("weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "distributed_optimizer")
+
+
 def run_settings(run, bf16: bool) -> dict:
     """What a checkpoint of `run` (a RunConfig; `bf16`: the precision it resolved to) must be resumed with: the
-    model, precision, attention, sequence length, batch sizes, seed, scheme name and scheme YAML text. Resumed
-    under other ones, training would go on silently as another experiment than the one its metrics began."""
-    t = run.train
+    model, precision, attention, sequence length, batch sizes, seed, scheme name and scheme YAML text, tokenizer,
+    data (kind, prefixes, split; not the cache directory, which is derived from them) and the optimizer
+    hyperparameters `OPTIMIZER_SETTINGS`. Resumed under other ones, training would go on silently as another
+    experiment than the one its metrics began. Not among them: the lr schedule (a resume may extend the run),
+    the compile backend and `kernels` (every choice computes the same bits, so a run may resume on another
+    machine), and what only names where outputs go or how often they are written."""
+    t, d = run.train, run.data
     return {"model": run.to_dict()["model"], "precision": "bf16" if bf16 else "fp32", "attention": run.attention.value,
             "seq_length": t.seq_length, "micro_batch_size": t.micro_batch_size,
             "global_batch_size": t.global_batch_size, "seed": t.seed, "scheme": run.scheme,
-            "scheme_yaml": run.scheme_yaml}
+            "scheme_yaml": run.scheme_yaml, "tokenizer": run.tokenizer,
+            "data": {"kind": d.kind.value, "prefixes": list(d.prefixes), "split": d.split},
+            "optim": {k: getattr(t.optim, k) for k in OPTIMIZER_SETTINGS}}
 
 
-def _differences(saved: dict, now: dict) -> list[str]:
-    """`key: checkpoint X, this run Y` per differing setting (model fields one by one; a YAML text only named)."""
-    out = []
+def _compare(saved: dict, now: dict, prefix: str = "") -> tuple[list[str], list[str]]:
+    """(differences, unrecorded). Differences: `name: checkpoint X, this run Y` per differing setting (mappings
+    field by field, as `model.hidden_size`; a YAML text only named). Unrecorded: the names of this run's settings
+    that `saved` lacks (a checkpoint written before they were recorded): not a difference."""
+    differences, unrecorded = [], []
     for key in sorted(set(saved) | set(now)):
-        a, b = saved.get(key), now.get(key)
+        name = prefix + key
+        if key not in saved:
+            unrecorded.append(name)
+            continue
+        a, b = saved[key], now.get(key)
         if a == b:
             continue
-        if key == "model" and isinstance(a, dict) and isinstance(b, dict):
-            out += [f"model.{k}: checkpoint {a.get(k)!r}, this run {b.get(k)!r}"
-                    for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
-        elif key == "scheme_yaml":
-            out.append("scheme YAML: " + ("the text differs" if a is not None and b is not None else
-                                          f"checkpoint {'a scheme file' if a else 'a preset'}, this run "
-                                          f"{'a scheme file' if b else 'a preset'}"))
+        if isinstance(a, dict) and isinstance(b, dict):
+            inner, missing = _compare(a, b, name + ".")
+            differences += inner
+            unrecorded += missing
+        elif name == "scheme_yaml":
+            differences.append("scheme YAML: " + ("the text differs" if a is not None and b is not None else
+                                                  f"checkpoint {'a scheme file' if a else 'a preset'}, this run "
+                                                  f"{'a scheme file' if b else 'a preset'}"))
         else:
-            out.append(f"{key}: checkpoint {a!r}, this run {b!r}")
-    return out
+            differences.append(f"{name}: checkpoint {a!r}, this run {b!r}")
+    return differences, unrecorded
 
 
 _SCHEDULE = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style")
@@ -154,15 +176,18 @@ def load(root: str | Path, *, model, optimizer, scheduler, iteration: int | None
                          "another run directory")
     recorded = payload.get("settings")
     if settings is not None and recorded is not None:
-        differences = _differences(recorded, settings)
+        differences, unrecorded = _compare(recorded, settings)
         if differences:
             raise ValueError(f"checkpoint {str(path.parent)!r} was written by a run with other settings "
                              f"({'; '.join(differences)}): resume it with the settings it was written with, write "
                              f"this run somewhere else (another --out), or delete {str(root)!r} to start again at "
                              "iteration 0")
+        if unrecorded and dist.get_rank() == 0:
+            log.info("checkpoint %s does not record %s (written before they were recorded): resuming without "
+                     "checking them", path.parent, ", ".join(unrecorded))
     elif settings is not None and dist.get_rank() == 0:
         log.warning("checkpoint %s records no run settings (written by an earlier version): resuming without "
-                    "checking that precision, attention, sequence length, batch sizes and scheme are the same",
+                    "checking that the model, precision, data, tokenizer, optimizer and scheme are the same",
                     path.parent)
     model.load_state_dict(payload["model"])
     optimizer.load_state_dict(payload["optimizer"])
