@@ -4,8 +4,8 @@
 Checked against the recipe written out tile by tile in plain float32 torch ops (not the format's block code),
 along either dim (the same tiles, so the same values: W and W^T quantize alike), with partial tiles at both
 edges, in float32/bf16/fp16; compiled by Inductor (CPU) bit for bit; slabs of rows (the eager CPU path) whole
-tiles; encode/decode; the option's errors; the op's routing (the Triton kernels do not implement it); a scheme
-that puts 2-D blocks on the weight only."""
+tiles; encode/decode; the option's errors; the Triton kernels and the op's route through them (tests/test_kernels.py
+compares them with the reference at length); a scheme that puts 2-D blocks on the weight only."""
 from __future__ import annotations
 
 import pytest
@@ -103,14 +103,20 @@ def test_errors_and_spec():
         TensorQuant("nvfp4", block_2d="yes")
 
 
-def test_the_op_runs_the_reference_for_it():
-    """The Triton kernels do not implement the tiles: the op's kernel route takes the reference for such a spec,
-    and calling the kernels directly is refused."""
-    assert not kernels.takes(TQ) and kernels.takes(TensorQuant("nvfp4"))
+@pytest.mark.triton
+def test_the_kernels_implement_it():
+    """The Triton kernels implement the tiles (``kernels.takes``), called directly and through the op's kernel route,
+    along either dim; on CUDA, or without a GPU in Triton's interpreter (conftest.py sets TRITON_INTERPRET=1)."""
+    assert kernels.takes(TQ) and kernels.takes(TensorQuant("nvfp4"))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     w = _tensor((20, 40), torch.float32)
-    assert_bitwise_equal(kernels._quantize_op_impl(w, TQ.spec(), -1, None), tiles_recipe(w), "op:")
-    with pytest.raises(ValueError, match="do not implement NVFP4's 16x16 tiles"):
-        kernels.quantize(w, TQ)
+    want = tiles_recipe(w)
+    for dim in (-1, 0):
+        x = w.to(device)
+        assert_bitwise_equal(kernels.quantize(x, TQ, dim).cpu(), want, f"kernels dim={dim}:")
+        assert_bitwise_equal(kernels._quantize_op_impl(x, TQ.spec(), dim, None).cpu(), want, f"op dim={dim}:")
+    with pytest.raises(ValueError, match="2-D tensors"):
+        kernels.quantize(torch.randn(2, 16, 16, device=device), TQ)
 
 
 def test_a_scheme_puts_tiles_on_the_weight_only():
@@ -134,8 +140,8 @@ rules:
 
 @pytest.mark.gpu
 def test_cuda_op_equals_the_cpu_recipe():
-    """On CUDA the op (compiled by Inductor: NVFP4 stays the op there) runs the reference for the tiles; its values
-    equal the recipe computed on the CPU."""
+    """On CUDA the op (compiled by Inductor: NVFP4 stays the op there) runs the Triton kernel for the tiles; its
+    values equal the recipe computed on the CPU."""
     for shape in SHAPES:
         torch._dynamo.reset()
         w = _tensor(shape, torch.float32, seed=4)

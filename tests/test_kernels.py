@@ -1,7 +1,7 @@
 """Triton kernels == the pure-torch reference, bit for bit (FORMATS.md; ARCHITECTURE.md trap 8).
 
 Every format x every rounding mode (x every MX scale mode, per-tensor scaling, saturate on/off where the
-format allows it), on shapes with partial blocks, dims other than the last, non-contiguous inputs,
+format allows it, NVFP4's 16x16 tiles), on shapes with partial blocks, dims other than the last, non-contiguous inputs,
 fp32/bf16/fp16 inputs and special values. Without a GPU the kernels run in Triton's interpreter on CPU,
 which must be chosen before the kernels are defined: this module sets TRITON_INTERPRET=1 at import time
 (fxquant.kernels imports Triton's kernels lazily, on first use). With a GPU they run compiled on CUDA
@@ -173,30 +173,102 @@ def test_nvfp4_matches_reference(rounding: str, dtype: torch.dtype) -> None:
     check(tq, make_input((40, 2, 3), 12, non_finite=False).to(dtype).permute(2, 0, 1), 1)
 
 
-@pytest.mark.parametrize(
-    "case",
-    ["zeros", "nan", "inf", "tiny_amax", "subnormal_amax", "huge"],
-)
-def test_nvfp4_tensor_scale_edges(case: str) -> None:
-    """amax == 0 gives zeros; NaN/Inf make every element NaN; tiny amax (g underflow) and huge amax."""
-    x = make_input((3, 48), 21, non_finite=False)
+NVFP4_EDGES = ["zeros", "nan", "inf", "tiny_amax", "subnormal_amax", "huge"]
+
+
+def nvfp4_edge_input(case: str, shape: tuple[int, int]) -> torch.Tensor:
+    """An input of ``shape`` for one of ``NVFP4_EDGES``: all zeros, a NaN, a -Inf, amax 2**-140 (g underflows:
+    zeros), amax 2**-120, amax 3.3e38."""
+    x = make_input(shape, 21, non_finite=False)
+    rows, cols = shape
     if case == "zeros":
-        x = torch.zeros(3, 48)
+        x = torch.zeros(shape)
     elif case == "nan":
-        x[1, 5] = float("nan")
+        x[rows // 3, 5 % cols] = float("nan")
     elif case == "inf":
-        x[2, 40] = float("-inf")
+        x[rows - 1, cols - 8 if cols > 8 else 0] = float("-inf")
     elif case == "tiny_amax":
         x = x / x.abs().amax() * 2.0**-140
     elif case == "subnormal_amax":
         x = x / x.abs().amax() * 2.0**-120
     else:
         x = x / x.abs().amax() * 3.3e38
+    return x
+
+
+@pytest.mark.parametrize("case", NVFP4_EDGES)
+def test_nvfp4_tensor_scale_edges(case: str) -> None:
+    """amax == 0 gives zeros; NaN/Inf make every element NaN; tiny amax (g underflow) and huge amax."""
+    x = nvfp4_edge_input(case, (3, 48))
     for rounding in ("rne", "sr"):
         check(TensorQuant("nvfp4", rounding=rounding), x, -1)
 
 
+# -- NVFP4 with 16x16 tiles (block_2d) ---------------------------------------------------------------------
+TILE_SHAPES = [(33, 47), (1, 5), (17, 16), (16, 17), (40, 64)]  # partial tiles along either edge, or both
+
+
+def tile_input(shape: tuple[int, int], seed: int) -> torch.Tensor:
+    """make_input's finite values, those beyond 2**15 set to +-2**15 (float32's extremes would give every other tile
+    the smallest scale; fp16 holds 2**15), each 16x16 tile then scaled by its own 2**-k, k in 0..12: tiles of
+    different scales, and rows of a tile whose own block amaxes differ from the tile's."""
+    x = make_input(shape, seed, non_finite=False)
+    x = torch.where(x.abs() > 2.0**15, torch.copysign(torch.tensor(2.0**15), x), x)
+    rows, cols = shape
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randint(0, 13, (-(-rows // 16), -(-cols // 16)), generator=g).float()
+    return x * torch.exp2(-k).repeat_interleave(16, 0)[:rows].repeat_interleave(16, 1)[:, :cols]
+
+
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_nvfp4_block_2d_matches_reference(rounding: str, dtype: torch.dtype) -> None:
+    """One E4M3 scale per 16x16 tile, along dim 0 and 1 (stochastic rounding draws by position in the layout of
+    ``dim``, as the reference does), with partial tiles at either edge, and a transposed view."""
+    tq = TensorQuant("nvfp4", rounding=rounding, block_2d=True)
+    for i, shape in enumerate(TILE_SHAPES):
+        x = tile_input(shape, 80 + i).to(dtype)
+        for dim in (0, 1):
+            check(tq, x, dim)
+    check(tq, tile_input((20, 33), 90).to(dtype).t(), 0)
+
+
+def test_nvfp4_block_2d_differs_from_one_dimensional_blocks() -> None:
+    """The tiles matter on these inputs: with 16x16 tiles the kernels give other values than with 16-element
+    blocks (so the tests above would notice a kernel that ignored the option)."""
+    x = tile_input((33, 47), 80).to(DEVICE)
+    for dim in (0, 1):
+        two_d = kernels.quantize(x, TensorQuant("nvfp4", block_2d=True), dim)
+        assert not torch.equal(two_d, kernels.quantize(x, TensorQuant("nvfp4"), dim))
+
+
+@pytest.mark.parametrize("case", NVFP4_EDGES)
+def test_nvfp4_block_2d_tensor_scale_edges(case: str) -> None:
+    """The tensor-scale rules with 16x16 tiles: zeros, NaN/Inf, tiny amax (the zero-tensor rule), huge amax."""
+    x = nvfp4_edge_input(case, (17, 40))
+    for rounding in ("rne", "sr"):
+        for dim in (0, 1):
+            check(TensorQuant("nvfp4", rounding=rounding, block_2d=True), x, dim)
+
+
 # -- every format: dtypes, shapes, layout ------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_abs_max_pre_pass_equals_abs_amax(dtype: torch.dtype) -> None:
+    """The pre-passes' one-pass amax (``torch.aminmax``) equals ``x.abs().amax()`` in float32, with NaN wherever
+    that has one and +0 (never -0) for zeros of either sign: whole tensors and along the last dim."""
+    from fxquant.kernels.launch import abs_max
+
+    g = torch.Generator().manual_seed(7)
+    rows = [make_input((6, 40), 11, non_finite=True), torch.zeros(1, 40), -torch.zeros(1, 40),
+            -make_input((1, 40), 12, non_finite=False).abs(), torch.full((1, 40), float("-inf"))]
+    x = torch.cat(rows)[torch.randperm(10, generator=g)].to(dtype)
+    for got, want in ((abs_max(x), x.abs().amax()), (abs_max(x, -1), x.abs().amax(-1))):
+        want = want.to(torch.float32)
+        assert got.dtype == torch.float32 and torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(), want.nan_to_num()) and not got[~got.isnan()].signbit().any()
+    assert abs_max(-torch.zeros(3, dtype=dtype)).signbit().item() is False
+
+
 @pytest.mark.parametrize("name", formats.names())
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_default_options_all_dtypes_and_layouts(name: str, dtype: torch.dtype) -> None:
@@ -239,6 +311,8 @@ def test_bad_input_raises_like_the_reference() -> None:
         kernels.quantize(torch.ones(4, device=DEVICE), "mxfp8")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="x must be a torch.Tensor"):
         kernels.quantize([1.0], tq)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="block_2d=True quantizes 2-D tensors"):
+        kernels.quantize(torch.ones(2, 16, 16, device=DEVICE), TensorQuant("nvfp4", block_2d=True))
 
 
 def test_gradient_is_straight_through_like_the_reference() -> None:

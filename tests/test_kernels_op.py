@@ -58,6 +58,7 @@ def _inputs() -> list[tuple[torch.Tensor, str, int]]:
         (x.to(torch.bfloat16).t(), TensorQuant("mxfp4", rounding="sr").spec(), 0),
         (x, TensorQuant("hifp8", scaling="tensor").spec(), 1),
         (x.to(torch.float16), TensorQuant("nvfp4").spec(), -1),
+        (x.t(), TensorQuant("nvfp4", rounding="sr", block_2d=True).spec(), 0),  # 16x16 tiles: the kernels too
     ]
 
 
@@ -73,6 +74,7 @@ def test_op_routes_through_the_kernels_and_equals_the_reference(triton_op) -> No
             "_quantize_mx_kernel",
             "_quantize_element_kernel",
             "_quantize_nvfp4_kernel",
+            "_quantize_nvfp4_kernel",
         ]
 
 
@@ -80,7 +82,7 @@ def test_opcheck_with_the_triton_implementation(triton_op) -> None:
     for x, qspec, dim in _inputs():
         torch.library.opcheck(torch.ops.fxquant.quantize.default, (x, qspec, dim, 5))
     if DEVICE == "cpu":
-        assert len(triton_op) >= 4, "opcheck never reached the Triton kernels"
+        assert len(triton_op) >= 5, "opcheck never reached the Triton kernels"
 
 
 def test_restore_reference_routes_cpu_back(triton_op) -> None:
@@ -137,8 +139,10 @@ cases = [
      dict(BLOCK_SIZE=32, BLOCK_B=64, EVEN_COLS=False, SCALE_MODE="even", ROUNDING="sr", ELEM_EMAX=0, MANT_SCALE=64.0, TAPERED=False, **ec(INT8))),
     (_quantize_mx_kernel, {"x_ptr": "*fp16", "y_ptr": "*fp16", **block},
      dict(BLOCK_SIZE=32, BLOCK_B=64, EVEN_COLS=True, SCALE_MODE="ceil", ROUNDING="ta", ELEM_EMAX=15, MANT_SCALE=4.0, TAPERED=False, **ec(E5M2))),
-    (_quantize_nvfp4_kernel, {"x_ptr": "*bf16", "y_ptr": "*bf16", "amax_ptr": "*fp32", **block},
-     dict(BLOCK_SIZE=16, BLOCK_B=128, EVEN_COLS=True, ROUNDING="rz", GLOBAL_DIVISOR=2688.0, **ec(E2M1), **ec(E4M3, "S_"), S_MIN_SUBNORMAL=2.0**-9)),
+    (_quantize_nvfp4_kernel, {"x_ptr": "*bf16", "y_ptr": "*bf16", "amax_ptr": "*fp32", "block_amax_ptr": "*bf16", **block},
+     dict(BLOCK_SIZE=16, BLOCK_B=128, EVEN_COLS=True, HAS_BLOCK_AMAX=False, ROUNDING="rz", GLOBAL_DIVISOR=2688.0, **ec(E2M1), **ec(E4M3, "S_"), S_MIN_SUBNORMAL=2.0**-9)),
+    (_quantize_nvfp4_kernel, {"x_ptr": "*fp16", "y_ptr": "*fp16", "amax_ptr": "*fp32", "block_amax_ptr": "*fp32", **block},
+     dict(BLOCK_SIZE=16, BLOCK_B=128, EVEN_COLS=False, HAS_BLOCK_AMAX=True, ROUNDING="sr", GLOBAL_DIVISOR=2688.0, **ec(E2M1), **ec(E4M3, "S_"), S_MIN_SUBNORMAL=2.0**-9)),
 ]
 report = []
 for fn, sig, consts in cases:
@@ -167,11 +171,10 @@ def test_kernels_compile_for_sm90_with_exact_arithmetic() -> None:
     import json
 
     report = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(report) == 6
+    assert len(report) == 7
     for r in report:
         assert r["cubin"] > 0, r
         assert r["ftz_ops"] in ([], ["cvt.rmi.ftz.f32.f32"]), r
         assert r["fma"] == 0 and r["div_other"] == 0, r
-    by_kernel = {r["kernel"]: r for r in report}
-    assert by_kernel["_quantize_nvfp4_kernel"]["div_rn"] > 0  # g, amax_b / 6 / g, (1 / g) / b
+    assert report[5]["div_rn"] > 0 and report[6]["div_rn"] > 0  # NVFP4's g, amax_b / 6 / g, (1 / g) / b
     assert report[2]["div_rn"] > 0  # rceil's amax / max_normal

@@ -74,7 +74,7 @@ def quantize(x: torch.Tensor, tq, dim: int = -1, seed: int | None = None) -> tor
 
 def has_kernel(fmt) -> bool:
     """Whether Triton kernels implement ``fmt``, a Format or a format name (the compatibility formats of
-    formats/legacy.py are reference-only; of the options, NVFP4's ``block_2d`` is too: ``takes``)."""
+    formats/legacy.py are reference-only; the kernels implement every option of the others: ``takes``)."""
     from fxquant import formats
     from fxquant.formats.base import Format
     from fxquant.formats.legacy import LegacyClampFormat
@@ -87,9 +87,9 @@ def has_kernel(fmt) -> bool:
 
 
 def takes(tq) -> bool:
-    """Whether the Triton kernels implement TensorQuant ``tq``: its format (``has_kernel``) with its options
-    (NVFP4's 16x16 tiles, ``block_2d``, are the reference's only)."""
-    return has_kernel(tq.fmt) and not tq.options.block_2d
+    """Whether the Triton kernels implement TensorQuant ``tq``: those of its format (``has_kernel``) implement
+    every option, NVFP4's 16x16 tiles (``block_2d``) included."""
+    return has_kernel(tq.fmt)
 
 
 def _quantize_op_impl(x: torch.Tensor, qspec: str, dim: int, seed: int | None = None) -> torch.Tensor:

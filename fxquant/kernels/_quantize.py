@@ -8,7 +8,10 @@ contiguous, ``[n_rows, n_cols]``; stochastic rounding draws its uniform for flat
   scale 2**k (k from a small amax pre-pass, loaded from ``k_ptr``) -- ``formats/scalar.py``.
 - ``_quantize_mx_kernel``: 32-element blocks, E8M0 scale per the scale mode -- ``formats/mx.py``.
 - ``_quantize_nvfp4_kernel``: 16-element blocks, E4M3 block scale, float32 tensor scale from the
-  tensor amax at ``amax_ptr`` -- ``formats/nvfp4.py``.
+  tensor amax at ``amax_ptr`` -- ``formats/nvfp4.py``. With ``HAS_BLOCK_AMAX`` (``block_2d``: 16x16 tiles)
+  each block's scale comes from the amax at ``block_amax_ptr`` (float32, one per block of the canonical
+  layout, flat block index ``row * n_blocks_row + j``: its tile's amax, from the launcher's pre-pass) instead
+  of the block's own.
 The block kernels process ``BLOCK_B`` blocks per program as a ``[BLOCK_B, BLOCK_SIZE]`` tile.
 """
 from __future__ import annotations
@@ -63,11 +66,17 @@ def _quantize_element_kernel(
 
 
 @triton.jit
+def _block_ids(n_rows, n_blocks_row, BLOCK_B: tl.constexpr):
+    """Flat indices ``[BLOCK_B]`` of this program's blocks (``row * n_blocks_row + j``), and which exist."""
+    offs_b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
+    return offs_b, offs_b < n_rows * n_blocks_row
+
+
+@triton.jit
 def _block_tile(n_rows, n_cols, n_blocks_row, BLOCK_B: tl.constexpr, BLOCK_SIZE: tl.constexpr, EVEN_COLS: tl.constexpr):
     """Flat element offsets ``[BLOCK_B, BLOCK_SIZE]`` of this program's blocks, and their mask."""
-    offs_b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
+    offs_b, valid = _block_ids(n_rows, n_blocks_row, BLOCK_B)
     offs_e = tl.arange(0, BLOCK_SIZE)
-    valid = offs_b < n_rows * n_blocks_row
     if EVEN_COLS:  # rows hold whole blocks: block j covers elements [j * BLOCK_SIZE, (j + 1) * BLOCK_SIZE)
         offs = offs_b[:, None] * BLOCK_SIZE + offs_e[None, :]
         mask = valid[:, None] & (offs_e[None, :] < BLOCK_SIZE)
@@ -150,6 +159,7 @@ def _quantize_nvfp4_kernel(
     x_ptr,
     y_ptr,
     amax_ptr,
+    block_amax_ptr,
     n_rows,
     n_cols,
     n_blocks_row,
@@ -157,6 +167,7 @@ def _quantize_nvfp4_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_B: tl.constexpr,
     EVEN_COLS: tl.constexpr,
+    HAS_BLOCK_AMAX: tl.constexpr,
     ROUNDING: tl.constexpr,
     GLOBAL_DIVISOR: tl.constexpr,
     EMIN: tl.constexpr,
@@ -183,7 +194,12 @@ def _quantize_nvfp4_kernel(
 
     offs, mask = _block_tile(n_rows, n_cols, n_blocks_row, BLOCK_B, BLOCK_SIZE, EVEN_COLS)
     x = load_f32(x_ptr + offs, mask)
-    amax_b = tl.where(bad, 0.0, tl.max(tl.abs(x), axis=1))
+    if HAS_BLOCK_AMAX:  # block_2d: each block's amax is its 16x16 tile's, from the pre-pass
+        offs_b, valid = _block_ids(n_rows, n_blocks_row, BLOCK_B)
+        amax_b = tl.load(block_amax_ptr + offs_b, mask=valid, other=0.0)
+    else:
+        amax_b = tl.max(tl.abs(x), axis=1)
+    amax_b = tl.where(bad, 0.0, amax_b)
     sb = _clamp(tl.math.div_rn(tl.math.div_rn(amax_b, MAX_NORMAL), g), S_MIN_SUBNORMAL, S_MAX_NORMAL)
     b = round_element(sb, sb, S_EMIN, S_MBITS, S_MAX_NORMAL, False, S_HAS_INF, S_SIGNED_ZERO, False, "rne")
     inv = tl.math.div_rn(inv_g, b)[:, None]

@@ -3,8 +3,9 @@
 ``quantize(x, tq, dim, seed)`` validates its input with the reference's own checks, puts ``x`` in the
 canonical layout (``dim`` last, contiguous, ``[rows, L]``, in x's own dtype: the kernels widen to float32
 on load and round back on store), runs the pre-pass a format needs (the tensor amax of per-tensor scaling
-and NVFP4), launches with keyword arguments and restores the layout. The result equals
-``tq.quantize(x, dim, seed=seed)`` bit for bit.
+and NVFP4; with NVFP4's ``block_2d``, each block's 16x16 tile amax, the tensor amax their largest),
+launches with keyword arguments and restores the layout. The result equals ``tq.quantize(x, dim,
+seed=seed)`` bit for bit.
 
 Importing this module imports Triton and defines the kernels: under ``TRITON_INTERPRET=1`` they run on
 CPU tensors, otherwise they compile for the GPU.
@@ -21,7 +22,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from fxquant.formats._bits import seed_key
 from fxquant.formats.base import check_tensor, resolve_seed, restore_layout
 from fxquant.formats.element import E2M1, E4M3, ElementSpec, HiF8
-from fxquant.formats.mx import MXFormat
+from fxquant.formats.mx import MXFormat, blocks, tile_amax
 from fxquant.formats.nvfp4 import GLOBAL_DIVISOR, NVFP4Format
 from fxquant.formats.options import QuantOptions, Rounding, Scaling
 from fxquant.formats.scalar import ElementFormat, tensor_scale_exponent
@@ -73,9 +74,7 @@ def quantize(x: torch.Tensor, tq: TensorQuant, dim: int = -1, seed: int | None =
         raise TypeError(f"tq must be a TensorQuant, got {type(tq).__name__}")
     d = check_tensor(x, dim)
     opts = tq.options
-    if opts.block_2d:
-        raise ValueError(f"{tq.spec()}: the Triton kernels do not implement NVFP4's 16x16 tiles (block_2d); "
-                         "tq.quantize (the reference) does, and fxquant::quantize runs it for such a spec")
+    tq.fmt.check_shape(x, d, opts)  # NVFP4's 16x16 tiles (block_2d) need a 2-D tensor
     seed_ = resolve_seed(opts.rounding, seed)
     if x.numel() == 0:
         return x.clone()
@@ -93,11 +92,19 @@ def quantize(x: torch.Tensor, tq: TensorQuant, dim: int = -1, seed: int | None =
     raise TypeError(f"no Triton kernel for format {fmt.name!r} ({type(fmt).__name__})")  # pragma: no cover
 
 
+def abs_max(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """``x.abs().amax(dim)`` in float32 without materialising ``|x|``: one ``torch.aminmax`` pass over ``x``, the
+    amax ``|max(-min, max)|`` (exact in any float dtype; a NaN propagates; +0 for a tensor of zeros of either
+    sign, which the pre-passes' zero tests need)."""
+    lo, hi = torch.aminmax(x) if dim is None else torch.aminmax(x, dim=dim)
+    return torch.maximum(-lo, hi).abs().to(torch.float32)
+
+
 def _element(xc: torch.Tensor, fmt: ElementFormat, opts: QuantOptions, key: int) -> torch.Tensor:
     spec = fmt.element
     y = torch.empty_like(xc)
     if opts.scaling is Scaling.TENSOR:
-        amax = xc.abs().amax().to(torch.float32)  # exact in any input dtype; NaN propagates
+        amax = abs_max(xc)
         k_buf = tensor_scale_exponent(amax.reshape(1, 1), opts.scale_target).reshape(1)
     else:
         k_buf = xc  # unused by the kernel
@@ -158,16 +165,31 @@ def _mx(xc: torch.Tensor, fmt: MXFormat, opts: QuantOptions, key: int) -> torch.
     return y
 
 
+def _tile_amaxes(xc: torch.Tensor, block_size: int) -> torch.Tensor:
+    """NVFP4 ``block_2d``: each block's 16x16 tile amax, float32 ``[rows, n_blocks_row]`` contiguous (flat block
+    index ``row * n_blocks_row + j``), as the reference takes it (``mx.blocks``, ``mx.tile_amax``); exact in any
+    input dtype, NaN propagates."""
+    amax_b = tile_amax(abs_max(blocks(xc, block_size), -1).unsqueeze(-1), block_size)
+    return amax_b.squeeze(-1).to(torch.float32).contiguous()  # the last group's rows may be an expanded view
+
+
 def _nvfp4(xc: torch.Tensor, fmt: NVFP4Format, opts: QuantOptions, key: int) -> torch.Tensor:
     y = torch.empty_like(xc)
-    amax = xc.abs().amax().to(torch.float32).reshape(1)  # the tensor amax pre-pass; NaN propagates
+    if opts.block_2d:
+        block_amax = _tile_amaxes(xc, fmt.block_size)
+        amax = block_amax.amax().reshape(1)  # the largest tile amax is the tensor's: no second pass over x
+    else:
+        block_amax = xc  # unused by the kernel
+        amax = abs_max(xc).reshape(1)  # the tensor amax pre-pass
     args, grid = _block_launch(xc, fmt.block_size)
     _quantize_nvfp4_kernel[(grid,)](
         x_ptr=xc,
         y_ptr=y,
         amax_ptr=amax,
+        block_amax_ptr=block_amax,
         seed_key=key,
         **args,
+        HAS_BLOCK_AMAX=opts.block_2d,
         ROUNDING=opts.rounding.value,
         GLOBAL_DIVISOR=GLOBAL_DIVISOR,
         **element_constexprs(E2M1),
