@@ -152,3 +152,27 @@ def test_prepare_data_prints_no_megatron_import_notices(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "ds.bin").is_file() and "2 documents" in proc.stdout
     assert "Transformer Engine" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr
+
+
+def test_draw_offers_no_quant_types(capsys):
+    """`fxquant draw` collects one quant type (collect|both, as `collect single`): its help does not offer
+    `collect batch`'s --quant-types, and the flag is an unknown argument there; `collect` keeps it."""
+    verbs = {a.dest: a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)}["verb"].choices
+    assert "--quant-types" not in verbs["draw"].format_help()
+    assert "--quant-types" in verbs["collect"].format_help()
+    with pytest.raises(SystemExit) as done:
+        main(["draw", "collect", "--quant-types", "bf16", "mxfp8", "--dry-run"])
+    assert done.value.code == 2 and "unrecognized arguments: --quant-types" in capsys.readouterr().err
+
+
+def test_where_help_says_repeated_values_add_up():
+    """Every verb's --where help says what repeating it does (the values for one FIELD add up)."""
+    verbs = {a.dest: a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)}["verb"].choices
+    found = 0
+    for verb in verbs:
+        for path, parser in _parsers(verbs[verb], verb):
+            for action in parser._actions:
+                if "--where" in action.option_strings:
+                    found += 1
+                    assert "values given for the same FIELD add up" in action.help, path
+    assert found == 7  # report, quant-error, mx-sweep, what-if, plot-tensors, capture ls, capture export-pt

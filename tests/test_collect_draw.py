@@ -133,6 +133,16 @@ def test_every_option_has_help_with_its_default(verb):
             "--legacy"} <= flags
 
 
+
+def test_draw_collect_dry_run_without_quant_types(tmp_path, capsys):
+    """`draw collect` has no --quant-types (draw's parser leaves it out) and still plans its one collection."""
+    from fxquant.cli import main
+
+    logs = tmp_path / "logs"
+    assert main(["draw", "collect", "mxfp8", "--tensor-dir", str(logs), "--out", str(tmp_path / "runs"),
+                 "--dry-run"]) == 0
+    assert f'"dir": "{logs / "FA_linear_mxfp8"}"' in capsys.readouterr().out
+
 def test_summary_keeps_every_collection(tmp_path):
     """A summary in the one-collection layout becomes the first entry; later ones are appended; each run
     directory with metrics is listed once, in order."""

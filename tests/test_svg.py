@@ -154,6 +154,36 @@ def test_heatmap_cells_nan_grey_annotations_and_colour_bar():
     assert any(g.tag == f"{NS}linearGradient" for g in root.iter())
 
 
+
+def test_heatmap_infinities_have_their_own_colours_and_a_key():
+    """+Inf and -Inf cells are drawn in fixed colours of their own, distinct from NaN's grey and from every colour
+    of the map (so not the map's saturated ends, which large finite values take), and a key beside the colour bar
+    names the non-finite colours present; a heatmap without infinities has no key."""
+    data = np.array([[np.inf, np.nan, -np.inf, 1.0], [-1.0, 0.5, 0.0, -0.5]])
+    fig, ax = svg.subplots(panel=(240, 120))
+    ax.heatmap(data, ["r0", "r1"], list("abcd"), label="value", cmap="RdBu_r", vmin=-1.0, vmax=1.0)
+    root = parse(fig)
+    cells = [r.get("fill") for r in root.iter(f"{NS}rect") if r.get("fill", "").startswith("#")
+             and r.get("width") != "10"][:8]
+    cm = svg.cmap("RdBu_r")
+    assert cells[:3] == [svg.POS_INF_CELL, svg.NAN_CELL, svg.NEG_INF_CELL]
+    assert len({svg.POS_INF_CELL, svg.NEG_INF_CELL, svg.NAN_CELL}) == 3
+    for name in ("RdBu_r", "viridis", "magma"):  # the report's colour maps
+        ramp = {svg.colour(tuple(svg.cmap(name)(k / 255)))[0] for k in range(256)}
+        assert not {svg.POS_INF_CELL, svg.NEG_INF_CELL} & ramp, name
+    assert cells[3] == svg.colour(tuple(cm(1.0)))[0] and cells[4] == svg.colour(tuple(cm(0.0)))[0]
+    key = [r.get("fill") for r in root.iter(f"{NS}rect") if r.get("width") == "10"]
+    assert key == [svg.POS_INF_CELL, svg.NEG_INF_CELL, svg.NAN_CELL]
+    t = texts(root)
+    assert t.index("+Inf") < t.index("-Inf") < t.index("NaN")
+    width = float(root.get("width"))
+    assert all(float(r.get("x")) + 40 <= width for r in root.iter(f"{NS}rect") if r.get("width") == "10")
+
+    fig, ax = svg.subplots(panel=(240, 120))
+    ax.heatmap(np.array([[np.nan, 1.0]]), ["r"], ["a", "b"], label="value")
+    root = parse(fig)
+    assert not [r for r in root.iter(f"{NS}rect") if r.get("width") == "10"] and "NaN" not in texts(root)
+
 def test_many_layers_thin_labels_and_legend_wraps_into_columns():
     rows = [str(i) for i in range(150)]
     fig, ax = svg.subplots(panel=(100, 600))

@@ -123,3 +123,31 @@ def test_the_table_shows_nan_and_inf_percentages(tmp_path, capsys):
     header, _, row = capsys.readouterr().out.splitlines()[:3]
     cells = dict(zip(header.split(), row.split()))
     assert cells["inf_pct"] == f"{100 * 8 / 1024:.4g}" and float(cells["nan_pct"]) == 0
+
+
+def _truncate_shards(rank_dir):
+    for shard in (rank_dir / "shards").glob("*.safetensors"):
+        shard.write_bytes(shard.read_bytes()[:64])
+
+
+def test_unreadable_tensors_are_named_and_not_counted(tmp_path, capsys):
+    """A truncated shard's tensors are problems and left out: the footer counts the tensors that were read; when
+    none could be read the command says so and exits 1, as `report` does, instead of printing an empty table."""
+    write_set(tmp_path / "cap", ranks=2, layers=3, what="full", quantized=False)  # 9 high-precision tensors a rank
+    _truncate_shards(tmp_path / "cap" / "rank-00000")
+    res = what_if(tmp_path / "cap", "mxfp8", by=())
+    assert (res.records, res.loaded, res.rows[0]["tensors"]) == (18, 9, 9)
+    assert len(res.problems) == 9 and all("rank-00000" in p and "unreadable" in p for p in res.problems)
+    assert main(["what-if", str(tmp_path / "cap"), "--formats", "mxfp8", "-q"]) == 0
+    out = capsys.readouterr()
+    assert "\n9 high-precision tensor(s); 9 of the 18 selected could not be read" in out.out
+    assert out.err.count("warning: ") == 9
+    assert main(["what-if", str(tmp_path / "cap"), "--formats", "mxfp8", "-q", "--json"]) == 0
+    assert {k: v for k, v in json.loads(capsys.readouterr().out).items() if k in ("records", "loaded")} == {
+        "records": 18, "loaded": 9}
+
+    _truncate_shards(tmp_path / "cap" / "rank-00001")
+    assert main(["what-if", str(tmp_path / "cap"), "--formats", "mxfp8", "-q"]) == 1
+    out = capsys.readouterr()
+    assert out.out == "" and "fxquant what-if: error: none of the 18 selected high-precision tensor(s) could be " \
+        "read" in out.err

@@ -98,7 +98,8 @@ def run_task(task: Task, config: AnalysisConfig, sets: _Sets | None = None) -> T
                               partner_summary=done.get(src.index) if partner is not None else None)
                 if t is not None:
                     done[item.index] = s
-                out.summaries.append(s)
+                if not item.partner:  # a source kept only for its quantized copy is not among the selected
+                    out.summaries.append(s)
             except (ValueError, TypeError, RuntimeError, AttributeError, KeyError) as exc:  # a malformed record
                 out.problems.append(f"{item.rank_dir}: record seq={item.fields.get('seq')}: cannot summarise: {exc}")
         tensors.clear()

@@ -8,7 +8,13 @@ stored tensors; each task goes to one worker. A directory of the predecessor's `
 ``fxquant.capture.pt_reader`` like a capture set. Records of a rank directory written by a newer capture
 format (``run.json`` ``format_version`` above what this fxquant reads) are skipped, as is a
 capture directory the reader refuses (corrupt manifest, not a capture set): each reason goes to
-``Plan.problems``, which the caller reports (logged at INFO only, so a CLI prints it once).
+``Plan.problems``, which the caller reports (logged at INFO only, so a CLI prints it once). A directory
+named twice (``caps/run`` and ``caps/run/``, or through a link) is read once, under its first spelling.
+
+Selection (``where``) pairs before it filters: units are built from every record, then each keeps the records
+that match and, for each matching quantized copy, the high-precision record it was quantized from (``sources``),
+so ``where={"gemm": "dgrad"}`` analyses the dgrad operands against their sources; ``Plan.partners`` counts the
+records kept only as such a source (``Item.partner``: read for the pairing, left out of the statistics).
 """
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ class Item:
     fields: dict
     nbytes: int
     seed: int
+    partner: bool = False  # kept only as the source of a selected quantized copy: read, not summarised itself
 
 
 @dataclass(frozen=True)
@@ -61,6 +68,7 @@ class Plan:
     problems: list[str]
     records: int
     nbytes: int
+    partners: int = 0  # records kept only as the source of a selected quantized copy (they do not match ``where``)
 
 
 def stored_bytes(fields: dict) -> int:
@@ -82,10 +90,15 @@ def _version_of(meta: dict, fields: dict) -> int:
 
 def open_sets(dirs: list[str | Path], problems: list[str]) -> dict[str, CaptureSet]:
     out: dict[str, CaptureSet] = {}
+    seen: dict[Path, str] = {}  # resolved path -> the spelling it is opened under
     for d in dirs:
         key = str(d)
-        if key in out:
+        real = Path(d).resolve()
+        if real in seen:
+            if key != seen[real]:
+                log.info("%s: the same directory as %s, read once", key, seen[real])
             continue
+        seen[real] = key
         try:
             out[key] = open_capture(d, skip_bad_ranks=True)  # one unreadable rank: the others still count
         except (CaptureReadError, OSError, ValueError) as exc:
@@ -127,21 +140,38 @@ def sources(unit: tuple[Item, ...]) -> dict[int, Item | None]:
     return out
 
 
+def _select(unit: list[tuple[tuple, dict, str, str, bool]]) -> list[tuple[tuple, dict, str, str, bool]]:
+    """The entries of one unit (sorted, each ending in whether it matched ``where``) that the plan keeps: the
+    matching ones and the high-precision source of each matching quantized copy."""
+    if all(e[4] for e in unit):
+        return unit
+    matches = [i for i, e in enumerate(unit) if e[4]]
+    if not matches:
+        return []
+    keep = set(matches)
+    probe = tuple(Item(i, e[2], e[3], e[1], 0, 0) for i, e in enumerate(unit))
+    for i, src in sources(probe).items():
+        if i in keep and src is not None:
+            keep.add(src.index)
+    return [e for i, e in enumerate(unit) if i in keep]
+
+
 def build(dirs: list[str | Path], where: dict | None = None, workers: int = 1,
           task_bytes: int = 64 << 20, max_task_records: int = 512) -> Plan:
-    """Open ``dirs``, keep records matching ``where`` (CaptureSet.query conditions), and plan the tasks."""
+    """Open ``dirs``, keep records matching ``where`` (CaptureSet.query conditions) with the high-precision
+    sources of the matching quantized copies (module docstring), and plan the tasks."""
     problems: list[str] = []
     sets = open_sets(dirs, problems)
-    units: dict[tuple, list[tuple[tuple, dict, str, str]]] = defaultdict(list)
+    units: dict[tuple, list[tuple[tuple, dict, str, str, bool]]] = defaultdict(list)
     skipped_dirs: set[tuple[str, str]] = set()
     for root, cs in sets.items():
-        sel = cs.query(**where) if where else cs
-        for rec in sel:
+        matched = {id(rec) for rec in cs.query(**where)} if where else None  # query checks the field names
+        for rec in cs:
             f = rec.fields
             rdir = str(rec.rank_dir)
             meta = cs.meta.get(Path(rdir).name, {})
             if _version_of(meta, f) > SUPPORTED_VERSION:
-                if (root, rdir) not in skipped_dirs:
+                if (root, rdir) not in skipped_dirs and (matched is None or id(rec) in matched):
                     skipped_dirs.add((root, rdir))
                     msg = (f"{rdir}: written by a newer capture format (version {_version_of(meta, f)}, this fxquant "
                            f"reads up to {SUPPORTED_VERSION}); its records are skipped")
@@ -152,19 +182,23 @@ def build(dirs: list[str | Path], where: dict | None = None, workers: int = 1,
             site = (root, rdir, f.get("rank"), f.get("iteration"), f.get("micro_batch"), f.get("module"), f.get("role"))
             seq = f.get("seq")
             order = (str(f.get("file") or ""), str(f.get("key") or ""), seq if isinstance(seq, int) else -1)
-            units[site].append((order, f, root, rdir))
+            units[site].append((order, f, root, rdir, matched is None or id(rec) in matched))
     for root, cs in sets.items():  # unreadable rank directories, torn lines; .pt files refused (pt_reader)
         problems.extend(f"{root}: skipped: {p}" for p in getattr(cs, "problems", ()))
-    ordered = sorted(units.values(), key=lambda u: (u[0][2], u[0][3], min(x[0] for x in u)))  # (root, rdir, order)
+    selected = [u for u in (_select(sorted(u, key=lambda x: x[0])) for u in units.values()) if u]
+    ordered = sorted(selected, key=lambda u: (u[0][2], u[0][3], min(x[0] for x in u)))  # (root, rdir, order)
     items_units: list[tuple[Item, ...]] = []
-    index = 0
+    index = partners = 0
     for u in ordered:
         row = []
-        for _, f, root, rdir in sorted(u, key=lambda x: x[0]):
+        for _, f, root, rdir, match in u:
             seed = zlib.crc32(f"{f.get('run_id')}:{f.get('rank')}:{f.get('seq')}".encode())
-            row.append(Item(index, root, rdir, f, stored_bytes(f), seed))
+            row.append(Item(index, root, rdir, f, stored_bytes(f), seed, partner=not match))
             index += 1
+            partners += not match
         items_units.append(tuple(row))
+    if partners:
+        log.info("%d high-precision record(s) kept as the source of a selected quantized copy", partners)
     total = sum(i.nbytes for u in items_units for i in u)
     if workers > 1 and items_units:  # enough tasks to keep every worker busy
         task_bytes = max(1, min(task_bytes, total // (4 * workers) or 1))
@@ -182,4 +216,4 @@ def build(dirs: list[str | Path], where: dict | None = None, workers: int = 1,
         cur_n += len(u)
     if cur:
         tasks.append(Task(len(tasks), tuple(cur)))
-    return Plan(sets, tasks, problems, index, total)
+    return Plan(sets, tasks, problems, index, total, partners)

@@ -27,7 +27,12 @@ _NAMED.update({"tab:grey": _NAMED["tab:gray"], "black": "#000000", "white": "#ff
 _DASH = {"-": None, "solid": None, "--": "6,3", "dashed": "6,3", ":": "1.5,2.5", "dotted": "1.5,2.5", "-.": "6,2.5,1.5,2.5"}
 FONT = "DejaVu Sans, Helvetica, Arial, sans-serif"
 _TICK_FS, _LABEL_FS, _TITLE_FS = 10, 11, 12
-NAN_CELL = "#dddddd"
+NAN_CELL = "#dddddd"  # grey
+# +-Inf cells: fixed colours in none of the report's colour maps (RdBu_r, viridis, magma), so an infinite value is
+# never read as a large finite one at a map's saturated end
+POS_INF_CELL = "#ff00ff"  # magenta
+NEG_INF_CELL = "#00ffff"  # cyan
+_KEY_W = 52.0  # px right of the colour bar for the key of the non-finite cells
 
 
 def colour(c) -> tuple[str, float]:
@@ -281,8 +286,10 @@ class Axes:
 
     def heatmap(self, data, rows: list, cols: list, *, label: str, cmap: str = "viridis", fmt: str = "{:.2g}",
                 vmin: float | None = None, vmax: float | None = None) -> None:
-        """Cells of ``data`` (rows top to bottom), NaN cells grey, a colour bar labelled ``label``; values written
-        in the cells when there are at most 400."""
+        """Cells of ``data`` (rows top to bottom), a colour bar labelled ``label``; values written in the cells when
+        there are at most 400. Non-finite cells have fixed colours: NaN grey (``NAN_CELL``), +Inf magenta
+        (``POS_INF_CELL``), -Inf cyan (``NEG_INF_CELL``); when some cell is infinite a key beside the colour bar
+        names the colours of the non-finite values present. The colour range comes from the finite values."""
         data = np.asarray(data, dtype=float)
         if data.shape != (len(rows), len(cols)):
             raise ValueError(f"heatmap: data {data.shape} vs {len(rows)} rows x {len(cols)} cols")
@@ -405,6 +412,7 @@ class Axes:
             cw = self.w / max(len(xlabels), 1)  # labels rotated 45 degrees reach left of their cell
             reach = max((text_width(s, _TICK_FS) * 0.72 - (j + 0.5) * cw for j, s in enumerate(xlabels)), default=0)
             right = 65 + max((text_width(s, _TICK_FS) for _, s in _linear_ticks(heat.vmin, heat.vmax, False)), default=0)
+            right += _KEY_W if _heat_key(heat.data) else 0
         else:
             xl, yl = self._limits()
             left = max((text_width(s, _TICK_FS) for _, s in self._yticks(yl)), default=10) + 14
@@ -620,6 +628,24 @@ def _legend(w: _Writer, ax: Axes, ox: float, oy: float) -> None:
         w.text(cx + 26, cy + 3.5, e.label, anchor="start")
 
 
+def _cell_fill(v: float, rgba) -> str:
+    if np.isnan(v):
+        return NAN_CELL
+    if np.isinf(v):
+        return POS_INF_CELL if v > 0 else NEG_INF_CELL
+    return colour(tuple(rgba))[0]
+
+
+def _heat_key(data: np.ndarray) -> list[tuple[str, str]]:
+    """(label, colour) of the non-finite values in ``data`` when some are infinite (else none: NaN alone is the
+    grey of empty cells, which needs no key)."""
+    key = [(label, c) for label, c, present in (("+Inf", POS_INF_CELL, np.isposinf(data).any()),
+                                                ("-Inf", NEG_INF_CELL, np.isneginf(data).any())) if present]
+    if key and np.isnan(data).any():
+        key.append(("NaN", NAN_CELL))
+    return key
+
+
 def _draw_heat(w: _Writer, ax: Axes, heat: _Heat, ox: float, oy: float, clip_id: str) -> None:
     nr, nc = heat.data.shape
     cw, ch = ax.w / max(nc, 1), ax.h / max(nr, 1)
@@ -631,7 +657,7 @@ def _draw_heat(w: _Writer, ax: Axes, heat: _Heat, ox: float, oy: float, clip_id:
     for i in range(nr):
         for j in range(nc):
             v = heat.data[i, j]
-            fill = colour(tuple(rgba[i, j]))[0] if np.isfinite(v) else NAN_CELL
+            fill = _cell_fill(v, rgba[i, j])
             x, y = ox + j * cw, oy + i * ch
             w.add(f'<rect x="{_num(x)}" y="{_num(y)}" width="{_num(cw + 0.3)}" height="{_num(ch + 0.3)}" fill="{fill}"/>')
             if annotate and np.isfinite(v) and ch >= 9:
@@ -655,8 +681,15 @@ def _draw_heat(w: _Writer, ax: Axes, heat: _Heat, ox: float, oy: float, clip_id:
         y = oy + ax.h - (v - heat.vmin) / (heat.vmax - heat.vmin) * ax.h
         w.add(f'<path d="M{_num(bx + bw)} {_num(y)}h4" stroke="#444444" stroke-width="0.8"/>')
         w.text(bx + bw + 7, y + 3.5, s, anchor="start")
-    right = ax.margins()[2]
+    key = _heat_key(heat.data)
+    right = ax.margins()[2] - (_KEY_W if key else 0)
     w.text(ox + ax.w + right - 8, oy + ax.h / 2, heat.label, size=_TICK_FS, rotate=-90)
+    kx = ox + ax.w + right + 4
+    for k, (label, fill) in enumerate(key):  # the non-finite values' colours, beside the colour bar
+        ky = oy + 15 * k
+        w.add(f'<rect x="{_num(kx)}" y="{_num(ky)}" width="10" height="10" fill="{fill}" stroke="#444444" '
+              f'stroke-width="0.5"/>')
+        w.text(kx + 14, ky + 9, label, anchor="start")
     _labels(w, ax, ox, oy)
 
 

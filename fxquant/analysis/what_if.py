@@ -16,8 +16,9 @@ without saturation, such as fp16), in % of all elements. Such an element's error
 has any, its error metrics say so (sqnr_db -inf; rel_err, mean_rel_err, mse, rmse, mae, max_err inf;
 cosine None) instead of describing the other elements only.
 
-Tensors are loaded one at a time and never held together. ``per_tensor=True`` also returns one row per
-(tensor, format).
+Tensors are loaded one at a time and never held together; one that cannot be read (a truncated shard, a
+refused ``.pt`` file) is named in ``problems`` and left out, and ``loaded`` counts those that were read.
+``per_tensor=True`` also returns one row per (tensor, format).
 """
 from __future__ import annotations
 
@@ -135,8 +136,9 @@ def tensor_sums(q: torch.Tensor, x: torch.Tensor) -> Sums:
 class WhatIfResult:
     rows: list[dict]  # per (group, format)
     tensors: list[dict]  # per (tensor, format) when asked
-    records: int
+    records: int  # high-precision records with a stored tensor that were selected
     problems: list[str]
+    loaded: int = 0  # of those, the tensors that were read and quantized (the others are named in problems)
 
 
 def what_if(dirs: list[str | Path] | str | Path, formats: str | list[str] = "all", *, where: dict | None = None,
@@ -161,12 +163,14 @@ def what_if(dirs: list[str | Path] | str | Path, formats: str | list[str] = "all
                          f"{did_you_mean(unknown[0], sorted(fields))}")
     groups: dict[tuple, Sums] = {}
     per: list[dict] = []
+    loaded = 0
     for cs, rec in tqdm(selected, desc="what-if", unit="tensor", disable=not progress):
         try:
             x = cs.load(rec)
-        except (ValueError, OSError) as exc:
-            problems.append(f"{rec.rank_dir}: record seq={rec.fields.get('seq')}: {exc}")
+        except (ValueError, OSError) as exc:  # CaptureReadError is a ValueError
+            problems.append(f"{rec.rank_dir}: record seq={rec.fields.get('seq')}: unreadable, left out: {exc}")
             continue
+        loaded += 1
         if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             x = x.float()
         key = tuple(rec.fields.get(b) for b in by)
@@ -187,4 +191,7 @@ def what_if(dirs: list[str | Path] | str | Path, formats: str | list[str] = "all
             for key, label in sorted(groups, key=lambda k: (tuple(str(v) for v in k[0]), order[k[1]]))]
     for cs in sets.values():
         cs.close()
-    return WhatIfResult(rows, per, len(selected), problems)
+    if len(selected) > loaded:
+        log.info("what-if: %d of %d selected high-precision tensors could not be read", len(selected) - loaded,
+                 len(selected))
+    return WhatIfResult(rows, per, len(selected), problems, loaded)

@@ -8,7 +8,7 @@ import sys
 
 from tabulate import tabulate
 
-from fxquant.cli.options import where_conditions
+from fxquant.cli.options import WHERE_HELP, where_conditions
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -18,9 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     ls = verbs.add_parser("ls", help="summarise a capture set: runs, ranks, counts per role and module")
     ls.add_argument("dir", help="a capture directory (the root holding rank-NNNNN/ directories)")
     ls.add_argument("--records", action="store_true", help="one line per record (default: counts only)")
-    ls.add_argument("--where", action="append", default=[], metavar="FIELD=VALUE",
-                    help="keep records whose manifest FIELD equals VALUE (repeatable; V1,V2 for any of several; "
-                    "integers are compared as integers; default: all records)")
+    ls.add_argument("--where", action="append", default=[], metavar="FIELD=VALUE", help=f"keep {WHERE_HELP}")
     ls.add_argument("--json", action="store_true", help="print the selected records as JSON lines instead of tables")
     ls.set_defaults(func=run_ls)
     v = verbs.add_parser("verify", help="check every checksum; report partial, missing or unreferenced shards")
@@ -30,9 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("dir", help="a capture directory")
     e.add_argument("out", help="output directory (files go to OUT/{quant_type}/)")
     e.add_argument("--quant-type", default=None, help="quant type in names and directory (default: the run's scheme)")
-    e.add_argument("--where", action="append", default=[], metavar="FIELD=VALUE",
-                   help="export only records whose manifest FIELD equals VALUE (repeatable; V1,V2 for any of "
-                   "several; default: all records)")
+    e.add_argument("--where", action="append", default=[], metavar="FIELD=VALUE", help=f"export only {WHERE_HELP}")
     e.set_defaults(func=run_export)
 
 

@@ -51,9 +51,12 @@ def add_collection_arguments(p: argparse.ArgumentParser, modes: tuple[str, ...] 
     p.add_argument("--quant-type", default=None, metavar="Q",
                    help="bf16 | mxfp8 | mxfp4 | hifp8 (the FA_linear_ scheme of that format), a scheme name or a "
                         "scheme YAML path (default: $CUSTOM_QUANT_TYPE, else mxfp8 for single, hifp8 for quick)")
-    p.add_argument("--quant-types", nargs="+", default=None, metavar="Q",
-                   help="batch: the quant types, scheme names or scheme YAML paths to collect (default: the "
-                        "predecessor's four quant types bf16 mxfp8 mxfp4 hifp8)")
+    if "batch" in modes:  # `fxquant draw` collects one quant type (its modes have no batch)
+        p.add_argument("--quant-types", nargs="+", default=None, metavar="Q",
+                       help="batch: the quant types, scheme names or scheme YAML paths to collect (default: the "
+                            "predecessor's four quant types bf16 mxfp8 mxfp4 hifp8)")
+    else:
+        p.set_defaults(quant_types=None)
     p.add_argument("--legacy", action="store_true",
                    help="reproduce what the predecessor computed: quant type X -> legacy_FA_linear_X, scheme "
                         "name N -> legacy_N (docs/schemes.md 'legacy presets'); default off")

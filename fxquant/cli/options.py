@@ -1,22 +1,30 @@
-"""Command-line pieces shared by several verbs: ``--where FIELD=V1,V2`` conditions, an integer >= 1 argparse
-type, the check that every capture DIR is a directory, and the error when the DIRs gave nothing to work on."""
+"""Command-line pieces shared by several verbs: ``--where FIELD=V1,V2`` conditions and their help text, an
+integer >= 1 argparse type, the check that every capture DIR is a directory, and the error when the DIRs gave
+nothing to work on."""
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
 
+WHERE_HELP = ("records whose manifest FIELD equals VALUE (integers compare as integers; FIELD=V1,V2: any of those "
+              "values). Repeatable: conditions on different FIELDs must all hold, values given for the same FIELD add "
+              "up (--where role=input --where role=weight is --where role=input,weight); default: every record")
+
+
 def where_conditions(items: list[str]) -> dict:
     """``--where`` items -> CaptureSet.query conditions: ``FIELD=VALUE`` (integers as integers, ``None`` as None)
-    or ``FIELD=V1,V2`` (any of those values)."""
-    cond: dict = {}
+    or ``FIELD=V1,V2`` (any of those values). Items for different fields must all hold; the values of items for one
+    field add up (``["role=input", "role=weight"]`` is ``["role=input,weight"]``)."""
+    values: dict[str, list] = {}
     for item in items:
         key, eq, value = item.partition("=")
         if not eq or not key:
             raise ValueError(f"--where {item!r}: expected FIELD=VALUE or FIELD=V1,V2")
         vals = [int(v) if v.lstrip("-").isdigit() else (None if v == "None" else v) for v in value.split(",")]
-        cond[key] = vals if len(vals) > 1 else vals[0]
-    return cond
+        seen = values.setdefault(key, [])
+        seen += [v for v in vals if v not in seen]
+    return {key: vals if len(vals) > 1 else vals[0] for key, vals in values.items()}
 
 
 def positive_int(text: str) -> int:

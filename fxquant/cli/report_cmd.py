@@ -8,8 +8,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
-from fxquant.cli.options import check_dirs, nothing_found, positive_int, where_conditions
+from fxquant.cli.options import WHERE_HELP, check_dirs, nothing_found, positive_int, where_conditions
 
 
 def _common(p: argparse.ArgumentParser, *, figures: bool = False, study: bool = False, formats: bool = False) -> None:
@@ -20,8 +21,8 @@ def _common(p: argparse.ArgumentParser, *, figures: bool = False, study: bool = 
     p.add_argument("-j", "--workers", type=int, default=1, help="worker processes that summarise the tensors" +
                    (" and then draw the figures" if figures else "") + " (default 1: all in this process)")
     p.add_argument("--where", action="append", default=[], metavar="FIELD=VALUE",
-                   help="keep records whose manifest FIELD equals VALUE (repeatable; V1,V2 for any of several; "
-                   "default: every record)")
+                   help=f"keep {WHERE_HELP}. A kept quantized copy also keeps the high-precision record it was "
+                   f"quantized from, its error's reference")
     if formats:
         p.add_argument("--formats", default=None, help="comma-separated formats for the over/underflow summary and "
                        "the distribution pages (default: common formats plus those captured)")
@@ -138,6 +139,29 @@ def _analysed(args: argparse.Namespace):
         return None
 
 
+def _no_sites_reason(args: argparse.Namespace, agg) -> str:
+    """Why ``quant-error`` has no row: the selected records hold quantized copies without an error to show (neither
+    a readable high-precision source nor capture-time statistics), or hold none (the filter, the capture spec or
+    the predecessor's .pt files, which hold high-precision tensors only)."""
+    from fxquant.capture import pt_reader
+
+    copies = agg.groups[("copy",)].get(("quantized",))
+    n = copies.moments.tensors if copies is not None else 0
+    if n:
+        return (f"{n} quantized {'copy' if n == 1 else 'copies'} selected, none with a readable high-precision source "
+                f"or capture-time error statistics")
+    text = "no quantized copies among the selected records"
+    if args.where:
+        text += f" (--where {' '.join(args.where)})"
+    pt = [d for d in args.dirs if not any(c.is_dir() and c.name.startswith("rank-") for c in Path(d).iterdir())
+          and pt_reader.has_pt_files(Path(d))]
+    if pt:
+        text += f"; the predecessor saved high-precision tensors only ({', '.join(pt)})"
+    if len(pt) < len(args.dirs):
+        text += "; a capture set holds them where its spec asks for them (copies: [hp, quantized])"
+    return text
+
+
 def run_quant_error(args: argparse.Namespace) -> int:
     from tabulate import tabulate
 
@@ -148,8 +172,8 @@ def run_quant_error(args: argparse.Namespace) -> int:
     if agg is None:
         return 1
     if not agg.sites:
-        print("note: no quantized copies among the selected records (the predecessor's .pt files hold high-precision "
-              "tensors only); `fxquant what-if DIR` gives the error they would have in any format", file=sys.stderr)
+        print(f"note: {_no_sites_reason(args, agg)}; `fxquant what-if DIR` gives the error the high-precision tensors "
+              f"would have in any format", file=sys.stderr)
     if args.json:
         for s in agg.sites:
             print(json.dumps(clean(s), sort_keys=True))

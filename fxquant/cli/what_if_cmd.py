@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from fxquant.cli.options import check_dirs, nothing_found, where_conditions
+from fxquant.cli.options import WHERE_HELP, check_dirs, nothing_found, where_conditions
 
 COLUMNS = ("format", "tensors", "sqnr_db", "rel_err", "mean_rel_err", "mse", "mae", "max_err", "cosine", "flushed_pct",
            "nan_pct", "inf_pct")
@@ -18,8 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("dirs", nargs="+", metavar="DIR", help="capture directories or directories of .pt files")
     p.add_argument("--formats", default="all", help="comma-separated formats, or 'all' (default: every format of "
                                                     "`fxquant formats`)")
-    p.add_argument("--where", action="append", default=[], metavar="FIELD=VALUE",
-                   help="keep records whose manifest FIELD equals VALUE (repeatable; V1,V2 for any of several)")
+    p.add_argument("--where", action="append", default=[], metavar="FIELD=VALUE", help=f"keep {WHERE_HELP}")
     p.add_argument("--dim", type=int, default=-1, help="blocked dimension of block formats (default -1: the last)")
     p.add_argument("--block-size", type=int, default=None,
                    help="elements per scale for block formats (MX default 32, NVFP4 16); element formats have none")
@@ -49,9 +48,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: {p}", file=sys.stderr)
     if not res.records:
         raise ValueError("no high-precision tensors selected (check the DIRs and --where)")
+    if not res.loaded:
+        print(f"fxquant what-if: error: none of the {res.records} selected high-precision tensor(s) could be read "
+              f"(see the warnings above): nothing to analyse", file=sys.stderr)
+        return 1
     if args.json:
-        print(json.dumps(clean({"rows": res.rows, "tensors": res.tensors, "records": res.records}), indent=1,
-                         sort_keys=True))
+        print(json.dumps(clean({"rows": res.rows, "tensors": res.tensors, "records": res.records,
+                                "loaded": res.loaded}), indent=1, sort_keys=True))
         return 0
     cols = [*by, *COLUMNS]
     print(tabulate([[fmt_num(r.get(c)) for c in cols] for r in res.rows], headers=cols, disable_numparse=True))
@@ -60,7 +63,9 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(tabulate([[fmt_num(r.get(c)) for c in tcols] for r in res.tensors], headers=tcols,
                        disable_numparse=True))
-    print(f"\n{res.records} high-precision tensor(s)")
+    unread = res.records - res.loaded
+    left_out = f"; {unread} of the {res.records} selected could not be read and are left out (see the warnings above)"
+    print(f"\n{res.loaded} high-precision tensor(s)" + (left_out if unread else ""))
     return 0
 
 
@@ -69,8 +74,7 @@ def register_plot(sub: argparse._SubParsersAction) -> None:
                                             "scores/probs, with an index.html")
     p.add_argument("dirs", nargs="+", metavar="DIR", help="capture directories or directories of .pt files")
     p.add_argument("-o", "--out", default="fxquant-heatmaps", help="output directory (default ./fxquant-heatmaps)")
-    p.add_argument("--where", action="append", default=[], metavar="FIELD=VALUE",
-                   help="keep records whose manifest FIELD equals VALUE (repeatable; V1,V2 for any of several)")
+    p.add_argument("--where", action="append", default=[], metavar="FIELD=VALUE", help=f"keep {WHERE_HELP}")
     p.add_argument("--max-tensors", type=int, default=50, help="draw at most this many tensors (default 50)")
     p.add_argument("--cells", type=int, default=64, help="heatmap resolution: at most CELLS x CELLS cells (default 64)")
     p.add_argument("--heads", type=int, default=8, help="heads per attention map (default 8)")
