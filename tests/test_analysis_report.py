@@ -441,3 +441,43 @@ def test_mx_sweep_without_stored_operands_says_so(tmp_path, capsys):
     assert "no MX study rows" in capsys.readouterr().err
     assert main(["mx-sweep", str(tmp_path / "stats"), "-q", "--offsets="]) == 2
     assert "give at least one exponent offset" in capsys.readouterr().err
+
+
+def test_an_output_path_that_is_a_file_fails_before_any_tensor_is_read(sets, tmp_path, monkeypatch):
+    """`-o` naming a file: the same error as before, but before the analysis (it came after all of it)."""
+    from fxquant.analysis import engine
+
+    root, _, _ = sets
+    (tmp_path / "afile").write_text("not a directory")
+    monkeypatch.setattr(engine, "run", lambda *a, **k: pytest.fail("tensors analysed before the output was checked"))
+    with pytest.raises(FileExistsError) as exc:
+        analysis.report([root / "mxfp8"], tmp_path / "afile", **FAST)
+    assert exc.value.strerror == "File exists" and exc.value.filename == str(tmp_path / "afile")
+
+
+def test_a_reused_output_directory_keeps_only_this_reports_files(sets, tmp_path):
+    """A report written where an earlier one was removes the earlier files it does not write itself (a second
+    rank's pages, formats no longer analysed) and the directories left empty; files the earlier report.json does
+    not list (the user's) stay, and so does anything a listed path names outside the directory."""
+    root, _, _ = sets
+    out = tmp_path / "r"
+    first = analysis.report([root / "mxfp8"], out, **FAST)  # 2 ranks, quantized copies
+    assert {"layers/layer_0_rank_1_analysis.svg", "distributions/mxfp4_e2m1/summary.json"} <= set(first.files)
+    (out / "notes.txt").write_text("mine")
+    (out / "layers" / "mine.svg").write_text("<svg/>")
+    second = analysis.report([root / "bf16"], out, **{**FAST, "formats": ["hifp8"]})  # 1 rank, hp only
+    on_disk = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert on_disk == sorted([*second.files, "index.html", "notes.txt", "layers/mine.svg"])
+    assert not (out / "distributions" / "mxfp4_e2m1").exists()  # emptied: removed
+    assert _json(out / "report.json")["files"] == second.files[:-1]  # all but report.json itself
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("not the report's")
+    manifest = _json(out / "report.json")
+    manifest["files"] += ["../victim.txt", str(victim), "notes.txt/..", "layers"]  # hand-edited: hostile paths
+    (out / "report.json").write_text(json.dumps(manifest))
+    analysis.report([root / "bf16"], out, **{**FAST, "formats": ["hifp8"]})
+    assert victim.read_text() == "not the report's" and (out / "notes.txt").is_file() and (out / "layers").is_dir()
+    (out / "report.json").write_text("{not json")
+    analysis.report([root / "bf16"], out, **{**FAST, "formats": ["hifp8"]})  # an unreadable manifest: nothing removed
+    assert (out / "layers" / "mine.svg").is_file()

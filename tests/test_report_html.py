@@ -86,9 +86,11 @@ def test_index_html_renders_in_headless_chromium_without_broken_images(tmp_path)
                           sample_blocks=8, metrics=[tmp_path / "run_bf16", tmp_path / "run_mx"])
     page = res.index.read_text()
     figures = [f for f in res.files if f.endswith(".svg")]
-    for needed in ("distributions/hifp8/overall_density.svg", "distributions/hifp8/per_layer_density.svg",
-                   "distributions/hifp8/per_rank_density.svg", "distributions/per_layer_moments.svg",
-                   "distributions/hifp8/layer_rank_heatmap.svg", "quant_error/heatmap_sqnr_db_FA_linear_mxfp8.svg",
+    mx = "distributions/FA_linear_mxfp8"  # two schemes: each one's distribution and layer pages apart
+    for needed in (f"{mx}/hifp8/overall_density.svg", f"{mx}/hifp8/per_layer_density.svg",
+                   f"{mx}/hifp8/per_rank_density.svg", f"{mx}/per_layer_moments.svg",
+                   f"{mx}/hifp8/layer_rank_heatmap.svg", "distributions/bf16/hifp8/overall_density.svg",
+                   "layers/bf16/layer_1_rank_0_analysis.svg", "quant_error/heatmap_sqnr_db_FA_linear_mxfp8.svg",
                    "mx_study/mxfp8_e4m3.svg", "overflow/summary.svg", "training/curves.svg",
                    "stats/binades_by_direction.svg", "compare/linear_input_hp.svg"):
         assert needed in figures, needed

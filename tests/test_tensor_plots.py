@@ -4,7 +4,6 @@ from __future__ import annotations
 import math
 import re
 
-import pytest
 import torch
 
 from fxquant.analysis.tensor_plots import attention_map, matrix_view, peak_cells, value_heatmap
@@ -98,3 +97,31 @@ def test_two_directories_with_the_same_records_get_a_figure_each(tmp_path, capsy
     assert len(figures) == 2 and figures[0].startswith("0-a_") and figures[1].startswith("1-b_")
     index = (tmp_path / "out" / "index.html").read_text()
     assert all(f"heatmaps/{f}" in index for f in figures)
+
+
+def test_long_module_names_keep_one_figure_per_record(tmp_path):
+    """A Megatron MoE expert's name is long enough that the record's name is cut before its iteration and seq:
+    the cut name ends in a hash of the whole one, so each record keeps a figure of its own (the second figure of
+    a cut name was refused as 'written twice')."""
+    from fxquant import capture
+    from fxquant.analysis import outputs
+    from fxquant.analysis.tensor_plots import plot_tensors
+    from fxquant.capture.runtime import RankInfo
+    from fxquant.capture.spec import Component, ModuleKind, Role
+    from fxquant.capture.tap import Tap
+    from tests.analysis_helpers import spec
+
+    module = "decoder.layers.10.mlp.experts.local_experts.3.linear_fc1"
+    with capture.start(spec("full"), tmp_path / "cap", scheme="bf16", rank=RankInfo(0, 1), run_id="r") as s:
+        for it in range(12):
+            s.set_iteration(it)
+            tap = Tap(Component.LINEAR, Role.GRAD_OUTPUT, module, (0,), ModuleKind.FC1, 10)
+            for _ in range(2):
+                torch.ops.fxquant.capture(torch.randn(4, 64), tap.encode())
+    index, problems, drawn = plot_tensors([tmp_path / "cap"], tmp_path / "out", max_tensors=100)
+    figures = sorted(p.name for p in (tmp_path / "out" / "heatmaps").iterdir())
+    assert drawn == 24 and len(figures) == 24 and problems == []
+    assert all(len(f) <= outputs.SLUG_MAX + len(".svg") and f.startswith(module) for f in figures)
+    long, slug = "x" * 100, outputs.slug
+    assert slug(long + "_1") != slug(long + "_2") and len(slug(long + "_1")) == outputs.SLUG_MAX == 80
+    assert slug(long + "_1") == slug(long + "_1") and slug("short name") == "short_name"

@@ -23,11 +23,14 @@ STAT_GROUPINGS: tuple[tuple[str, ...], ...] = (
     (), ("scheme",), ("format",), ("layer",), ("rank",), ("component",), ("kind",), ("role",), ("direction",),
     ("phase",), ("copy",),
 )
-DIST_GROUPINGS = (("copy",), ("copy", "layer"), ("copy", "rank"))  # + block-relative histograms
+# The distribution, moment and per-layer groupings lead with the scheme: the pages built from them are drawn per
+# scheme, never pooling one scheme's tensors with another's. DIST_GROUPINGS also keep block-relative histograms.
+DIST_GROUPINGS = (("scheme", "copy"), ("scheme", "copy", "layer"), ("scheme", "copy", "rank"))
 COMPARE_GROUPING = ("scheme", "copy", "component", "role")
-MOMENT_GROUPINGS = (("copy", "layer", "rank"), ("copy", "direction", "role"), ("copy", "layer", "direction"))
+MOMENT_GROUPINGS = (("scheme", "copy", "layer", "rank"), ("scheme", "copy", "direction", "role"),
+                    ("scheme", "copy", "layer", "direction"))
 # the per-layer / per-rank / per-tensor-type pages (layer_pages.py): moments and exponent histograms only
-LAYER_PAGE_GROUPING = ("layer", "rank", "component", "direction", "role", "copy", "format")
+LAYER_PAGE_GROUPING = ("scheme", "layer", "rank", "component", "direction", "role", "copy", "format")
 FLOW_KEY = ("scheme", "copy", "component", "layer", "rank", "direction", "role")
 FLOW_FIELDS = ("numel", "nonzero", "flushed", "saturated", "nonfinite_blocks")
 
@@ -103,6 +106,10 @@ class Aggregator:
         self.records = 0
         self.tensors = 0
         self.formats_seen: set[str] = set()
+
+    def several_schemes(self) -> bool:
+        """Whether the merged records come from more than one scheme: the pages drawn per scheme then name it."""
+        return len(self.groups[("scheme",)]) > 1
 
     def merge_result(self, res) -> None:
         self.pids.add(res.pid)

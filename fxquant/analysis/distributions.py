@@ -8,10 +8,14 @@ representable values and, for HiF8, the 3/2/1-bit mantissa regions and the denor
 from the format objects (``element.max_normal``, ``decode_table()``, ``mantissa_bits``), never from a
 second table. Per format: overall density, per-layer and per-rank densities, per-layer
 mean/std/min/max, a layer x rank heatmap of flushed and saturated %, and quantiles per layer.
+
+Each scheme's tensors are shown apart (``Scope``): a report over several schemes writes every page once per
+scheme, under ``distributions/<scheme>/``; a report over one scheme writes them under ``distributions/``.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -24,6 +28,29 @@ from fxquant.analysis.outputs import Job, Outputs, slug, sort_key
 from fxquant.formats.element import HiF8
 
 SECTION = "Distributions per format"
+
+
+@dataclass(frozen=True)
+class Scope:
+    """The tensors a distribution page shows: one scheme's high-precision tensors (its quantized copies when it
+    has none). ``several``: the report holds several schemes, so files and titles name this one."""
+
+    scheme: object
+    copy: str
+    several: bool = False
+
+    @property
+    def dir(self) -> str:
+        return f"distributions/{slug(self.scheme)}" if self.several else "distributions"
+
+    @property
+    def tensors(self) -> str:
+        """``hp tensors``, or with several schemes ``hp tensors of bf16``."""
+        return f"{self.copy} tensors" + (f" of {'-' if self.scheme is None else self.scheme}" if self.several else "")
+
+    def title(self, text: str) -> str:
+        """An index title, naming the scheme when there are several."""
+        return f"{'-' if self.scheme is None else self.scheme}: {text}" if self.several else text
 
 
 def element_mag(g, name: str) -> np.ndarray | None:
@@ -102,30 +129,41 @@ def _xrange(mags: list[np.ndarray], name: str) -> tuple[float, float]:
     return lo, hi
 
 
+def scopes(agg: Aggregator) -> list[Scope]:
+    """One ``Scope`` per scheme of the analysed records, in scheme order."""
+    by_copy = agg.groups[("scheme", "copy")]
+    out = []
+    for scheme in sorted({k[0] for k in by_copy}, key=sort_key):
+        copy = "hp" if (scheme, "hp") in by_copy else ("quantized" if (scheme, "quantized") in by_copy else None)
+        if copy is not None:
+            out.append(Scope(scheme, copy, agg.several_schemes()))
+    return out
+
+
 def jobs(agg: Aggregator) -> list[Job]:
-    """The distribution pages as report jobs: the per-layer moments (the same for every format) once, then
-    one page per format."""
-    by_copy = agg.groups[("copy",)]
-    copy = "hp" if ("hp",) in by_copy else ("quantized" if ("quantized",) in by_copy else None)
-    if copy is None:
-        return []
+    """The distribution pages as report jobs: per scheme the per-layer moments (the same for every format)
+    once, then per format one page per scheme."""
     names = [n for n in agg.config.formats if n != "nvfp4"]  # NVFP4: no element domain from histograms
-    return [Job("per_layer", layer_moments, (agg, copy))] + [Job(n, format_page, (agg, n, copy)) for n in names]
+    sc = scopes(agg)
+    prefix = (lambda s: f"{slug(s.scheme)}/") if agg.several_schemes() else (lambda s: "")
+    return ([Job(f"{prefix(s)}per_layer", layer_moments, (agg, s)) for s in sc]
+            + [Job(f"{prefix(s)}{n}", format_page, (agg, n, s)) for n in names for s in sc])
 
 
-def _layers(agg: Aggregator, copy: str) -> dict:
-    return {k[1]: g for k, g in agg.groups[("copy", "layer")].items() if k[0] == copy}
+def _groups(agg: Aggregator, by: str, scope: Scope) -> dict:
+    """``by`` ("layer" or "rank") -> Group of the scope's tensors."""
+    return {k[2]: g for k, g in agg.groups[("scheme", "copy", by)].items() if k[:2] == (scope.scheme, scope.copy)}
 
 
-def layer_moments(agg: Aggregator, copy: str, out: Outputs) -> dict:
+def layer_moments(agg: Aggregator, scope: Scope, out: Outputs) -> dict:
     """Per-layer mean / std / min / max of the raw values (format-independent): one figure."""
-    layers = _layers(agg, copy)
+    layers = _groups(agg, "layer", scope)
     lay_keys = sorted(layers, key=sort_key)
     stats = {k: layers[k].moments.to_dict() for k in lay_keys}
     if not lay_keys:
         return stats
     fig, axes = svg.subplots(2, 2, panel=(440, 210), sharex=True,
-                             title=f"Per-layer mean / std / min / max of {copy} tensors (raw values)")
+                             title=f"Per-layer mean / std / min / max of {scope.tensors} (raw values)")
     xs = np.arange(len(lay_keys))
     labels = _thin_layers(lay_keys)
     for ax, key in zip(axes.ravel(), ("mean", "std", "min", "max")):
@@ -138,21 +176,25 @@ def layer_moments(agg: Aggregator, copy: str, out: Outputs) -> dict:
         ax.set_xticks(*labels)
     for ax in axes[1]:
         ax.set_xlabel("layer")
-    out.figure("distributions/per_layer_moments.svg", fig, SECTION, "Per-layer mean/std/min/max (every format)")
+    out.figure(f"{scope.dir}/per_layer_moments.svg", fig, SECTION,
+               scope.title("Per-layer mean/std/min/max (every format)"))
     return stats
 
 
-def format_page(agg: Aggregator, name: str, copy: str, out: Outputs) -> dict:
-    """One format's page: densities against its representable values, layer x rank heatmap, quantiles."""
-    layers = _layers(agg, copy)
-    d = f"distributions/{slug(name)}"
+def format_page(agg: Aggregator, name: str, scope: Scope, out: Outputs) -> dict:
+    """One format's page of one scope: densities against its representable values, layer x rank heatmap,
+    quantiles."""
+    copy, tensors = scope.copy, scope.tensors
+    layers = _groups(agg, "layer", scope)
+    d = f"{scope.dir}/{slug(name)}"
     sec = f"{SECTION}: {name}"
     domain = "block-scaled elements x/2^s (floor)" if format_thresholds(name)[2] is not None else "values"
-    overall = element_mag(agg.groups[("copy",)][(copy,)], name)
-    info = {"copy": copy, "domain": domain}
+    whole = agg.groups[("scheme", "copy")][(scope.scheme, copy)]
+    overall = element_mag(whole, name)
+    info = {**({"scheme": scope.scheme} if scope.several else {}), "copy": copy, "domain": domain}
     if overall is None or overall.sum() == 0:
         return info
-    ranks = {k[1]: g for k, g in agg.groups[("copy", "rank")].items() if k[0] == copy}
+    ranks = _groups(agg, "rank", scope)
     lay_keys = sorted(layers, key=sort_key)
     rank_keys = sorted(ranks, key=sort_key)
     xr = _xrange([overall], name)
@@ -160,17 +202,17 @@ def format_page(agg: Aggregator, name: str, copy: str, out: Outputs) -> dict:
     fig, ax = svg.subplots(panel=(860, 320))
     fine = overall[1:bins.INF_BIN] / max(overall.sum(), 1)
     ax.plot(bins.mag_bin_centres_log2(), np.where(fine > 0, fine, np.nan), steps=True, color="tab:blue", lw=1,
-            label=f"{copy} tensors (1/16-binade bins)")
+            label=f"{tensors} (1/16-binade bins)")
     ax.set_yscale("log")
     ax.set_xlim(*xr)
     ax.set_xlabel(f"log2 |{domain}|")
     ax.integer_x = True  # log2 axes: whole binades
     ax.set_ylabel("fraction of elements")
-    ax.set_title(f"{name}: overall density of {copy} tensors vs the format's representable range")
+    ax.set_title(f"{name}: overall density of {tensors} vs the format's representable range")
     _decorate(ax, name)
     ax.legend("outside")
     ax.grid()
-    out.figure(f"{d}/overall_density.svg", fig, sec, f"{name}: overall density vs representable values")
+    out.figure(f"{d}/overall_density.svg", fig, sec, scope.title(f"{name}: overall density vs representable values"))
 
     pages = [("layer", lay_keys, layers, "per_layer_density")]
     if len(rank_keys) > 1:  # one rank: its density is the overall density above
@@ -190,16 +232,16 @@ def format_page(agg: Aggregator, name: str, copy: str, out: Outputs) -> dict:
         ax.set_xlabel(f"log2 |{domain}|")
         ax.integer_x = True  # log2 axes: whole binades
         ax.set_ylabel("fraction of elements per binade")
-        ax.set_title(f"{name}: density per {label} ({copy} tensors)")
+        ax.set_title(f"{name}: density per {label} ({tensors})")
         _decorate(ax, name)
         ax.legend("outside", ncol=1 + len(keys) // 22)
         ax.grid()
-        out.figure(f"{d}/{fname}.svg", fig, sec, f"{name}: density per {label}")
+        out.figure(f"{d}/{fname}.svg", fig, sec, scope.title(f"{name}: density per {label}"))
 
-    _layer_rank(agg, out, name, copy, d, sec)
+    _layer_rank(agg, out, name, scope, d, sec)
     quant = {str(k): bins.quantiles(layers[k].signed, agg.config.quantiles) for k in lay_keys
              if layers[k].signed is not None}
-    quant["overall"] = bins.quantiles(agg.groups[("copy",)][(copy,)].signed, agg.config.quantiles)
+    quant["overall"] = bins.quantiles(whole.signed, agg.config.quantiles)
     sat_t, flush_t, _ = format_thresholds(name)
     sat_exact, flush_exact = counts_exact(name)
     info.update({"max_normal": sat_t, "flush_threshold": flush_t, "quantiles": quant,
@@ -208,15 +250,16 @@ def format_page(agg: Aggregator, name: str, copy: str, out: Outputs) -> dict:
     if isinstance(formats.get(name).element, HiF8):
         info["mantissa_regions"] = [{"lo": lo, "hi": hi, "mantissa_bits": m}
                                     for lo, hi, m in mantissa_regions(formats.get(name).element)]
-    out.json(f"{d}/summary.json", info, sec, f"{name}: per-layer statistics and quantiles")
+    out.json(f"{d}/summary.json", info, sec, scope.title(f"{name}: per-layer statistics and quantiles"))
     return info
 
 
-def _layer_rank(agg: Aggregator, out: Outputs, name: str, copy: str, d: str, sec: str) -> None:
-    li, ri, ci = FLOW_KEY.index("layer"), FLOW_KEY.index("rank"), FLOW_KEY.index("copy")
+def _layer_rank(agg: Aggregator, out: Outputs, name: str, scope: Scope, d: str, sec: str) -> None:
+    li, ri = FLOW_KEY.index("layer"), FLOW_KEY.index("rank")
+    si, ci = FLOW_KEY.index("scheme"), FLOW_KEY.index("copy")
     cells: dict[tuple, np.ndarray] = {}
     for key, per_fmt in agg.flows.items():
-        if key[ci] != copy or name not in per_fmt:
+        if (key[si], key[ci]) != (scope.scheme, scope.copy) or name not in per_fmt:
             continue
         k = (key[li], key[ri])
         cells[k] = per_fmt[name] + cells.get(k, 0)
@@ -225,7 +268,7 @@ def _layer_rank(agg: Aggregator, out: Outputs, name: str, copy: str, d: str, sec
     layers = sorted({k[0] for k in cells}, key=sort_key)
     ranks = sorted({k[1] for k in cells}, key=sort_key)
     fig, axes = svg.subplots(1, 2, panel=(max(90.0, 70.0 * len(ranks)), max(160.0, 16.0 * len(layers))),
-                             title=f"{name}: layer x rank, {copy} tensors")
+                             title=f"{name}: layer x rank, {scope.tensors}")
     sat_exact, flush_exact = counts_exact(name)
     bound = " (upper bound)"
     for ax, col, label in ((axes[0], 2, "flushed to zero (% of non-zero)" + ("" if flush_exact else bound)),
@@ -239,4 +282,4 @@ def _layer_rank(agg: Aggregator, out: Outputs, name: str, copy: str, d: str, sec
         ax.set_xlabel("rank")
         ax.set_ylabel("layer")
         ax.set_title(label)
-    out.figure(f"{d}/layer_rank_heatmap.svg", fig, sec, f"{name}: layer x rank flushed/saturated %")
+    out.figure(f"{d}/layer_rank_heatmap.svg", fig, sec, scope.title(f"{name}: layer x rank flushed/saturated %"))

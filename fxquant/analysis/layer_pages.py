@@ -8,6 +8,9 @@ type one figure follows it across layers (amax and std per layer, one line per r
 ``layers/type_{component}_{direction}_{role}[_quantized_{format}].svg`` and ``layers/layers.{csv,txt}`` (every layer,
 rank and type). The numbers come from the same merged moments and
 histograms as the global statistics (aggregate.LAYER_PAGE_GROUPING).
+
+Each scheme's tensors are shown apart: in a report over several schemes the figures of scheme S go under
+``layers/<S>/``, the tables gain a leading ``scheme`` column and the titles name the scheme.
 """
 from __future__ import annotations
 
@@ -30,60 +33,77 @@ def type_label(key: dict) -> str:
 
 
 def pages(agg: Aggregator) -> dict[tuple, list[tuple[dict, object]]]:
-    """(layer, rank) -> [(type key, Group)], types in a fixed order."""
+    """(scheme, layer, rank) -> [(type key, Group)], types in a fixed order."""
     out: dict[tuple, list] = {}
     table = agg.groups[LAYER_PAGE_GROUPING]
     for k in sorted(table, key=lambda k: tuple(sort_key(v) for v in k)):
         key = dict(zip(LAYER_PAGE_GROUPING, k))
-        out.setdefault((key["layer"], key["rank"]), []).append((key, table[k]))
+        out.setdefault((key["scheme"], key["layer"], key["rank"]), []).append((key, table[k]))
     return out
+
+
+def _scheme_text(scheme: object) -> str:
+    return "-" if scheme is None else str(scheme)
 
 
 def write(agg: Aggregator, out: Outputs, plots: bool = True) -> dict:
     by_page = pages(agg)
+    several = agg.several_schemes()
+    lead = 1 if several else 0  # the scheme column, with several schemes only
     rows = []
-    for (layer, rank), types in by_page.items():
+    for (scheme, layer, rank), types in by_page.items():
         for key, g in types:
             st = g.moments.to_dict()
-            rows.append([layer, rank, type_label(key), *[st[c] for c in STATS]])
+            rows.append([*([scheme] if several else []), layer, rank, type_label(key), *[st[c] for c in STATS]])
     if not rows:
         return {}
-    header = ["layer", "rank", "tensor type", *STATS]
+    header = [*(["scheme"] if several else []), "layer", "rank", "tensor type", *STATS]
     out.csv("layers/layers.csv", header, rows, SECTION, "Every layer, rank and tensor type (CSV)")
-    out.text("layers/layers.txt", tabulate([[("-" if v is None else v) if i < 3 else fmt_num(v) for i, v in enumerate(r)]
-                                            for r in rows], headers=header, disable_numparse=True),
+    out.text("layers/layers.txt", tabulate([[("-" if v is None else v) if i < lead + 3 else fmt_num(v)
+                                             for i, v in enumerate(r)] for r in rows], headers=header,
+                                           disable_numparse=True),
              SECTION, "Every layer, rank and tensor type (table)")
     if plots:
-        for (layer, rank), types in by_page.items():
-            fig = _figure(layer, rank, types)
+        def place(scheme) -> tuple[str, str, str | None]:
+            """(directory, index title prefix, figure title scheme) of one scheme's figures."""
+            if not several:
+                return "layers", "", None
+            return f"layers/{slug(scheme)}", f"{_scheme_text(scheme)}: ", _scheme_text(scheme)
+
+        for (scheme, layer, rank), types in by_page.items():
+            d, prefix, named = place(scheme)
+            fig = _figure(layer, rank, types, named)
             if fig is not None:
-                name = f"layers/layer_{'X' if layer is None else layer}_rank_{rank}_analysis.svg"
-                out.figure(name, fig, SECTION, f"layer {'-' if layer is None else layer}, rank {rank}")
-        for label, per in _by_type(by_page).items():
-            fig = _type_figure(label, per)
+                out.figure(f"{d}/layer_{'X' if layer is None else layer}_rank_{rank}_analysis.svg", fig, SECTION,
+                           f"{prefix}layer {'-' if layer is None else layer}, rank {rank}")
+        for (scheme, label), per in _by_type(by_page).items():
+            d, prefix, named = place(scheme)
+            fig = _type_figure(label, per, named)
             if fig is not None:
                 name = slug("_".join(label.replace("[", " ").replace("]", " ").split()))
-                out.figure(f"layers/type_{name}.svg", fig, SECTION, f"{label} across layers")
-    return {f"{layer}/{rank}": [type_label(k) for k, _ in types] for (layer, rank), types in by_page.items()}
+                out.figure(f"{d}/type_{name}.svg", fig, SECTION, f"{prefix}{label} across layers")
+    return {"/".join(map(str, page if several else page[1:])): [type_label(k) for k, _ in types]
+            for page, types in by_page.items()}
 
 
-def _by_type(by_page: dict) -> dict[str, dict[int, list[tuple[object, dict]]]]:
-    """type label -> rank -> [(layer, moments)] in layer order (records without a layer left out)."""
-    out: dict[str, dict] = {}
-    for (layer, rank), types in by_page.items():
+def _by_type(by_page: dict) -> dict[tuple, dict[int, list[tuple[object, dict]]]]:
+    """(scheme, type label) -> rank -> [(layer, moments)] in layer order (records without a layer left out)."""
+    out: dict[tuple, dict] = {}
+    for (scheme, layer, rank), types in by_page.items():
         if layer is None:
             continue
         for key, g in types:
-            out.setdefault(type_label(key), {}).setdefault(rank, []).append((layer, g.moments.to_dict()))
+            out.setdefault((scheme, type_label(key)), {}).setdefault(rank, []).append((layer, g.moments.to_dict()))
     return out
 
 
-def _type_figure(label: str, per_rank: dict) -> svg.Figure | None:
+def _type_figure(label: str, per_rank: dict, scheme: str | None = None) -> svg.Figure | None:
     layers = sorted({layer for rows in per_rank.values() for layer, _ in rows}, key=sort_key)
     if not layers:
         return None
     pos = {layer: i for i, layer in enumerate(layers)}
-    fig, axes = svg.subplots(1, 2, panel=(380, 240), title=f"{label}: per layer, one line per rank")
+    title = f"{label}{f' ({scheme})' if scheme else ''}: per layer, one line per rank"
+    fig, axes = svg.subplots(1, 2, panel=(380, 240), title=title)
     for ax, stat in zip(axes, ("amax", "std")):
         positive = False
         for rank in sorted(per_rank, key=sort_key):
@@ -102,7 +122,7 @@ def _type_figure(label: str, per_rank: dict) -> svg.Figure | None:
     return fig
 
 
-def _figure(layer, rank, types) -> svg.Figure | None:
+def _figure(layer, rank, types, scheme: str | None = None) -> svg.Figure | None:
     exps = np.arange(bins.NBINADE) - 127
     fig, ax = svg.subplots(panel=(620, 300))
     drawn, hists = 0, []
@@ -124,8 +144,8 @@ def _figure(layer, rank, types) -> svg.Figure | None:
     ax.integer_x = True
     ax.set_xlabel("binary exponent floor(log2|x|)")
     ax.set_ylabel("% of elements")
-    ax.set_title(f"Layer {'-' if layer is None else layer}, rank {rank}: every tensor type "
-                 "(solid forward, dashed backward)")
+    ax.set_title(f"Layer {'-' if layer is None else layer}, rank {rank}{f' ({scheme})' if scheme else ''}: "
+                 "every tensor type (solid forward, dashed backward)")
     ax.legend("outside")
     ax.grid()
     return fig

@@ -3,16 +3,20 @@
 
 Every file goes through ``Outputs``, which records its section and title for index.html. JSON is strict
 (no NaN/Infinity tokens): NaN becomes null and ±Inf the strings "inf" / "-inf".
+
+A report reusing a directory removes what the previous report there wrote and this one does not
+(``Outputs.listed`` + ``Outputs.remove_stale``): only files that report's own manifest lists, never others.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
 import csv
+import hashlib
 import json
 import logging
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,10 +27,19 @@ from fxquant.analysis import svg
 log = logging.getLogger(__name__)
 
 
+SLUG_MAX = 80  # characters of a file-name part
+
+
 def slug(value: object) -> str:
-    """A deterministic, safe file-name part."""
-    s = re.sub(r"[^A-Za-z0-9._-]+", "_", str(value)).strip("._")
-    return s[:80] or "none"
+    """A deterministic, safe file-name part of at most ``SLUG_MAX`` characters. A longer one keeps its first
+    characters and ends in ``-`` and 10 hex digits of the SHA-256 of ``str(value)``, so values that differ only
+    past the cut (a long module name's iteration or seq) keep distinct names."""
+    text = str(value)
+    s = re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._")
+    if len(s) > SLUG_MAX:
+        digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:10]
+        s = f"{s[:SLUG_MAX - 11]}-{digest}"
+    return s or "none"
 
 
 def clean(obj: object) -> object:
@@ -75,6 +88,44 @@ class Outputs:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.entries: list[Entry] = []
+
+    def listed(self, manifest: str, key: str = "files") -> list[str]:
+        """The files a previous report in this directory listed in its JSON ``manifest`` (under ``key``); none
+        where there is no such file, and none, with a warning, where it cannot be read as one."""
+        path = self.root / manifest
+        if not path.is_file():
+            return []
+        try:
+            files = json.loads(path.read_text()).get(key)
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError) as exc:
+            log.warning("%s: not a report manifest (%s): the files of the previous report there are left as they are",
+                        path, exc)
+            return []
+        return [f for f in files if isinstance(f, str)] if isinstance(files, list) else []
+
+    def remove_stale(self, previous: Iterable[str], keep: Iterable[str] = ()) -> list[str]:
+        """Remove the files of ``previous`` (``listed``) that this report did not write (``entries``, ``keep``),
+        and the directories that leaves empty; returns the removed files. A listed path that is absolute, leaves
+        the directory, or is no regular file (a symlink, a directory) is left alone."""
+        written = {e.path for e in self.entries} | set(keep)
+        root = self.root.resolve()
+        removed = []
+        for rel in dict.fromkeys(previous):
+            p = self.root / rel
+            if rel in written or Path(rel).is_absolute() or ".." in Path(rel).parts:
+                continue
+            if p.is_symlink() or not p.is_file() or not p.resolve().is_relative_to(root):
+                continue
+            p.unlink()
+            removed.append(rel)
+            for d in p.parents:
+                if d.resolve() == root or not d.is_dir() or any(d.iterdir()):
+                    break
+                d.rmdir()
+        if removed:
+            log.info("%s: removed %d file(s) of the previous report there that this one does not write",
+                     self.root, len(removed))
+        return removed
 
     def _path(self, rel: str) -> Path:
         """Where ``rel`` goes; a second file under one name in one report is a defect (it would replace the first,

@@ -9,6 +9,9 @@ there the count is an upper bound, the threshold's bin counted whole, and ``meth
 from the sampled blocks (its block scales are not powers of two): marked ``sampled``. In block formats a
 block holding a NaN or an Inf quantizes to NaN: its elements are counted apart (``nonfinite_blocks``), in
 ``numel`` but not in ``nonzero``, flushed or saturated.
+
+The summary counts every analysed scheme's tensors together (``by_layer_direction_role`` apart per scheme); the
+underflow heatmaps are drawn per scheme: in a report over several schemes under ``overflow/<scheme>/``.
 """
 from __future__ import annotations
 
@@ -93,8 +96,10 @@ def write(agg: Aggregator, out: Outputs, plots: bool = True) -> dict:
              "nonfinite_blocks"]
     out.csv("overflow/by_layer_direction_role.csv", dhead, [[r[h] for h in dhead] for r in detail], SECTION,
             "Per layer x direction x role (CSV)")
-    txt = (f"Over/underflow of {copy} tensors per format (flushed % of non-zero elements, saturated % of all; "
-           "block formats: nonfinite_blocks = elements of blocks holding a NaN or an Inf, NaN after quantization, "
+    schemes = len({k[FLOW_KEY.index("scheme")] for k in agg.flows})
+    together = f" of {schemes} schemes together (per scheme: by_layer_direction_role.csv)" if schemes > 1 else ""
+    txt = (f"Over/underflow of {copy} tensors{together} per format (flushed % of non-zero elements, saturated % of "
+           "all; block formats: nonfinite_blocks = elements of blocks holding a NaN or an Inf, NaN after quantization, "
            "which are neither flushed nor saturated nor counted as non-zero)\n\n"
            + tabulate([[r[h] if isinstance(r[h], str) else fmt_num(r[h]) for h in head] for r in rows], headers=head,
                       disable_numparse=True))
@@ -118,22 +123,31 @@ def _plots(agg: Aggregator, out: Outputs, copy: str, rows: list[dict]) -> None:
     ax.legend("outside")
     ax.grid("y")
     out.figure("overflow/summary.svg", fig, SECTION, "Flushed and saturated % per format")
-    per = rollup(agg, copy, ("layer", "direction", "role"))
-    layers = sorted({k[0] for k in per}, key=sort_key)
-    cols = sorted({(k[1], k[2]) for k in per}, key=lambda c: tuple(sort_key(v) for v in c))
-    for r in rows:
-        name = r["format"]
-        data = np.full((len(layers), len(cols)), np.nan)
-        for (layer, direction, role), fm in per.items():
-            c = fm.get(name)
-            if c is not None and c[1]:
-                data[layers.index(layer), cols.index((direction, role))] = 100.0 * c[2] / c[1]
-        if np.isnan(data).all():
-            continue
-        fig, ax = svg.subplots(panel=(max(160.0, 60.0 * len(cols)), max(140.0, 16.0 * len(layers))))
-        ax.heatmap(data, ["-" if v is None else v for v in layers], [f"{d}/{ro}" for d, ro in cols],
-                   label="flushed to zero (% of non-zero)", cmap="magma", vmin=0.0)
-        ax.set_xlabel("direction / role")
-        ax.set_ylabel("layer")
-        ax.set_title(f"{name}: underflow by layer x direction x role")
-        out.figure(f"overflow/underflow_{slug(name)}.svg", fig, SECTION, f"{name}: underflow by layer x direction x role")
+    by_scheme: dict[object, dict[tuple, dict[str, np.ndarray]]] = defaultdict(dict)
+    for (scheme, *key), fm in rollup(agg, copy, ("scheme", "layer", "direction", "role")).items():
+        by_scheme[scheme][tuple(key)] = fm
+    several = agg.several_schemes()
+    for scheme in sorted(by_scheme, key=sort_key):
+        per = by_scheme[scheme]
+        d = f"overflow/{slug(scheme)}" if several else "overflow"
+        of = f" ({'-' if scheme is None else scheme})" if several else ""
+        layers = sorted({k[0] for k in per}, key=sort_key)
+        cols = sorted({(k[1], k[2]) for k in per}, key=lambda c: tuple(sort_key(v) for v in c))
+        for r in rows:
+            name = r["format"]
+            data = np.full((len(layers), len(cols)), np.nan)
+            for (layer, direction, role), fm in per.items():
+                c = fm.get(name)
+                if c is not None and c[1]:
+                    data[layers.index(layer), cols.index((direction, role))] = 100.0 * c[2] / c[1]
+            if np.isnan(data).all():
+                continue
+            fig, ax = svg.subplots(panel=(max(160.0, 60.0 * len(cols)), max(140.0, 16.0 * len(layers))))
+            ax.heatmap(data, ["-" if v is None else v for v in layers], [f"{dr}/{ro}" for dr, ro in cols],
+                       label="flushed to zero (% of non-zero)", cmap="magma", vmin=0.0)
+            ax.set_xlabel("direction / role")
+            ax.set_ylabel("layer")
+            ax.set_title(f"{name}{of}: underflow by layer x direction x role")
+            title = f"{name}: underflow by layer x direction x role"
+            out.figure(f"{d}/underflow_{slug(name)}.svg", fig, SECTION,
+                       f"{'-' if scheme is None else scheme}: {title}" if several else title)

@@ -5,7 +5,9 @@
     ...                       where={"role": ["input", "grad_output"]}, metrics=["runs/bf16", "runs/mxfp8"])
     >>> res.index                       # report/index.html
 
-Output names depend only on the data (formats, schemes, groupings), never on time or worker count.
+Output names depend only on the data (formats, schemes, groupings), never on time or worker count. The output
+directory is made (or refused: a file, unwritable) before any tensor is read; a report written into the directory
+of an earlier one removes the earlier files it does not write itself, as listed in the earlier ``report.json``.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_FORMATS = ("hifp8", "fp8_e4m3", "fp8_e5m2", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp4_e2m1", "nvfp4")
 DEFAULT_MX = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4_e2m1")
+MANIFEST = "report.json"  # lists every file of the report ("files") but itself and index.html
 
 
 @dataclass
@@ -76,6 +79,8 @@ def report(dirs: list[str | Path] | str | Path = (), out: str | Path = "fxquant-
     config = AnalysisConfig(formats=_formats(formats, present, DEFAULT_FORMATS),
                             mx_formats=_formats(mx_formats, mx_present, DEFAULT_MX), offsets=tuple(offsets),
                             sample_blocks=sample_blocks)
+    outputs = Outputs(Path(out))  # the output directory, before the work: a bad path fails now, not at the end
+    previous = outputs.listed(MANIFEST)
     agg = Aggregator(config)
     agg.problems.extend(p.problems)
     runs = []
@@ -100,7 +105,6 @@ def report(dirs: list[str | Path] | str | Path = (), out: str | Path = "fxquant-
         if runs:
             jobs.append(Job("training", loss_curves.write, (runs,),
                             {"reference": reference, "last_n": last_n, "plots": plots}))
-        outputs = Outputs(Path(out))
         run_jobs(jobs, outputs, pool)
     finally:
         if pool is not None:
@@ -113,10 +117,11 @@ def report(dirs: list[str | Path] | str | Path = (), out: str | Path = "fxquant-
              ("formats", ", ".join(config.formats)), ("MX study formats", ", ".join(config.mx_formats)),
              ("quantile accuracy", stats_report.QUANTILE_ACCURACY),
              ("training runs", ", ".join(r.label for r in runs) or "none")]
-    outputs.json("report.json", {"facts": dict(facts), "problems": agg.problems, "workers": workers,
-                                 "worker_pids": sorted(set(pids)), "records": agg.records, "tensors": agg.tensors,
-                                 "bytes": p.nbytes, "files": [e.path for e in outputs.entries]},
+    outputs.json(MANIFEST, {"facts": dict(facts), "problems": agg.problems, "workers": workers,
+                            "worker_pids": sorted(set(pids)), "records": agg.records, "tensors": agg.tensors,
+                            "bytes": p.nbytes, "files": [e.path for e in outputs.entries]},
                  "About this report", "Report metadata (JSON)")
     index = html.write(outputs.root, outputs.entries, "fxquant report", facts, agg.problems)
+    outputs.remove_stale(previous, keep=[index.name])
     return ReportResult(outputs.root, index, agg.records, agg.tensors, p.nbytes, workers, pids, agg.problems,
                         seconds, [e.path for e in outputs.entries], agg)
