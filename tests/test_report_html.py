@@ -73,6 +73,17 @@ def test_a_diverged_run_has_an_infinite_loss_error_counting_its_nonfinite_iterat
     rows = {r["run"]: r for r in json.loads((tmp_path / "r/training/loss_vs_reference.json").read_text())["runs"]}
     row = rows["FA_linear_mxfp4"]
     assert (row["mre_all"], row["mre_last_10"], row["nonfinite_loss"]) == ("inf", "inf", 21)
+    # drawn, the loss panel keeps its scale from the finite points (an Inf left it with no ticks and switched it
+    # to a log scale) and says how many it leaves out
+    diverged[12] = float("inf")
+    runs[1] = analysis.load_run(_metrics(tmp_path / "d", diverged, "FA_linear_mxfp4"))
+    analysis.report([], tmp_path / "p", metrics=[tmp_path / "a", tmp_path / "d"], progress=False)
+    curves = (tmp_path / "p/training/curves.svg").read_text()
+    assert "loss (21 non-finite not drawn)" in curves and "grad norm (" not in curves
+    texts = re.findall(r">([^<]+)</text>", curves)
+    loss_ticks = texts[texts.index("30") + 1:texts.index("loss (21 non-finite not drawn)")]  # y ticks after x's
+    assert loss_ticks == ["2", "3", "4", "5"], texts
+    assert "FA_linear_mxfp4 (21 non-finite not drawn)" in (tmp_path / "p/training/relative_error.svg").read_text()
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (scripts/ensure_chromium.sh)")

@@ -183,6 +183,17 @@ def compare(runs: list[Run], reference: str = "bf16", last_n: int = 10) -> list[
     return rows
 
 
+def _finite(its: list[int], ys: list[float]) -> tuple[list[int], list[float], int]:
+    """The points of a curve that can be drawn (a NaN or Inf, from a run that diverged, would leave the axis
+    without a scale), and how many were left out."""
+    keep = [(i, y) for i, y in zip(its, ys) if math.isfinite(y)]
+    return [i for i, _ in keep], [y for _, y in keep], len(its) - len(keep)
+
+
+def _label(label: str, dropped: int) -> str:
+    return f"{label} ({dropped} non-finite not drawn)" if dropped else label
+
+
 def write(runs: list[Run], out: Outputs, reference: str = "bf16", last_n: int = 10, plots: bool = True) -> dict:
     runs = unique_labels(runs)
     rows = compare(runs, reference, last_n)
@@ -203,19 +214,21 @@ def write(runs: list[Run], out: Outputs, reference: str = "bf16", last_n: int = 
         return {"runs": rows}
     fig, axes = svg.subplots(2, 2, panel=(400, 230), title="Training runs across schemes")
     for ax, (key, label) in zip(axes.ravel(), SERIES):
+        not_drawn = 0
         for k, r in enumerate(runs):
             s = r.series(key)
             if s:
-                its = sorted(s)
-                ax.plot(its, [s[i] for i in its], color=svg.TAB10[k % len(svg.TAB10)], label=r.label,
+                its, ys, dropped = _finite(sorted(s), [s[i] for i in sorted(s)])
+                not_drawn += dropped
+                ax.plot(its, ys, color=svg.TAB10[k % len(svg.TAB10)], label=r.label,
                         lw=2.2 if reference in (r.label, r.scheme) else 1.3)
         ax.set_xlabel("iteration")
         ax.integer_x = True
         ax.set_ylabel(label)
-        ax.set_title(label)
+        ax.set_title(_label(label, not_drawn))  # the legend is shared by the panels
         ax.grid()
         if key in ("loss", "grad_norm"):
-            vals = [v for r in runs for v in r.series(key).values() if v > 0]
+            vals = [v for r in runs for v in r.series(key).values() if 0 < v < math.inf]
             if vals and max(vals) / min(vals) > 20:
                 ax.set_yscale("log")
     axes[0, 1].legend("outside")
@@ -227,8 +240,9 @@ def write(runs: list[Run], out: Outputs, reference: str = "bf16", last_n: int = 
         for k, r, ref in pairs:
             a, b = r.series("loss"), ref.series("loss")
             its = sorted(i for i in a.keys() & b.keys() if b[i] != 0)
-            ax.plot(its, [100 * abs(a[i] - b[i]) / abs(b[i]) for i in its], color=svg.TAB10[k % len(svg.TAB10)],
-                    label=f"{r.label} vs {ref.label}" if several else r.label)
+            its, ys, dropped = _finite(its, [100 * abs(a[i] - b[i]) / abs(b[i]) for i in its])
+            ax.plot(its, ys, color=svg.TAB10[k % len(svg.TAB10)],
+                    label=_label(f"{r.label} vs {ref.label}" if several else r.label, dropped))
         ax.set_xlabel("iteration")
         ax.set_ylabel(f"|loss - loss_{reference}| / loss_{reference} (%)")
         ax.set_title(f"Relative loss error against the {reference} run")
