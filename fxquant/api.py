@@ -98,6 +98,7 @@ class CompileState:
     _calls: int = field(default=0, repr=False)
     _first_call_checked: bool = field(default=False, repr=False)
     _attention_said: bool = field(default=False, repr=False)
+    _sections_said: set = field(default_factory=set, repr=False)  # capture sections said to select no site
     _breaks: dict = field(default_factory=dict, repr=False)
     _unimpl: dict = field(default_factory=dict, repr=False)
 
@@ -178,7 +179,21 @@ class CompileState:
             missing = checks.attention_not_found(self.scheme, sites, self.unmatched())
             self._attention_said = bool(missing)
             issues += missing
+        self._say_unmatched_sections()
         return issues
+
+    def _say_unmatched_sections(self) -> None:
+        """One WARNING per capture-spec section that selects no site of the graphs compiled so far (a graph break
+        may put a section's sites in another graph than the first one; a section is judged over all of them)."""
+        reports = [r for r in self.backend.tap_reports if r.sites]
+        if self.backend.capture is None or not reports:
+            return
+        from fxquant.passes.capture_taps import unmatched_sections
+
+        for name, line in unmatched_sections(self.backend.capture, reports):
+            if name not in self._sections_said:
+                self._sections_said.add(name)
+                log.warning("capture: %s", line)
 
 
 def compile(

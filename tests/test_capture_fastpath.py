@@ -101,6 +101,34 @@ def test_host_pool_reuses_released_buffers_and_keeps_at_most_its_cap():
     assert pool.copy(torch.zeros(2048)).tensor is not None and pool.hits == 1
 
 
+def test_host_pool_keeps_no_buffer_returned_after_the_window_closed(tmp_path):
+    """Leaving the window clears the pool, and the copies the writer finishes afterwards are dropped as they come
+    back rather than kept for a window that may never come again (they stayed until the session closed)."""
+    s = capture.start(spec_text(end=1), tmp_path)
+    try:
+        for i in range(4):
+            torch.ops.fxquant.capture(torch.randn(256, 256), tap(f"layers.{i}.mlp.down_proj", layer=i))  # 256 KiB
+        s.set_iteration(1)  # out of the window, the writer still holding the copies
+        s.writer.wait_idle()
+        s.flush()
+        assert s.pool._free_bytes == 0 and not s.pool._free
+        s.set_iteration(0)  # the window again: copies are pooled once more
+        torch.ops.fxquant.capture(torch.randn(256, 256), tap())
+        s.writer.wait_idle()
+        s.flush()
+        assert s.pool._free_bytes == 256 * 256 * 4
+    finally:
+        s.close()
+    assert s.pool._free_bytes == 0
+    pool = HostPool()
+    lease = pool.copy(torch.ones(64))
+    pool.clear()
+    lease.release()
+    assert pool.free_bytes == 0
+    pool.copy(torch.ones(64)).release()
+    assert pool.free_bytes == 256
+
+
 @pytest.mark.parametrize("policy", ["stop", "abort"])
 def test_failure_of_deferred_tensor_work_stops_capture_cleanly(tmp_path, policy):
     bad = Tap(Component.LINEAR, Role.INPUT, "layers.0.fc2", (0,), ModuleKind.FC2, 0, copy=Copy.QUANTIZED,

@@ -85,7 +85,11 @@ def test_a_session_appending_after_a_torn_manifest_line_starts_on_a_line_of_its_
     with capture.start(spec_text(end=3), tmp_path, run_id="second"):
         second = emit(2, seed=1)
     cs = capture.open(tmp_path)
-    assert [r.run_id for r in cs] == ["first"] * 2 + ["second"] * 2 and cs.verify() == []
+    assert [r.run_id for r in cs] == ["first"] * 2 + ["second"] * 2
+    # the torn line's tensor is in the first shard, named by no record; the second session's keys come after it
+    assert [r.key for r in cs.query(run_id="second")] == ["t000000003", "t000000004"]
+    (problem,) = cs.verify()
+    assert "shard-000001.safetensors: 1 tensor(s) that no record names (t000000002)" in problem
     for rec, want in zip(cs, first[:2] + second):
         assert torch.equal(cs.load(rec, check=True), want)
     assert manifest.read_bytes().endswith(b"\n")
@@ -530,7 +534,8 @@ def test_reader_query_results_load_and_hostile_file_fields_are_refused(tmp_path)
     with pytest.raises(CaptureReadError, match="outside"):
         hostile.load(hostile.query(seq=rec["seq"])[0])
     problems = hostile.verify()  # listed with the rest, not raised: the other records are still checked
-    assert len(problems) == 1 and "lies outside its rank directory" in problems[0]  # the two others verified
+    assert len(problems) == 2 and "lies outside its rank directory" in problems[0]  # the two others verified
+    assert "1 tensor(s) that no record names (t000000000)" in problems[1]  # the record names another file
     assert main(["capture", "verify", str(tmp_path)]) == 1
 
 

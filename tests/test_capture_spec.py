@@ -209,3 +209,47 @@ def test_a_window_given_as_one_range_string():
     assert [i for i in range(8) if when.contains(i, 0, 0)] == [2, 3, 4]
     spec = S.load_spec("b.yaml", text="sections:\n  - points: [{component: linear}]\nbudget: {bytes: '1.5KiB'}\n")
     assert spec.budget.bytes == 1536
+
+
+@pytest.mark.parametrize("module, fragment", [
+    ("[mlp, attn]", "got list ['mlp', 'attn']; for any of several paths write one regex with '|', e.g. 'mlp|attn'"),
+    ("0", "got int 0"),
+    ("{re: mlp}", "got dict {'re': 'mlp'}"),
+])
+def test_a_module_that_is_not_a_string_is_refused(module, fragment):
+    """``module`` is a regex: a list (or any non-string) was turned into the regex of its text, which matched every
+    module path (``"['mlp', 'attn']"`` is a character class)."""
+    text = f"sections:\n  - name: a\n    layers: {{module: {module}, kinds: [fc9]}}\n    points: [{{component: linear}}]\n"
+    with pytest.raises(S.SpecError) as err:
+        S.load_spec("m.yaml", text=text)
+    got = err.value.problems
+    assert got[0].startswith("m.yaml:3: sections[0].layers.module: expected a regular expression (a string)")
+    assert fragment in got[0] and "layers.kinds[0]" in got[1]  # kinds are still checked
+
+
+def test_kinds_of_another_component_than_a_point_are_refused():
+    """A point whose component no site of the section's kinds has (attention sites are of kind ``attention``, all
+    others linear) could never capture anything."""
+    text = """\
+sections:
+  - name: a
+    layers: {kinds: [fc1, fc2]}
+    points:
+      - component: attention
+      - component: linear
+  - name: b
+    layers: {kinds: [attention, fc1]}
+    points: [{component: attention}, {component: linear}]
+  - name: c
+    layers: {kinds: [attention]}
+    points: [{component: linear, roles: [input]}]
+"""
+    with pytest.raises(S.SpecError) as err:
+        S.load_spec("k.yaml", text=text)
+    got = err.value.problems
+    assert [p.split(": ")[0:2] for p in got] == [["k.yaml:5", "sections[0].points[0].component"],
+                                               ["k.yaml:12", "sections[2].points[0].component"]]
+    assert "component 'attention' never matches: the section's layers.kinds ['fc1', 'fc2'] are linear sites" in got[0]
+    assert "linear sites are of kind qkv | proj | fc1 | fc2 | lm_head | embedding | router | linear" in got[1]
+    assert all(k.component is (S.Component.ATTENTION if k is S.ModuleKind.ATTENTION else S.Component.LINEAR)
+               for k in S.ModuleKind)

@@ -3,10 +3,13 @@ Inductor), quantized copies equal the operands the GEMMs consumed, and a spec ou
 captures nor recompiles."""
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import fxquant
 from fxquant import capture, schemes
 from fxquant.backend import FxquantBackend
 from fxquant.formats.tensor_quant import TensorQuant
@@ -152,3 +155,75 @@ sections:
     assert cs.values("iteration") == [1] and len(cs) == 8
     for rec in cs:
         assert torch.equal(cs.load(rec), got[(rec.module, rec.role)]), (rec.module, rec.role)
+
+
+def test_a_section_that_selects_no_site_is_named_with_the_nearest_module_paths(tmp_path, caplog):
+    """A section that can never match (a misspelt module regex, layer indices the model does not have, a kind it has
+    no site of) captured nothing without a word: one WARNING per section, naming it, the selector that left no site
+    and the nearest module paths. A section that selects sites through backward points only is not named."""
+    spec = capture.load_spec("t.yaml", text="""
+sections:
+  - name: typo
+    layers: {module: 'layerz\\.\\d+\\.mlp'}
+    points: [{component: linear}]
+  - name: grads_only
+    layers: {kinds: [fc2]}
+    points: [{component: linear, roles: [grad_output]}]
+  - name: far
+    layers: {kinds: [fc1], indices: [99]}
+    points: [{component: linear, roles: [input]}]
+  - name: router
+    layers: {kinds: [router]}
+    points: [{component: linear, roles: [input]}]
+""")
+    model = make_llama()
+    tokens = make_tokens(model.cfg)
+    with caplog.at_level(logging.WARNING, logger="fxquant"):
+        compiled = fxquant.compile(model, "bf16", backend="aot_eager", capture=spec, capture_dir=tmp_path)
+        _train_step(compiled, tokens)
+        _train_step(compiled, tokens)  # said once per compile, not per call
+    fxquant.compile_state(compiled).capture_session.close()
+    said = [r.getMessage() for r in caplog.records if "selects no site" in r.getMessage()]
+    assert [m.split("'")[1] for m in said] == ["typo", "far", "router"]  # one each; grads_only matched
+    typo, far, router = said
+    assert "no linear module path matches module 'layerz\\\\.\\\\d+\\\\.mlp'" in typo
+    assert "nearest module paths: layers." in typo and ".mlp." in typo
+    assert "no site in layers.indices [99]" in far and "are 0..1" in far and "layers.0.mlp.gate_proj" in far
+    assert "no site of kind router" in router and "fc1" in router
+    assert {r.role for r in capture.open(tmp_path)} == {"grad_output"}
+    from fxquant.passes.capture_taps import unmatched_sections
+
+    reports = fxquant.compile_state(compiled).backend.tap_reports
+    assert [line for _, line in unmatched_sections(spec, reports)] == [m.removeprefix("capture: ") for m in said]
+
+
+class _TwoGraphs(nn.Module):
+    """Two linears with a graph break between them: Dynamo compiles one graph per linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = self.first(x)
+        torch._dynamo.graph_break()
+        return self.second(x)
+
+
+def test_a_section_whose_sites_are_in_another_graph_is_not_named(tmp_path, caplog):
+    """A graph break puts the section's only site in the second graph: judged over the compile's graphs, the
+    section selects a site, so no WARNING (the first graph alone has none of its sites)."""
+    spec = capture.load_spec("t.yaml", text="""
+sections:
+  - name: second_only
+    layers: {module: '^second$'}
+    points: [{component: linear, roles: [input]}]
+""")
+    torch._dynamo.reset()
+    with caplog.at_level(logging.WARNING, logger="fxquant"):
+        compiled = fxquant.compile(_TwoGraphs(), "bf16", backend="aot_eager", capture=spec, capture_dir=tmp_path)
+        compiled(torch.randn(2, 8)).sum().backward()
+    fxquant.compile_state(compiled).capture_session.close()
+    assert len(fxquant.compile_state(compiled).backend.tap_reports) == 2
+    assert not [r for r in caplog.records if "selects no site" in r.getMessage()]
+    assert [r.module for r in capture.open(tmp_path)] == ["second"]

@@ -14,6 +14,7 @@ from fxquant.capture.export import export_pt
 from fxquant.capture.pt_reader import PtCaptureSet
 from fxquant.cli import main
 from tests.analysis_helpers import write_set
+from tests.capture_helpers import tap
 
 FAST = {"formats": ["hifp8", "mxfp8_e4m3"], "mx_formats": ["mxfp8_e4m3"], "offsets": (-1, 0, 1),
         "sample_blocks": 16, "progress": False, "plots": False}
@@ -118,3 +119,25 @@ def test_cli_verbs_read_pt_and_pickles_are_refused(tmp_path, capsys):
                  str(tmp_path / "draw"), "--no-plots"]) == 0
     assert json.loads((tmp_path / "draw/report.json").read_text())["records"] == 3
     assert not marker.exists()
+
+
+def test_export_pt_keeps_a_sampled_records_sample_section_and_statistics(tmp_path):
+    """A sampled record (``random_rows``) read back from export-pt looked like a whole tensor of its rows: its
+    ``sample``, ``section``, whole-tensor ``shape`` and capture-time ``stats`` travel in the payload's metadata."""
+    text = "sections:\n  - name: sampled\n    points: [{component: linear, roles: [input]}]\n" \
+           "    sampling: {random_rows: 4, seed: 3}\n"
+    x = torch.randn(2, 16, 8, generator=torch.Generator().manual_seed(0))
+    with capture.start(capture.load_spec("t.yaml", text=text), tmp_path / "cap", scheme="mxfp8"):
+        torch.ops.fxquant.capture(x, tap())
+    (orig,) = capture.open(tmp_path / "cap")
+    assert orig.sample["rows"] == 4 and orig.stored_shape == [4, 8] and orig.shape == [2, 16, 8]
+    export_pt(capture.open(tmp_path / "cap"), tmp_path / "pt")
+    cs = capture.open(tmp_path / "pt")
+    (back,) = cs
+    for name in ("shape", "stored_shape", "sample", "section", "stats", "module", "role", "iteration"):
+        assert back[name] == orig[name], name
+    assert torch.equal(cs.load(back), capture.open(tmp_path / "cap").load(orig))
+    assert back.stats["max"] == x.max().item()  # over the whole tensor, not the 4 rows stored
+    predecessor_file(tmp_path / "logs" / "hifp8", 1, torch.ones(2, 3), "linear", 0, "forward", "pre", "input")
+    (rec,) = capture.open(tmp_path / "logs")  # a predecessor's file has none of them
+    assert (rec.sample, rec.section, rec.stats, rec.shape) == (None, None, None, [2, 3])

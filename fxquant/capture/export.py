@@ -6,10 +6,14 @@ backward; every field is sanitised (layout.sanitize), the counter has 6 digits a
 microseconds. Payload: ``{"tensor", "tensor_info", "metadata"}`` of plain tensors, numbers, strings,
 lists and dicts only, so ``torch.load(path, weights_only=True)`` loads it (``load_pt`` does exactly
 that and nothing else). Overflow counts are measured against the record's format, when it has one.
+``metadata.extras`` carries the record's ``section``, ``sample`` (a sampled record's tensor holds rows of
+``tensor_info.shape``) and capture-time ``stats``; pt_reader reads them back. Statistics-only records have no
+tensor and no file.
 """
 from __future__ import annotations
 
 import datetime as _dt
+import logging
 from pathlib import Path
 
 import torch
@@ -17,6 +21,8 @@ import torch
 from fxquant._fileio import fsync_dir, write_atomic
 from fxquant.capture.layout import sanitize
 from fxquant.capture.reader import CaptureSet, Record
+
+log = logging.getLogger(__name__)
 
 
 def pt_name(rec: Record, counter: int, quant_type: str) -> str:
@@ -46,16 +52,23 @@ def payload(rec: Record, t: torch.Tensor) -> dict:
         "component": "FA" if f["component"] == "attention" else "linear", "rank": f["rank"],
         "iteration": f["iteration"], "micro_batch": f["micro_batch"],
         "save_time": _dt.datetime.fromtimestamp(f.get("time", 0.0)).strftime("%Y-%m-%d %H:%M:%S.%f"),
+        # sample: a sampled record's rows (its tensor holds those of tensor_info.shape); stats: the capture-time
+        # statistics, over the whole tensor; both read back by pt_reader
         "extras": {k: f.get(k) for k in ("module", "copy", "gemm", "format", "qspec", "blocked_dim", "tp_rank",
-                                         "tp_size", "pp_rank", "pp_size", "dp_rank", "dp_size", "shard_dim", "run_id")},
+                                         "tp_size", "pp_rank", "pp_size", "dp_rank", "dp_size", "shard_dim", "run_id",
+                                         "section", "sample", "stats")},
     }
     return {"tensor": t.clone(), "tensor_info": info, "metadata": meta}
 
 
 def export_pt(cs: CaptureSet, out_dir: str | Path, quant_type: str | None = None) -> list[Path]:
-    """Write one ``.pt`` per stored tensor of ``cs``; returns the paths (atomic per file)."""
+    """Write one ``.pt`` per stored tensor of ``cs``; returns the paths (atomic per file). Statistics-only records
+    (``what: stats``) have no tensor to write: they are skipped, and counted at INFO (``statistics_only``)."""
     out = Path(out_dir)
     written = []
+    skipped = statistics_only(cs)
+    if skipped:
+        log.info("export-pt: %d statistics-only record(s) skipped (what: stats: no tensor stored)", skipped)
     for counter, rec in enumerate(r for r in cs if r.has_tensor):
         qt = sanitize(quant_type or rec.fields.get("scheme") or "unknown", 60)
         d = out / qt
@@ -67,6 +80,11 @@ def export_pt(cs: CaptureSet, out_dir: str | Path, quant_type: str | None = None
     for d in {p.parent for p in written}:
         fsync_dir(d)
     return written
+
+
+def statistics_only(cs: CaptureSet) -> int:
+    """How many records of ``cs`` hold statistics only (no tensor: ``export_pt`` skips them)."""
+    return sum(1 for r in cs if not r.has_tensor)
 
 
 def load_pt(path: str | Path) -> dict:

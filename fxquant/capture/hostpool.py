@@ -8,7 +8,9 @@ writer has finished with.
 
 ``HostPool.copy(x)`` returns a ``Lease`` on a contiguous copy of ``x``; each holder of the lease calls
 ``release()`` once when it no longer reads the copy, and the buffer returns to the pool when the last one
-has. At most ``max_free_bytes`` of free buffers are kept; ``clear()`` drops them (session close).
+has. At most ``max_free_bytes`` of free buffers are kept; ``clear()`` drops them (the capture window closed, the
+session closed), and buffers returned after it (the writer finishing the window's last copies) are dropped too
+until the next ``copy()``: outside the window the pool holds nothing.
 """
 from __future__ import annotations
 
@@ -52,13 +54,20 @@ class HostPool:
         self.max_free_bytes = max_free_bytes
         self._free: dict[int, list[torch.Tensor]] = {}
         self._free_bytes = 0
+        self._keep = True  # False from clear() to the next copy(): returned buffers are dropped, not kept
         self._lock = threading.Lock()
         self.hits = self.misses = 0
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes of the free buffers the pool keeps for reuse."""
+        return self._free_bytes
 
     def copy(self, x: torch.Tensor) -> Lease:
         """A contiguous CPU copy of ``x`` (same shape and dtype) in a pooled buffer, with one holder."""
         nbytes = x.numel() * x.element_size()
         with self._lock:
+            self._keep = True
             free = self._free.get(nbytes)
             buf = free.pop() if free else None
             if buf is not None:
@@ -75,14 +84,16 @@ class HostPool:
     def _give(self, buf: torch.Tensor) -> None:
         n = buf.numel()
         with self._lock:
-            if self._free_bytes + n <= self.max_free_bytes:
+            if self._keep and self._free_bytes + n <= self.max_free_bytes:
                 self._free.setdefault(n, []).append(buf)
                 self._free_bytes += n
 
     def clear(self) -> None:
+        """Drop the free buffers, and those returned from now until the next ``copy()``."""
         with self._lock:
             self._free.clear()
             self._free_bytes = 0
+            self._keep = False
 
 
 __all__ = ["HostPool", "Lease"]

@@ -11,8 +11,10 @@
 
 Every shard, ``run.json`` and ``COMMITTED`` reaches its final name by rename from a ``.tmp`` file that was
 fsync'ed first, and the directory is fsync'ed after the rename; the manifest is appended to in place, each
-append fsync'ed (a session appending to an earlier one cuts off a torn last line first). A manifest line is written (and fsync'ed) only after its shard is final,
-so a crashed run's manifest names only complete shards; a torn last line is ignored by the reader.
+append fsync'ed (a session appending to an earlier one cuts off a torn last line first, and goes on after every
+``seq`` and tensor key already there: ``resume_point``). A manifest line is written (and fsync'ed) only after its
+shard is final, so a crashed run's manifest names only complete shards; a torn last line is ignored by the reader.
+A crash between a shard's rename and its manifest lines leaves tensors no record names: ``verify`` lists them.
 Shards are safetensors files written in a streaming fashion (header, then each tensor's bytes), read
 back by the ``safetensors`` library; each tensor carries an XXH3-64 checksum of its stored bytes,
 computed while it is written (4 MiB at a time, so the bytes are hashed and written while cached; XXH3 runs
@@ -229,38 +231,93 @@ def lock_rank_dir(directory: Path) -> RankDirLock:
     return RankDirLock(f)
 
 
-_SHARD_INDEX = re.compile(r"^shard-(\d{6,})\.safetensors$")
+_SHARD_FILE = re.compile(r"^shard-(\d{6,})\.safetensors(?:\.tmp)?$")  # a partial (.tmp) shard's name is taken too
+_TENSOR_KEY = re.compile(r"^t(\d{9,})$")
+
+
+def shard_keys(path: Path) -> list[str]:
+    """The tensor keys a safetensors shard holds, read from its header alone (no tensor is read). ValueError when
+    the file has no readable header (truncated, not safetensors)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        size = os.fstat(f.fileno()).st_size
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < n <= size - 8:
+            raise ValueError(f"{path}: no safetensors header (truncated or not safetensors)")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ValueError(f"{path}: its safetensors header is not JSON (truncated or corrupt)") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: its safetensors header is not a JSON object")
+    return [k for k in header if k != "__metadata__"]
+
+
+def manifest_record(line: bytes) -> dict | None | bool:
+    """One manifest line: its record (a JSON object), False for valid JSON that is not an object (not a record, such
+    as a stray line another tool appended), None for a line that is not JSON (torn by a crash mid-append, or
+    corrupt)."""
+    try:
+        value = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return value if isinstance(value, dict) else False
 
 
 def resume_point(directory: Path) -> tuple[int, int]:
-    """Where a new session in an existing rank directory goes on: (the highest shard index there, one past the
-    highest ``seq`` its manifest records), so that it neither reuses a shard name nor a tensor key. A torn last
-    manifest line (a crash mid-append) is cut off first: appended lines must start on a line of their own."""
-    shards = [int(m.group(1)) for f in (Path(directory) / SHARDS).glob("shard-*")
-              if (m := _SHARD_INDEX.match(f.name))]
-    path = Path(directory) / MANIFEST
+    """Where a new session in an existing rank directory goes on: (the highest shard index there, partial ``.tmp``
+    shards included, and one past the highest ``seq`` its manifest records or tensor key its shards hold), so that
+    it reuses neither a shard name nor a tensor key, even where a crash lost manifest lines of tensors that reached
+    their shard. A last manifest line without its newline is completed when it parses (the crash came between
+    the record and its newline) and cut off when it does not (a crash mid-append): appended lines must start on a
+    line of their own. Lines that are JSON but no record are skipped, as the reader skips them."""
+    directory = Path(directory)
+    shards, top = [], -1
+    for f in (directory / SHARDS).glob("shard-*"):
+        m = _SHARD_FILE.match(f.name)
+        if m is None:
+            continue
+        shards.append(int(m.group(1)))
+        try:
+            keys = shard_keys(f)
+        except (OSError, ValueError) as exc:
+            log.warning("capture: %s: %s; its tensor keys are unknown, so one may be used again", f, exc)
+            continue
+        top = max([top, *(int(k.group(1)) for k in map(_TENSOR_KEY.match, keys) if k)])
+    path = directory / MANIFEST
     if not path.is_file():
-        return max(shards, default=0), 0
+        return max(shards, default=0), top + 1
     data = path.read_bytes()
     if data and not data.endswith(b"\n"):
         cut = data.rfind(b"\n") + 1
-        log.warning("capture: %s ends in a torn line (%d bytes, a crash mid-append); cut off before appending",
-                    path, len(data) - cut)
-        with open(path, "r+b") as f:
-            f.truncate(cut)
-            os.fsync(f.fileno())
-        data = data[:cut]
+        if data[cut:].strip() and manifest_record(data[cut:]) is not None:
+            log.warning("capture: %s ends in a complete record without its newline (a crash before it was written); "
+                        "the newline is added before appending", path)
+            with open(path, "ab") as f:
+                f.write(b"\n")
+                os.fsync(f.fileno())
+            data += b"\n"
+        else:
+            log.warning("capture: %s ends in a torn line (%d bytes, a crash mid-append); cut off before appending",
+                        path, len(data) - cut)
+            with open(path, "r+b") as f:
+                f.truncate(cut)
+                os.fsync(f.fileno())
+            data = data[:cut]
     seq = -1
     for i, line in enumerate(data.split(b"\n")):
         if not line.strip():
             continue
-        try:
-            value = json.loads(line).get("seq")
-        except (json.JSONDecodeError, AttributeError):
-            raise ValueError(f"{path}:{i + 1}: corrupt manifest line (not a JSON record); a session cannot append "
-                             "to this capture set") from None
-        seq = max(seq, value) if isinstance(value, int) else seq
-    return max(shards, default=0), seq + 1
+        record = manifest_record(line)
+        if record is None:
+            raise ValueError(f"{path}:{i + 1}: corrupt manifest line (not JSON); a session cannot append to this "
+                             "capture set")
+        if record is False:
+            log.warning("capture: %s:%d: not a manifest record (JSON, but not an object); skipped", path, i + 1)
+            continue
+        value = record.get("seq")
+        seq = max(seq, value) if isinstance(value, int) and not isinstance(value, bool) else seq
+    return max(shards, default=0), max(seq, top) + 1
 
 
 def append_lines(path: Path, records: list[dict]) -> None:

@@ -19,6 +19,9 @@ and listed in ``problems``, never executed. Metadata become record fields:
                 metadata.layer_idx / rank / iteration / micro_batch, else ``L<n>``, ``rank<n>``, ``iter<n>`` in
                 the file name, else None / 0
     module      extras.module (export-pt), else ``<layer_type>.L<layer>``
+    sample, section, stats
+                extras.sample / section / stats (export-pt: the capture record's), else None; a sampled tensor's
+                ``shape`` is tensor_info.shape (the whole tensor's), its ``stored_shape`` the rows the file holds
     predecessor_name   the file's tensor_name as written
 The file's tensor must be a floating tensor; anything else is listed in ``problems``.
 """
@@ -32,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from fxquant.capture.reader import CaptureReadError, CaptureSet, Record
+from fxquant.capture.reader import CaptureReadError, CaptureSet, Record, _Handles
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +105,12 @@ def fields_of(path: Path, data: dict, seq: int, scheme_default: str) -> dict:
     layer = _int(meta.get("layer_idx"), _from_name(stem, "L"))
     phase = meta.get("phase") if meta.get("phase") in ("pre", "post") else None
     scheme = str(meta.get("quant_type") or scheme_default)
+    sample = extras.get("sample") if isinstance(extras.get("sample"), dict) else None
+    info = data.get("tensor_info") if isinstance(data.get("tensor_info"), dict) else {}
+    full = info.get("shape")
+    # a sampled tensor (export-pt of a `sampling:` section) holds some rows of the shape its tensor_info records
+    shape = list(full) if sample is not None and isinstance(full, list) and all(
+        isinstance(n, int) and not isinstance(n, bool) for n in full) else list(t.shape)
     return {
         "run_id": f"pt:{path.parent}", "scheme": scheme, "rank": _int(meta.get("rank"), _from_name(stem, "rank")) or 0,
         "format": extras.get("format") if copy == "quantized" else None,
@@ -110,10 +119,12 @@ def fields_of(path: Path, data: dict, seq: int, scheme_default: str) -> dict:
         "kind": "attention" if component == "attention" else None, "layer": layer, "role": role, "copy": copy,
         "gemm": gemm, "phase": phase, "direction": direction,
         "iteration": _int(meta.get("iteration"), _from_name(stem, "iter")) or 0,
-        "micro_batch": _int(meta.get("micro_batch"), 0), "seq": seq, "section": None,
+        "micro_batch": _int(meta.get("micro_batch"), 0), "seq": seq,
+        "section": extras.get("section") if isinstance(extras.get("section"), str) else None,
         "shard_dim": extras.get("shard_dim"), "blocked_dim": extras.get("blocked_dim") if copy == "quantized" else None,
-        "shape": list(t.shape), "stored_shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
-        "sample": None, "key": KEY, "file": path.name, "checksum": None, "time": path.stat().st_mtime,
+        "shape": shape, "stored_shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
+        "sample": sample, "stats": extras.get("stats") if isinstance(extras.get("stats"), dict) else None,
+        "key": KEY, "file": path.name, "checksum": None, "time": path.stat().st_mtime,
         "predecessor_name": name, "source": "pt",
         **{k: extras[k] for k in ("tp_rank", "tp_size", "pp_rank", "pp_size", "dp_rank", "dp_size")
            if k in extras},
@@ -124,9 +135,9 @@ class PtCaptureSet(CaptureSet):
     """The ``.pt`` files under ``root`` as capture records (indexed on first use, so opening is cheap)."""
 
     def __init__(self, root: str | Path, records: list[Record] | None = None, _meta: dict | None = None,
-                 _handles: dict | None = None):
+                 _handles: _Handles | None = None):
         self.root = Path(root)
-        self._handles = {} if _handles is None else _handles
+        self._handles = _Handles() if _handles is None else _handles
         self.meta = _meta or {}
         self._index = records
         self.problems: list[str] = []

@@ -11,8 +11,10 @@ a truncated file) raises ``CaptureReadError``; nothing is unpickled, ever.
 """
 from __future__ import annotations
 
+import collections
 import json
 import logging
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,23 +67,32 @@ class Record:
         return path
 
 
-def _read_manifest(path: Path) -> tuple[list[dict], int]:
-    """Records of a manifest; a torn last line (a crash mid-append) is skipped and counted."""
-    records, torn = [], 0
+def _read_manifest(path: Path) -> tuple[list[dict], list[int], list[str]]:
+    """Records of a manifest, the line numbers of a torn last line (a crash mid-append; skipped), and one problem
+    per line that is JSON but no record (not an object; skipped, wherever it is). A line before the last that is not
+    JSON is corruption: ``CaptureReadError`` naming the file and line."""
+    records: list[dict] = []
+    torn: list[int] = []
+    bad: list[str] = []
     if not path.is_file():
-        return records, torn
+        return records, torn, bad
     lines = path.read_bytes().split(b"\n")
     for i, line in enumerate(lines):
         if not line.strip():
             continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+        record = layout.manifest_record(line)
+        if record is None:
             if i >= len(lines) - 2:  # only the last line may be torn
-                torn += 1
+                torn.append(i + 1)
                 continue
             raise CaptureReadError(f"{path}:{i + 1}: corrupt manifest line (not JSON)") from None
-    return records, torn
+        if record is False:
+            kind = type(json.loads(line)).__name__
+            bad.append(f"{path.parent.name}/{path.name}:{i + 1}: not a manifest record (JSON {kind}, not an object); "
+                       "line skipped")
+            continue
+        records.append(record)
+    return records, torn, bad
 
 
 def _check_shard(path: Path) -> None:
@@ -100,32 +111,72 @@ def _check_shard(path: Path) -> None:
     raise CaptureReadError(f"{path} is not a valid safetensors file (truncated or corrupt header)")
 
 
-def _read_rank(d: Path) -> tuple[list[dict], int, dict, dict | None]:
-    """(manifest records, torn lines, run.json, COMMITTED or None) of one rank directory."""
-    recs, torn = _read_manifest(d / layout.MANIFEST)
+def _read_rank(d: Path) -> tuple[list[dict], dict, dict, dict | None]:
+    """(manifest records, skipped lines: {"torn": line numbers, "bad": problems}, run.json, COMMITTED or None) of
+    one rank directory."""
+    recs, torn, bad = _read_manifest(d / layout.MANIFEST)
     out = []
     for name in (layout.RUN_INFO, layout.COMMITTED):
         path = d / name
         try:
-            out.append(json.loads(path.read_text()) if path.is_file() else None)
+            value = json.loads(path.read_text()) if path.is_file() else None
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise CaptureReadError(f"{path}: not JSON ({exc})") from None
-    return recs, torn, out[0] or {}, out[1]
+        if value is not None and not isinstance(value, dict):
+            raise CaptureReadError(f"{path}: not a JSON object (a {type(value).__name__})")
+        out.append(value)
+    return recs, {"torn": torn, "bad": bad}, out[0] or {}, out[1]
+
+
+class _Handles:
+    """Open shard handles (``safe_open``, each a memory map), the ``max_open`` most recently used: a set of
+    thousands of shards read one after the other keeps a few mapped, not all. Shared by a set and its ``query()``
+    results; ``drop`` closes one (its tensors already loaded stay valid)."""
+
+    def __init__(self, max_open: int = 8):
+        self.max_open = max_open
+        self._open: collections.OrderedDict[Path, object] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, path: Path, opener) -> object:
+        with self._lock:
+            h = self._open.get(path)
+            if h is not None:
+                self._open.move_to_end(path)
+                return h
+        h = opener(path)
+        with self._lock:
+            self._open[path] = h
+            while len(self._open) > self.max_open:
+                self._open.popitem(last=False)
+        return h
+
+    def drop(self, path: Path) -> None:
+        with self._lock:
+            self._open.pop(path, None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._open.clear()
+
+    def __len__(self) -> int:
+        return len(self._open)
 
 
 class CaptureSet:
     """Every record of a capture directory (all ranks), filterable; tensors load lazily."""
 
     def __init__(self, root: str | Path, records: list[Record] | None = None, _meta: dict | None = None,
-                 _handles: dict | None = None, *, skip_bad_ranks: bool = False):
+                 _handles: _Handles | None = None, *, skip_bad_ranks: bool = False):
         """Read every rank's manifest. A rank directory that cannot be read (a corrupt manifest line before its
         last, an unreadable ``run.json``) raises ``CaptureReadError``; with ``skip_bad_ranks`` (the analysis) it
         is left out instead (``unreadable``: rank directory -> why) and listed in ``problems`` and ``verify()``.
-        ``problems`` also lists torn last lines that were skipped."""
+        ``problems`` also lists the manifest lines that were skipped (a torn last line, a line that is no record),
+        each with its file and line number."""
         self.root = Path(root)
-        self._handles: dict[Path, object] = {} if _handles is None else _handles  # shared by query() results
+        self._handles = _Handles() if _handles is None else _handles  # shared by query() results
         self.unreadable: dict[str, str] = {}
-        self.problems: list[str] = []  # rank directories left out and torn lines skipped, one line each
+        self.problems: list[str] = []  # rank directories left out and manifest lines skipped, one line each
         if records is not None:
             self._records, self.meta = records, _meta or {}
             return
@@ -137,7 +188,7 @@ class CaptureSet:
         self._records, self.meta = [], {}
         for d in dirs:
             try:
-                recs, torn, info, committed = _read_rank(d)
+                recs, skipped, info, committed = _read_rank(d)
             except CaptureReadError as exc:
                 if not skip_bad_ranks:
                     raise
@@ -147,11 +198,12 @@ class CaptureSet:
             if isinstance(version, int) and version > layout.FORMAT_VERSION:
                 log.warning("%s was written in capture format %d; this fxquant reads format %d and may misread it",
                             d, version, layout.FORMAT_VERSION)
-            self.meta[d.name] = {"run": info, "committed": committed, "torn_lines": torn}
+            self.meta[d.name] = {"run": info, "committed": committed, "torn_lines": len(skipped["torn"]),
+                                 "torn_at": skipped["torn"], "bad_lines": skipped["bad"]}
             self._records.extend(Record(r, d) for r in recs)
-        self.problems = [f"{name} (all its records): {why}" for name, why in self.unreadable.items()] + [
-            f"{name}: {m['torn_lines']} torn manifest line(s) (a crash mid-append)"
-            for name, m in self.meta.items() if m["torn_lines"]]
+        self.problems = [f"{name} (all its records): {why}" for name, why in self.unreadable.items()]
+        for name, m in self.meta.items():
+            self.problems += [*_torn_problems(name, m), *m["bad_lines"]]
 
     def close(self) -> None:
         """Drop the open shard handles (their memory maps)."""
@@ -179,7 +231,9 @@ class CaptureSet:
         return all(m["committed"] is not None for m in self.meta.values())
 
     def query(self, **conditions) -> "CaptureSet":
-        """Records whose fields match: ``role="input"``, ``layer=[0, 1]``, ``iteration=lambda i: i < 5``."""
+        """Records whose fields match: ``role="input"``, ``layer=[0, 1]``, ``iteration=lambda i: i < 5``. A value
+        matches a stored one that equals it or, for numbers and strings, reads the same (``run_id=4711`` matches a
+        run id stored as the string ``"4711"``); a collection matches when any of its values does."""
         def ok(rec: Record) -> bool:
             for key, want in conditions.items():
                 if key not in rec.fields:
@@ -189,14 +243,13 @@ class CaptureSet:
                     if not want(have):
                         return False
                 elif isinstance(want, (list, tuple, set, frozenset)):
-                    if have not in want:
+                    if not any(_same(have, w) for w in want):
                         return False
-                elif have != getattr(want, "value", want):
+                elif not _same(have, want):
                     return False
             return True
 
         out = CaptureSet(self.root, [r for r in self._records if ok(r)], self.meta, self._handles)
-        out._handles = self._handles
         out.unreadable, out.problems = self.unreadable, self.problems
         return out
 
@@ -207,15 +260,7 @@ class CaptureSet:
 
     # -- tensors ---------------------------------------------------------------------------------------
     def _handle(self, path: Path):
-        h = self._handles.get(path)
-        if h is None:
-            _check_shard(path)
-            try:
-                h = safe_open(str(path), framework="pt", device="cpu")
-            except (SafetensorError, OSError, ValueError) as exc:
-                raise CaptureReadError(f"{path}: cannot open as safetensors: {exc}") from None
-            self._handles[path] = h
-        return h
+        return self._handles.get(path, _open_shard)
 
     def load(self, record: Record, *, check: bool = False) -> torch.Tensor:
         """The stored tensor of ``record`` (memory-mapped read); ``check=True`` verifies its checksum."""
@@ -231,41 +276,102 @@ class CaptureSet:
         return t
 
     def tensors(self) -> Iterator[tuple[Record, torch.Tensor]]:
-        for rec in self._records:
-            if rec.has_tensor:
+        """Every stored tensor, in record order; a shard's handle is closed once the records after it are elsewhere."""
+        current = None
+        try:
+            for rec in self._records:
+                if not rec.has_tensor:
+                    continue
+                path = rec.path
+                if current is not None and path != current:
+                    self._handles.drop(current)
+                current = path
                 yield rec, self.load(rec)
+        finally:
+            if current is not None:
+                self._handles.drop(current)
 
     def verify(self) -> list[str]:
-        """Every problem found: checksums, missing/corrupt/partial/unreferenced shards, uncommitted ranks."""
+        """Every problem found: checksums, missing/corrupt/partial/unreferenced shards, tensors of a shard that no
+        record names, uncommitted ranks, skipped manifest lines. Each shard's handle is closed after its records."""
         problems: list[str] = [f"{name}: unreadable, its records left out: {why}"
                                for name, why in self.unreadable.items()]
-        referenced: set[Path] = set()
         for name, meta in self.meta.items():
             if meta["committed"] is None:
                 problems.append(f"{name}: no {layout.COMMITTED} marker (run crashed or still running); "
                                 "only its committed part is readable")
-            if meta["torn_lines"]:
-                problems.append(f"{name}: {meta['torn_lines']} torn manifest line(s) skipped")
+            problems += [*_torn_problems(name, meta), *meta.get("bad_lines", [])]
             shard_dir = self.root / name / layout.SHARDS
             for tmp in sorted(shard_dir.glob("*.tmp")) if shard_dir.is_dir() else []:
                 problems.append(f"{name}/{layout.SHARDS}/{tmp.name}: partial shard (never committed)")
+        by_shard: dict[Path, list[Record]] = {}
         for rec in self._records:
             if not rec.has_tensor:
                 continue
             try:
-                referenced.add(rec.path)  # refused (CaptureReadError) for a file outside its rank directory
-                t = self.load(rec)
-                if not layout.checksum_matches(t, rec.checksum):
-                    problems.append(f"{rec.path.relative_to(self.root)}: {rec.key}: checksum mismatch")
+                by_shard.setdefault(rec.path, []).append(rec)  # refused for a file outside its rank directory
             except CaptureReadError as exc:
                 problems.append(str(exc))
+        for path, recs in by_shard.items():
+            try:
+                for rec in recs:
+                    try:
+                        t = self.load(rec)
+                        if not layout.checksum_matches(t, rec.checksum):
+                            problems.append(f"{path.relative_to(self.root)}: {rec.key}: checksum mismatch")
+                    except CaptureReadError as exc:
+                        problems.append(str(exc))
+                problems += _unindexed(path, {r.key for r in recs}, self.root)
+            finally:
+                self._handles.drop(path)
         for name in self.meta:
             shard_dir = self.root / name / layout.SHARDS
             for shard in sorted(shard_dir.glob("*.safetensors")) if shard_dir.is_dir() else []:
-                if shard not in referenced:
+                if shard not in by_shard:
                     problems.append(f"{name}/{layout.SHARDS}/{shard.name}: not referenced by the manifest "
                                     "(written just before a crash?)")
         return sorted(set(problems), key=problems.index)
+
+
+def _same(have: object, want: object) -> bool:
+    """A stored field value matches a wanted one: equal, or (numbers and strings, not booleans) the same text."""
+    want = getattr(want, "value", want)  # an enum member: its value
+    if have == want:
+        return True
+    scalar = (str, int, float)
+    return (isinstance(have, scalar) and isinstance(want, scalar) and not isinstance(have, bool)
+            and not isinstance(want, bool) and str(have) == str(want))
+
+
+def _torn_problems(name: str, meta: dict) -> list[str]:
+    lines = meta.get("torn_at") or []
+    if not meta["torn_lines"]:
+        return []
+    where = f", skipped: {name}/{layout.MANIFEST}:{lines[0]}" if lines else ""
+    return [f"{name}: {meta['torn_lines']} torn manifest line(s) (a crash mid-append){where}"]
+
+
+def _unindexed(path: Path, named: set, root: Path) -> list[str]:
+    """The problem, if any, of tensors in shard ``path`` that no record names (their manifest lines were lost)."""
+    try:
+        keys = layout.shard_keys(path)
+    except (OSError, ValueError):
+        return []  # the shard itself is reported (missing, truncated, not safetensors) by load
+    extra = sorted(k for k in keys if k not in named)
+    if not extra:
+        return []
+    shown = ", ".join(extra[:3]) + (f", ... {extra[-1]}" if len(extra) > 3 else "")
+    return [f"{path.relative_to(root)}: {len(extra)} tensor(s) that no record names ({shown}): their manifest lines "
+            "were lost (a crash while they were appended?)"]
+
+
+def _open_shard(path: Path):
+    """A ``safe_open`` handle on a shard, after checking it is a safetensors file (never a pickle)."""
+    _check_shard(path)
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CaptureReadError(f"{path}: cannot open as safetensors: {exc}") from None
 
 
 def open_capture(root: str | Path, *, skip_bad_ranks: bool = False) -> CaptureSet:

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import enum
 import logging
 import os
+import signal
 import threading
 import time
 import uuid
@@ -149,6 +151,7 @@ class CaptureSession:
         self._warned: set[tuple[str, str]] = set()
         self._raised = False
         self._closed = False
+        self._sigterm: _SigtermExit | None = None  # installed by start() where SIGTERM had no handler
         self._refresh()
 
     # -- counters ------------------------------------------------------------------------------------
@@ -385,6 +388,8 @@ class CaptureSession:
             return self.summary
         self._closed = True
         atexit.unregister(self.close)
+        if self._sigterm is not None:
+            self._sigterm.state = _SigtermExit.State.CLOSING  # a SIGTERM now cannot cut the drain short
         st = self.writer.close()
         self.pool.clear()
         if st.error is not None or st.budget_reason is not None:
@@ -397,6 +402,8 @@ class CaptureSession:
         except OSError as exc:
             log.error("could not write the commit marker in %s: %s", self.dir, exc)
         self._dir_lock.release()
+        if self._sigterm is not None:
+            self._sigterm.restore()
         if st.error is not None and self.spec.on_error is ErrorPolicy.ABORT and not self._raised:
             self._raised = True
             raise CaptureError(f"capture failed (on_error: abort): {st.error_reason}") from st.error
@@ -452,8 +459,9 @@ def active_session() -> CaptureSession | None:
 
 def start(spec: CaptureSpec, root: str | Path, **config) -> CaptureSession:
     """Create a session writing under ``root`` and make it the active one. It is closed (drained and committed)
-    at interpreter exit if the caller has not closed it. Refused, touching nothing under ``root``, while another
-    session is active."""
+    at interpreter exit if the caller has not closed it, and, called on the main thread of a process whose SIGTERM
+    has no handler, on SIGTERM too (``_SigtermExit``: a job scheduler's preemption or time limit); a handler the
+    process has is left alone. Refused, touching nothing under ``root``, while another session is active."""
     if _STATE.session is not None:
         raise RuntimeError("another capture session is active; close it first")
     session = CaptureSession(spec, SessionConfig(Path(root), **config))
@@ -461,7 +469,54 @@ def start(spec: CaptureSpec, root: str | Path, **config) -> CaptureSession:
     # numba (the writer's statistics kernels) imported first, so that its exit handlers run after this close
     host.backend()
     atexit.register(session.close)
+    session._sigterm = _SigtermExit.install()
     return session
+
+
+class _SigtermExit:
+    """SIGTERM's handler while a session is open, installed where SIGTERM had none (SIG_DFL ends the process at
+    once: no atexit, so every tensor still queued or buffered for its shard is lost). The first SIGTERM raises
+    ``SystemExit(143)`` in the main thread, so the interpreter exits normally and runs the session's ``close``
+    (drained and committed); later ones, and any while the session closes, are ignored so they cannot cut that
+    close short (the pattern of ``fxquant.megatron_glue.launch._terminate``, which installs its own handler first
+    and is then left alone). ``restore()``, at the end of close, puts SIG_DFL back; where close runs off the main
+    thread, where signal handlers cannot be set, the handler stays but does what SIG_DFL does."""
+
+    class State(enum.Enum):
+        OPEN = "open"  # the first SIGTERM exits through close
+        CLOSING = "closing"  # SIGTERMs are ignored
+        CLOSED = "closed"  # the session has closed: SIG_DFL's action
+
+    def __init__(self) -> None:
+        self.state = self.State.OPEN
+
+    @classmethod
+    def install(cls) -> "_SigtermExit | None":
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return None
+        handler = cls()
+        signal.signal(signal.SIGTERM, handler)
+        return handler
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if self.state is self.State.CLOSED:  # what SIG_DFL does
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if self.state is self.State.CLOSING:
+            return
+        self.state = self.State.CLOSING
+        signal.signal(signum, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+
+    def restore(self) -> None:
+        """SIG_DFL again, where this handler is still SIGTERM's (not replaced since, nor fired) and the caller is
+        the main thread."""
+        self.state = self.State.CLOSED
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is self:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 # -- the op ------------------------------------------------------------------------------------------

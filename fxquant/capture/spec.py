@@ -93,6 +93,11 @@ class ModuleKind(str, enum.Enum):
     LINEAR = "linear"
     ATTENTION = "attention"
 
+    @property
+    def component(self) -> "Component":
+        """The component of a site of this kind (attention sites are of kind ``attention``, every other is linear)."""
+        return Component.ATTENTION if self is ModuleKind.ATTENTION else Component.LINEAR
+
 
 class What(str, enum.Enum):
     FULL = "full"
@@ -401,9 +406,15 @@ def _layers(value: object, path: str, probs: Problems) -> LayerSelector | None:
         return None
     _check_keys(m, _LAYER_KEYS, path, probs)
     module, ok = m.get("module"), True
-    if module is not None:
+    if module is not None and not isinstance(module, str):  # reported; kinds and indices are still checked
+        hint = (f"; for any of several paths write one regex with '|', e.g. {'|'.join(map(str, module))!r}"
+                if isinstance(module, list) and module else "")
+        probs.add(join(path, "module"), f"expected a regular expression (a string), got {type(module).__name__} "
+                  f"{module!r}{hint}")
+        ok = False
+    elif module is not None:
         try:
-            re.compile(str(module))
+            re.compile(module)
         except re.error as exc:  # reported; kinds and indices are still checked
             probs.add(join(path, "module"), f"invalid regular expression {module!r}: {exc}")
             ok = False
@@ -417,10 +428,13 @@ def _layers(value: object, path: str, probs: Problems) -> LayerSelector | None:
     if m.get("indices") is not None:
         indices = _int_set(m["indices"], join(path, "indices"), probs, "layer index")
         ok = ok and indices is not None
-    return LayerSelector(None if module is None else str(module), kinds, indices) if ok else None
+    return LayerSelector(module, kinds, indices) if ok else None
 
 
-def _points(value: object, path: str, probs: Problems) -> list[CapturePoint] | None:
+def _points(value: object, path: str, probs: Problems,
+            kinds: frozenset[ModuleKind] | None = None) -> list[CapturePoint] | None:
+    """The points of a section; ``kinds`` (the section's ``layers.kinds``): a point whose component no site of those
+    kinds has could never capture anything, a problem."""
     if not isinstance(value, list) or not value:
         probs.add(path, f"expected a non-empty list of points, got {value!r}")
         return None
@@ -436,6 +450,12 @@ def _points(value: object, path: str, probs: Problems) -> list[CapturePoint] | N
             _check_any_role(m.get("roles"), join(p, "roles"), probs)
             continue
         comp = _enum(Component, m["component"], join(p, "component"), probs)
+        if comp is not None and kinds and all(k.component is not comp for k in kinds):
+            names = sorted(k.value for k in kinds)
+            other = sorted({k.component.value for k in kinds})
+            probs.add(join(p, "component"), f"component {comp.value!r} never matches: the section's layers.kinds "
+                      f"{names} are {' and '.join(other)} sites ({comp.value} sites are of kind "
+                      f"{_kinds_of(comp)}); drop the point, or give the kinds of {comp.value} sites")
         lists = []
         for key, kind, default, what in (("phase", Phase, [x.value for x in Phase], "phase"),
                                           ("direction", Direction, [x.value for x in Direction], "direction"),
@@ -484,6 +504,10 @@ def _points(value: object, path: str, probs: Problems) -> list[CapturePoint] | N
                 if pt not in out:
                     out.append(pt)
     return out
+
+
+def _kinds_of(component: Component) -> str:
+    return " | ".join(k.value for k in ModuleKind if k.component is component)
 
 
 def _check_any_role(value: object, path: str, probs: Problems) -> None:
@@ -541,7 +565,8 @@ def _section(value: object, path: str, index: int, probs: Problems) -> Section |
     layers = _layers(m.get("layers"), join(path, "layers"), probs)
     if "points" not in m:
         probs.add(path, "missing 'points' (which tensors to capture)")
-    points = _points(m.get("points"), join(path, "points"), probs) if "points" in m else None
+    kinds = None if layers is None else layers.kinds
+    points = _points(m.get("points"), join(path, "points"), probs, kinds) if "points" in m else None
     when = _when(m.get("when"), join(path, "when"), probs)
     what = _enum(What, m.get("what", "both"), join(path, "what"), probs)
     sampling = None if m.get("sampling") is None else _sampling(m["sampling"], join(path, "sampling"), probs)

@@ -8,7 +8,7 @@ import sys
 
 from tabulate import tabulate
 
-from fxquant.cli.options import WHERE_HELP, where_conditions
+from fxquant.cli.options import WHERE_HELP, nothing_found, where_conditions
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -44,12 +44,21 @@ def _filtered(args):
     return out
 
 
+def _nothing(args, cs, what: str = "capture records", found: int | None = None) -> int:
+    """0, or 1 after saying that the selection is empty (``options.nothing_found``)."""
+    error = nothing_found(len(cs) if found is None else found, cs.problems, [args.dir], args.where, what)
+    if error is None:
+        return 0
+    print(f"fxquant capture {args.capture_verb}: error: {error}", file=sys.stderr)
+    return 1
+
+
 def run_ls(args: argparse.Namespace) -> int:
     cs = _filtered(args)
     if args.json:
         for r in cs:
             print(json.dumps(r.fields, sort_keys=True))
-        return 0
+        return _nothing(args, cs)
     for name, m in cs.meta.items():
         c = m["committed"]
         state = "committed" if c else "NOT committed (crashed or running)"
@@ -65,7 +74,7 @@ def run_ls(args: argparse.Namespace) -> int:
     nbytes = sum(r.fields.get("stored_shape") is not None and 1 for r in cs)
     print(f"{len(cs)} records ({nbytes} with tensors), iterations {cs.values('iteration')}, "
           f"ranks {cs.values('rank')}, modules {len(cs.values('module'))}")
-    return 0
+    return _nothing(args, cs)
 
 
 def run_verify(args: argparse.Namespace) -> int:
@@ -81,8 +90,15 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from fxquant.capture.export import export_pt
+    from fxquant.capture.export import export_pt, statistics_only
 
-    paths = export_pt(_filtered(args), args.out, args.quant_type)
+    cs = _filtered(args)
+    skipped = statistics_only(cs)
+    if skipped:
+        print(f"{skipped} statistics-only record(s) skipped: they hold no tensor (what: stats), and a .pt file holds "
+              "one; their statistics are in the manifest (fxquant capture ls --json)", file=sys.stderr)
+    if _nothing(args, cs, "records with a stored tensor", len(cs) - skipped):
+        return 1
+    paths = export_pt(cs, args.out, args.quant_type)
     print(f"wrote {len(paths)} .pt files under {args.out}")
     return 0

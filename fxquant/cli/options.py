@@ -7,14 +7,15 @@ import argparse
 from pathlib import Path
 
 
-WHERE_HELP = ("records whose manifest FIELD equals VALUE (integers compare as integers; FIELD=V1,V2: any of those "
-              "values). Repeatable: conditions on different FIELDs must all hold, values given for the same FIELD add "
-              "up (--where role=input --where role=weight is --where role=input,weight); default: every record")
+WHERE_HELP = ("records whose manifest FIELD equals VALUE (a number matches it stored as a number or as text: "
+              "run_id=4711 matches \"4711\"; FIELD=V1,V2: any of those values). Repeatable: conditions on different "
+              "FIELDs must all hold, values given for the same FIELD add up (--where role=input --where role=weight "
+              "is --where role=input,weight); default: every record")
 
 
 def where_conditions(items: list[str]) -> dict:
-    """``--where`` items -> CaptureSet.query conditions: ``FIELD=VALUE`` (integers as integers, ``None`` as None)
-    or ``FIELD=V1,V2`` (any of those values). Items for different fields must all hold; the values of items for one
+    """``--where`` items -> CaptureSet.query conditions: ``FIELD=VALUE`` (integers as integers, ``None`` as None;
+    the query matches an integer with the same digits stored as a string) or ``FIELD=V1,V2`` (any of those values). Items for different fields must all hold; the values of items for one
     field add up (``["role=input", "role=weight"]`` is ``["role=input,weight"]``)."""
     values: dict[str, list] = {}
     for item in items:

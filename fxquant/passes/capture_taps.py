@@ -26,7 +26,9 @@ returned report, never silently dropped; so are the points of sites inside an ac
 (``torch.utils.checkpoint``: the region's body is a subgraph whose forward runs again in the backward, where a
 tap would capture twice). An nn.MultiheadAttention's attention with need_weights=True
 (``attention_weights``, returning (O, P)) is tapped as SDPA on its q, k, v [B*H, L, d] and item 0 of its
-result; its probs are not tapped.
+result; its probs are not tapped. Each report records the sections that selected a site of its graph and the
+graph's sites: ``unmatched_sections`` names, over the graphs of a compile, each section that selected none, with the
+selector that left none and the nearest module paths (``fxquant.compile`` logs one WARNING per such section).
 
 Megatron linear sites (``autograd_function_apply``; the quantize nodes live inside its bodies) are tapped
 on the node's own operands, which the fwd_body's matmul identifies (``operand_positions``): input and
@@ -40,8 +42,10 @@ RowParallelLinear's all-reduce at TP > 1): autograd refuses in-place changes of 
 """
 from __future__ import annotations
 
+import difflib
 import logging
 import operator
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -94,6 +98,10 @@ class TapReport:
     # other site of the same module offers them (Megatron's unfused attention: probs exist at PV, not QK^T)
     absent: list[tuple[tuple, str]] = field(default_factory=list)
     offered: set[tuple] = field(default_factory=set)
+    # the spec's sections that select some site of the graph (by index), and every site of the graph as
+    # (module path, component, kind, layer): what ``unmatched_sections`` reads
+    selected: set[int] = field(default_factory=set)
+    sites: list[tuple] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -200,10 +208,12 @@ def _site_taps(meta: SiteMeta, op: OpKind, spec: CaptureSpec, report: TapReport)
     site, kind = meta.site, _kind(meta)
     component = Component.ATTENTION if meta.op.is_attention else Component.LINEAR
     chosen: dict[tuple[Role, Copy], list[int]] = {}
+    report.sites.append((site.module_path, component, kind, site.layer))
     for i in spec.sections_for(site.module_path, kind, site.layer):
         for p in spec.sections[i].points:
             if p.component is component:
                 chosen.setdefault((p.role, p.copy), []).append(i)
+                report.selected.add(i)
     positions = _POSITIONS.get(op)
     out: list[tuple[Tap, tuple]] = []
     for (role, copy), secs in chosen.items():
@@ -395,10 +405,46 @@ def _say_unavailable(unavailable: list[str]) -> None:
         log.debug("capture: %s", line)
 
 
+def unmatched_sections(spec: CaptureSpec, reports: list[TapReport]) -> list[tuple[str, str]]:
+    """(section name, line) per section of ``spec`` that selects no site of the graphs ``reports`` describe (a
+    section selecting a site in any of them, through a forward or a backward point, is not listed): which of its
+    selectors left no site, and the module paths nearest to what it asked for (as
+    ``fxquant.schemes.rules.explain_unmatched`` does for scheme rules)."""
+    selected = set().union(*(r.selected for r in reports))
+    sites = list(dict.fromkeys(site for r in reports for site in r.sites))
+    return [(sec.name, f"section {sec.name!r} selects no site of the compiled graphs, so it captures nothing: "
+                       f"{_why_unmatched(sec, sites)}") for i, sec in enumerate(spec.sections) if i not in selected]
+
+
+def _why_unmatched(section, sites: list[tuple]) -> str:
+    """Why ``section`` selects none of ``sites`` ((path, component, kind, layer)), with the nearest module paths."""
+    sel = section.layers
+    comps = sorted({p.component.value for p in section.points})
+    relevant = [s for s in sites if s[1].value in comps]
+    if not relevant:
+        return f"the graph has no {' or '.join(comps)} sites"
+    paths = list(dict.fromkeys(s[0] for s in relevant))
+    if sel.module is not None and not any(re.search(sel.module, p) for p in paths):
+        near = difflib.get_close_matches(sel.module, paths, n=3, cutoff=0.3) or difflib.get_close_matches(
+            sel.module.replace("\\", ""), paths, n=3, cutoff=0.0)
+        return f"no {'/'.join(comps)} module path matches module {sel.module!r}; nearest module paths: {', '.join(near)}"
+    found = [s for s in relevant if sel.module is None or re.search(sel.module, s[0])]
+    if sel.kinds is not None and not any(s[2] in sel.kinds for s in found):
+        present = sorted({s[2].value for s in found if s[2] is not None})
+        return (f"no site of kind {', '.join(sorted(k.value for k in sel.kinds))}; the graph's "
+                f"{'/'.join(comps)} sites{' matching module' if sel.module is not None else ''} are of kind "
+                f"{', '.join(present) or 'none'}")
+    found = [s for s in found if sel.kinds is None or s[2] in sel.kinds]
+    layers = sorted({s[3] for s in found if s[3] is not None})
+    span = f"{layers[0]}..{layers[-1]}" if layers else "none"
+    return (f"no site in layers.indices {sorted(sel.layers or ())}; the layers of the sites the other selectors keep are "
+            f"{span}; nearest module paths: {', '.join(dict.fromkeys(s[0] for s in found[:3]))}")
+
+
 def _new(graph: fx.Graph, site: fx.Node, target, args: tuple) -> fx.Node:
     new = graph.call_function(target, args)
     copy_meta(site, new, example_value(args[0]) if target is capture_grad else None)
     return new
 
 
-__all__ = ["TapReport", "insert_capture_taps"]
+__all__ = ["TapReport", "insert_capture_taps", "unmatched_sections"]
