@@ -176,3 +176,17 @@ def test_where_help_says_repeated_values_add_up():
                     found += 1
                     assert "values given for the same FIELD add up" in action.help, path
     assert found == 7  # report, quant-error, mx-sweep, what-if, plot-tensors, capture ls, capture export-pt
+
+
+def make_float_model():
+    """A model of float inputs (no nn.Embedding), for `fxquant explain`."""
+    import torch
+
+    return torch.nn.Sequential(torch.nn.Linear(8, 8))
+
+
+def test_explain_says_it_feeds_token_ids_for_a_model_without_an_embedding(capsys):
+    assert main(["explain", "--scheme", "linear_mxfp8", "--model", f"{__name__}:make_float_model"]) == 2
+    err = capsys.readouterr().err
+    assert "the model has no nn.Embedding: `fxquant explain` feeds a model token ids" in err
+    assert "fxquant.explain(model, *inputs, scheme=...)" in err

@@ -53,14 +53,19 @@ def test_inductor_linear_site_is_bitwise_equal_to_eager():
     torch.testing.assert_close(got[2]["fc1.bias"], ref[2]["fc1.bias"], rtol=1e-5, atol=1e-5)  # a sum: order differs
 
 
-def test_inductor_sdpa_site_is_bitwise_equal_to_eager():
+@pytest.mark.parametrize("scheme, tol", [("FA_QKPV_mxfp8", 0.0), ("FA_mxfp8", 1e-6), ("FA_PV_mxfp8", 1e-6)])
+def test_inductor_sdpa_site_equals_eager(scheme, tol):
+    """Bit for bit where both attention GEMMs quantize every operand (FA_QKPV: the roundings take the softmax's
+    last bits, forward and backward); where an operand stays in high precision, Inductor's softmax and its
+    backward round their last bits differently from ATen's, as under plain torch.compile (docs/compile.md
+    "Known limits")."""
     g = torch.Generator().manual_seed(1)
     q, k, v = torch.randn(2, 4, 40, 32, generator=g), torch.randn(2, 2, 40, 32, generator=g), torch.randn(2, 2, 40, 32, generator=g)
-    ref = _run(OneAttention(), "eager", "FA_QKPV_mxfp8", q, k, v)
-    got = _run(OneAttention(), "inductor", "FA_QKPV_mxfp8", q, k, v)
-    torch.testing.assert_close(got[0], ref[0], rtol=0, atol=0)
+    ref = _run(OneAttention(), "eager", scheme, q, k, v)
+    got = _run(OneAttention(), "inductor", scheme, q, k, v)
+    torch.testing.assert_close(got[0], ref[0], rtol=0, atol=tol)
     for a, b in zip(got[1], ref[1]):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, b, rtol=0, atol=tol)
 
 
 def test_inductor_llama_matches_eager_reference():

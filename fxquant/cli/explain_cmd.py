@@ -68,7 +68,10 @@ def _vocab(model, given: int | None) -> int:
     size = None if embedding is None else embedding.num_embeddings
     if given is None:
         if size is None:
-            raise ValueError("--vocab is needed: the model has no nn.Embedding to take the vocabulary size from")
+            raise ValueError("the model has no nn.Embedding: `fxquant explain` feeds a model token ids, drawn from "
+                             "[0, --vocab), and takes the vocabulary size from its first nn.Embedding; give --vocab "
+                             "for a token model without one, or call fxquant.explain(model, *inputs, scheme=...) in "
+                             "Python for a model with other inputs")
         return size
     if given < 1:
         raise ValueError(f"--vocab {given}: must be >= 1")
