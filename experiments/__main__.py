@@ -42,7 +42,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variant", default="tiny", choices=["tiny", "full"],
                    help="model size: tiny (the same structure, trains on 2 CPU cores) or full (the published one)")
     p.add_argument("--capture", metavar="SPEC", default=None,
-                   help="capture during training: a shipped spec name (predecessor, linear_io, stats_only) or a spec "
+                   help="capture during training: a shipped spec name (predecessor, linear_io, stats_only, attention_maps) or a spec "
                    "YAML path; captures go to RUN_DIR/captures, or to --tensor-save-dir (one subdirectory per run); "
                    "default: no capture (predecessor with --save-tensors)")
     p.add_argument("--nproc", type=int, default=None,

@@ -227,3 +227,17 @@ sections:
     assert len(fxquant.compile_state(compiled).backend.tap_reports) == 2
     assert not [r for r in caplog.records if "selects no site" in r.getMessage()]
     assert [r.module for r in capture.open(tmp_path)] == ["second"]
+
+
+def test_shipped_linear_specs_capture_linears_of_any_name(tmp_path):
+    """`linear_io` and `stats_only` select every linear but the LM head, embeddings and routers: a linear with a
+    name fxquant gives no kind (kind `linear`, here an nn.Sequential's `0` and `2`) is captured too."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    for name in ("linear_io", "stats_only"):
+        torch._dynamo.reset()
+        out = tmp_path / name
+        compiled = fxquant.compile(model, "bf16", backend="aot_eager", capture=name, capture_dir=out)
+        compiled(torch.randn(4, 8)).sum().backward()
+        fxquant.compile_state(compiled).capture_session.close()
+        assert {(r.module, r.role) for r in capture.open(out) if r.copy == "hp"} >= {
+            ("0", "input"), ("2", "input"), ("0", "grad_output"), ("2", "grad_output")}, name

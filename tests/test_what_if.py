@@ -79,8 +79,9 @@ def test_pt_directory_where_and_cli(tmp_path, capsys):
     assert out["records"] == 3 and {(r["role"], r["layer"]) for r in out["rows"]} == {
         ("input", 1), ("weight", 1), ("grad_output", 1)}
     assert len(out["tensors"]) == 6 and {t["format"] for t in out["tensors"]} == {"mxfp8_e4m3", "nvfp4"}
-    assert main(["what-if", str(tmp_path / "pt"), "--where", "role=nothing", "-q"]) == 2
-    assert "no high-precision tensors selected" in capsys.readouterr().err
+    assert main(["what-if", str(tmp_path / "pt"), "--where", "role=nothing", "-q"]) == 1  # as report's empty selection
+    assert (f"error: no high-precision records with a stored tensor in {tmp_path / 'pt'} match --where role=nothing: "
+            "nothing to analyse") in capsys.readouterr().err
 
 
 def test_cli_refuses_missing_directories_and_unknown_group_fields(tmp_path, capsys):

@@ -17,7 +17,7 @@ import time
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("prepare-data", help="tokenize JSONL (`text` field) into a Megatron indexed dataset (.bin/.idx)",
+    p = sub.add_parser("prepare-data", help="tokenize JSONL or WikiText into a Megatron indexed dataset (.bin/.idx)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("inputs", nargs="*", help="input files: .jsonl, .jsonl.gz, or WikiText .txt with --format wikitext")
     p.add_argument("--output-prefix", "-o", default=None, metavar="PREFIX",

@@ -47,7 +47,9 @@ def run(args: argparse.Namespace) -> int:
     for p in res.problems:
         print(f"warning: {p}", file=sys.stderr)
     if not res.records:
-        raise ValueError("no high-precision tensors selected (check the DIRs and --where)")
+        error = nothing_found(0, res.problems, args.dirs, args.where, "high-precision records with a stored tensor")
+        print(f"fxquant what-if: error: {error}: nothing to analyse", file=sys.stderr)
+        return 1
     if not res.loaded:
         print(f"fxquant what-if: error: none of the {res.records} selected high-precision tensor(s) could be read "
               f"(see the warnings above): nothing to analyse", file=sys.stderr)

@@ -143,8 +143,8 @@ class MegatronOptimizerSetup:
 
     def state_dict(self) -> dict:
         if self.optimizer.config.use_distributed_optimizer:
-            raise ValueError("checkpointing with the distributed optimizer is not supported yet; "
-                             "run without --distributed-optimizer to save checkpoints")
+            raise ValueError("checkpointing with the distributed optimizer is not supported; set "
+                             "train.optim.distributed_optimizer to false in the run config to save checkpoints")
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
