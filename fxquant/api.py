@@ -10,6 +10,10 @@ compiled module (forward pre-hook and an always-called forward hook, outside Dyn
 
 The state lives on the returned module as ``compiled._fxquant`` (a ``CompileState``); ``compile_state``
 reads it, ``fxquant.counters`` uses it for the expected-vs-executed quantize counts.
+
+The returned module's forward and hooks are ``torch.compiler.disable``d (``_run_apart``): inside another compiled
+model it runs its own graphs, with its own scheme, at a graph break of the outer trace. ``copy.deepcopy`` and
+``pickle`` make it again with ``compile`` (same scheme and options, fresh state).
 """
 from __future__ import annotations
 
@@ -272,12 +276,36 @@ def compile(
                    num_layers=num_layers, attention=attention, kernels=kernels)
     state = CompileState(fx_backend, model, strict, capture_session=session, options=options)
     object.__setattr__(compiled, STATE_ATTR, state)
-    # torch's OptimizedModule deep-copies as a bare torch.compile of the copied model (its __reduce__): no hooks,
-    # no state. copy.deepcopy looks __deepcopy__ up on the instance, so the copy is compiled again the same way.
+    # torch's OptimizedModule deep-copies and pickles as a bare torch.compile of the model (its __reduce__): no
+    # hooks, no state, and a pickled backend with its rewritten graphs, which do not load. copy.deepcopy looks
+    # __deepcopy__ up on the instance and pickle __reduce_ex__, so copy and unpickled module are compiled again.
     object.__setattr__(compiled, "__deepcopy__", functools.partial(_deepcopy_compiled, state))
-    compiled.register_forward_pre_hook(state.before_call)
-    compiled.register_forward_hook(state.after_call, always_call=True)
+    object.__setattr__(compiled, "__reduce_ex__", functools.partial(_reduce_compiled, state))
+    _run_apart(compiled, state)
     return compiled
+
+
+_APART = ("fxquant.compile'd module: it runs its own compiled graphs with its own scheme, outside the graph of "
+          "an enclosing torch.compile (docs/compile.md, 'A compiled module inside a compiled model')")
+
+
+def _run_apart(compiled: nn.Module, state: CompileState) -> None:
+    """Make calls of ``compiled`` opaque to an enclosing Dynamo trace, and install the state's hooks.
+
+    Dynamo inlines a torch.compile'd submodule into the graph of an enclosing compile (its ``_orig_mod``), which
+    compiles it with the outer backend: the module would run unquantized, or with the outer scheme. Dynamo leaves a call
+    of an OptimizedModule whose ``forward`` is ``torch.compiler.disable``d to run outside its graph (a graph
+    break), and there ``forward`` runs this module's own compiled code. The forward is wrapped in a function of
+    our own: ``disable`` unwraps a Dynamo-wrapped callable to the function it compiles. The hooks are disabled too
+    (they run around ``forward``, where an enclosing compile would otherwise trace them as frames of their own)."""
+    compiled_forward = compiled.forward
+
+    def forward(*args: object, **kwargs: object) -> object:
+        return compiled_forward(*args, **kwargs)
+
+    compiled.forward = torch._dynamo.disable(forward, reason=_APART)
+    compiled.register_forward_pre_hook(torch._dynamo.disable(state.before_call, reason=_APART))
+    compiled.register_forward_hook(torch._dynamo.disable(state.after_call, reason=_APART), always_call=True)
 
 
 # Every torch.compile of one model shares its forward's cache entries, and Dynamo's recompile limit (8) counts them
@@ -293,6 +321,20 @@ def _deepcopy_compiled(state: CompileState, memo: dict) -> nn.Module:
         log.warning("fxquant: the deep copy of a module compiled with capture_dir= has no capture session of its own; "
                     "its capture taps write to the session active when it runs, whose iteration it does not advance")
     return compile(copy.deepcopy(state.model, memo), state.scheme, **state.options)
+
+
+def _reduce_compiled(state: CompileState, protocol: int) -> tuple:
+    """``pickle`` (and ``torch.save``) of a module ``compile`` returned: on loading, ``compile`` of the unpickled
+    model with the same scheme and options, as ``copy.deepcopy``: a fresh state, graphs compiled on its first
+    call; no capture session of its own."""
+    if state.capture_session is not None:
+        log.warning("fxquant: a module compiled with capture_dir= is pickled without its capture session; once "
+                    "loaded, its capture taps write to the session active when it runs")
+    return _compile_unpickled, (state.model, state.scheme, state.options)
+
+
+def _compile_unpickled(model: nn.Module, scheme: Scheme, options: dict) -> nn.Module:
+    return compile(model, scheme, **options)
 
 
 def compile_state(compiled: nn.Module) -> CompileState:

@@ -2,8 +2,9 @@
 
 ``FxquantBackend(scheme, inner=Inner.INDUCTOR, ...)`` is what ``fxquant.compile`` hands to
 ``torch.compile(backend=...)``. Per Dynamo graph it runs ``fxquant.passes.run_passes`` (match, resolve,
-rewrite), records a ``GraphReport``, reports sites it could not rewrite (``passes.strict``), and compiles
-the rewritten graph with the inner backend:
+rewrite), records a ``GraphReport``, compiles the rewritten graph with the inner backend, and reports sites it
+could not rewrite (``passes.strict``); a graph whose compile raises (Dynamo restarting the frame's analysis, as
+when it specialises a float it first traced as symbolic) leaves no report and no issue behind:
 
     Inner.INDUCTOR   compile_fx with config_patches keying the caches on fxquant (passes.cache_key, trap 5)
     Inner.AOT_EAGER  AOT autograd without codegen (quick; what most tests use, trap 11)
@@ -74,6 +75,7 @@ class FxquantBackend:
         # Dynamo wraps any exception raised here into BackendCompilerFailed. A user error (ValueError) is returned
         # as a graph that raises it when called, so nothing of the graph runs; strict failures are kept in
         # ``pending`` and raised by fxquant.compile's hook after the call.
+        kept = len(self.reports), len(self.tap_reports), len(self.pending)
         try:
             graph_report = run_passes(
                 gm, self.scheme, self.names, layers=self.layers, index=len(self.reports),
@@ -96,14 +98,27 @@ class FxquantBackend:
         n_rewritten = sum(s.status.value == "rewritten" for s in graph_report.sites)
         log.info("fxquant: graph %d: %d sites matched, %d rewritten, %d matmul-like ops unmatched",
                  graph_report.index, len(graph_report.sites), n_rewritten, len(graph_report.unmatched))
-        issues = failed_sites(graph_report.sites)
+        try:
+            compiled = self.compile_inner(gm, example_inputs, graph_report.index)
+        except BaseException:  # re-raised: the graph was not compiled, so it never runs
+            self._forget(graph_report.index, *kept)
+            raise
+        issues = failed_sites(graph_report.sites)  # said once the graph is compiled: it is the one that runs
         if not self.dry_run:  # explain() lists them as unmatched instead
             issues += opaque_calls(graph_report.unmatched, self.scheme, self.layers)
         try:
             report(issues, self.strict)
         except QuantizationError as exc:
             self.pending.append(exc)
-        return self._counted(self.compile_inner(gm, example_inputs, graph_report.index), graph_report.index)
+        return self._counted(compiled, graph_report.index)
+
+    def _forget(self, index: int, reports: int, tap_reports: int, pending: int) -> None:
+        """Drop what ``__call__`` recorded for graph ``index`` when its compile raised: Dynamo restarting the
+        frame's analysis (``RestartAnalysis``: e.g. a float it traced as symbolic, such as nn.MultiheadAttention's
+        ``dropout_p`` under ``dynamic=True``, specialised for the next attempt) or a failed compile. That graph
+        never runs, so its sites, unmatched ops and strict issues are not the model's."""
+        del self.reports[reports:], self.tap_reports[tap_reports:], self.pending[pending:]
+        self.kernels_used.pop(index, None)
 
     def _counted(self, compiled: object, index: int) -> object:
         """``compiled`` (the graph's callable, boxed or not), counting its calls in ``runs[index]``: the runtime

@@ -6,9 +6,10 @@ no_grad, an evaluation's, expects no backward), and of the other graphs in use f
 step's, or an evaluation's) once each; executed is measured, not inferred: the calls of the ``fxquant::quantize`` op (and
 of ``fxquant::quantize_reference``, which ``kernels="reference"`` lowers it to) that the dispatcher records
 while the block runs (torch.profiler, CPU activity; the op is dispatched by
-eager, aot_eager and Inductor-generated code alike, and by the autograd engine's threads). Count a step that
-compiles nothing (tracing dispatches the op as well; such a count is flagged ``compiled``). A shortfall
-means some quantization did not run (a frame fell back to eager, the uncompiled module was called, a graph's
+eager, aot_eager and Inductor-generated code alike, and by the autograd engine's threads). A ``fxquant.compile``'d
+module inside the compiled model runs graphs of its own (docs/compile.md): expected adds those of its graphs
+that ran in the block. Count a step that compiles nothing (tracing dispatches the op as well; such a count is
+flagged ``compiled``). A shortfall means some quantization did not run (a frame fell back to eager, the uncompiled module was called, a graph's
 call made fewer quantizes than its passes expect); an excess, that the model quantizes by itself.
 Graphs compiled with ``kernels="inductor"`` quantize in lowered ATen ops (Inductor-generated code, or aot_eager's
 ATen calls) and dispatch no op: they count in ``fused`` (from the passes), not in expected or executed.
@@ -63,6 +64,15 @@ class QuantizeCount:
                 f"{self.executed}{fused}" + (note if self.compiled else ""))
 
 
+def nested_states(model: nn.Module) -> list:
+    """The CompileStates of ``fxquant.compile``'d modules inside ``model`` (at any depth): they run their own
+    graphs, and their quantizes are part of ``model``'s step."""
+    from fxquant.api import STATE_ATTR, CompileState
+
+    states = [vars(m).get(STATE_ATTR) for m in model.modules()]
+    return [s for s in states if isinstance(s, CompileState)]
+
+
 def count_events(events: object) -> int:
     return sum(1 for e in events if e.name in OP_NAMES)
 
@@ -78,21 +88,28 @@ def count_quantize_calls(compiled: nn.Module, *, backward: bool = True, strict: 
     from fxquant.passes.strict import report
 
     state = compile_state(compiled)
-    backend = state.backend
-    n_graphs = len(backend.reports)
-    runs_before, recomputed_before = dict(backend.runs), backend.recomputed_runs
+    backends = [state.backend, *(s.backend for s in nested_states(state.model))]
+    before = [(len(b.reports), dict(b.runs), b.recomputed_runs) for b in backends]
     grad_enabled = torch.is_grad_enabled()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         count = QuantizeCount(0, 0, backward=backward)
         yield count
-    times = backend.block_times({i: n - runs_before.get(i, 0) for i, n in backend.runs.items()}, grad_enabled)
-    count.expected_forward, count.expected_backward = backend.calls_of(times, fused=False)
-    fused_fwd, fused_bwd = backend.calls_of(times, fused=True)
+    fused_fwd = fused_bwd = 0
+    for i, (backend, (n_graphs, runs_before, recomputed_before)) in enumerate(zip(backends, before)):
+        ran = {g: n - runs_before.get(g, 0) for g, n in backend.runs.items()}
+        # the compiled module's graphs as block_times says; a nested module's, those that ran (it may be called
+        # in some steps only; its own counter and strict checks judge its frames)
+        times = backend.block_times(ran, grad_enabled) if i == 0 else {g: n for g, n in ran.items() if n}
+        fwd, bwd = backend.calls_of(times, fused=False)
+        count.expected_forward += fwd
+        count.expected_backward += bwd
+        fwd, bwd = backend.calls_of(times, fused=True)
+        fused_fwd, fused_bwd = fused_fwd + fwd, fused_bwd + bwd
+        # checkpointed regions in the graphs, or a checkpoint around the compiled module recomputing a graph during
+        # the backward: more calls than a step without recompute, how many the checkpoint's kind decides
+        count.recomputed |= backend.recomputes_in(times) or backend.recomputed_runs != recomputed_before
+        count.compiled |= len(backend.reports) != n_graphs
     count.fused = fused_fwd + (fused_bwd if backward else 0)
-    # checkpointed regions in the graphs, or a checkpoint around the compiled module recomputing a graph during the
-    # backward: more calls than a step without recompute, how many the checkpoint's kind decides
-    count.recomputed = backend.recomputes_in(times) or backend.recomputed_runs != recomputed_before
     count.executed = count_events(prof.events())
-    count.compiled = len(state.backend.reports) != n_graphs
     if not count.ok:
         report([f"{count} in this step"], state.strict if strict is None else strict)

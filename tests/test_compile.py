@@ -1,8 +1,11 @@
 """fxquant.compile on the small Llama module: compiled == eager run of the same quantized functions (bitwise,
-outputs and gradients), bf16 == plain torch.compile, dynamic shapes, graph breaks, runtime counters."""
+outputs and gradients), bf16 == plain torch.compile, dynamic shapes, graph breaks, runtime counters (a no_grad
+region in a training forward included), deep copy and pickling of the returned module."""
 from __future__ import annotations
 
 import copy
+import io
+import pickle
 
 import pytest
 import torch
@@ -199,6 +202,80 @@ def test_deep_copy_of_a_compiled_module_is_compiled_the_same_way():
     with torch.no_grad():
         next(clone._orig_mod.parameters()).mul_(2)
     assert torch.equal(run_step(model, tokens)[1], first[1])
+
+
+def _mlp_and_input():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    return model, torch.randn(4, 32)
+
+
+def _torch_save_load(module):
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("called", [False, True], ids=["before-first-call", "after-first-call"])
+@pytest.mark.parametrize("roundtrip", [lambda m: pickle.loads(pickle.dumps(m)), _torch_save_load],
+                         ids=["pickle", "torch.save"])
+def test_a_pickled_compiled_module_loads_compiled_again(called, roundtrip):
+    """pickle / torch.save of the returned module, as copy.deepcopy: loading compiles the loaded model with the same
+    scheme and options, with a fresh state (torch's OptimizedModule pickled alone loads without fxquant's state
+    before the first call, and does not load after it: the pickled backend's rewritten graphs re-trace)."""
+    base, x = _mlp_and_input()
+    model = fxquant.compile(base, "linear_mxfp8", backend="aot_eager", kernels="reference", strict=True)
+    if called:
+        model(x).sum().backward()
+    loaded = roundtrip(model)
+    state, mine = fxquant.compile_state(loaded), fxquant.compile_state(model)
+    assert state is not mine and state.model is loaded._orig_mod and state.model is not base
+    assert state.scheme.name == "linear_mxfp8" and state.strict and state.options == mine.options
+    assert not state.backend.reports  # graphs compile again on the first call
+    torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+    loaded(x).sum().backward()
+    with count_quantize_calls(loaded, strict=True) as count:
+        loaded(x).sum().backward()
+    assert count.executed == count.expected > 0
+
+
+def test_a_model_holding_a_compiled_module_pickles():
+    """A compiled submodule inside a plain model loads compiled again, its parameters the loaded model's."""
+    net, x = _mlp_and_input()
+    net[2] = fxquant.compile(net[2], "linear_mxfp8", backend="aot_eager", strict=True)
+    want = net(x)
+    loaded = pickle.loads(pickle.dumps(net))
+    assert fxquant.compile_state(loaded[2]).model is loaded[2]._orig_mod
+    torch.testing.assert_close(loaded(x), want, rtol=0, atol=0)
+
+
+class _Distill(torch.nn.Module):
+    """A student trained against a frozen teacher that runs under no_grad inside the same forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.teacher, self.student = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        with torch.no_grad():
+            target = self.teacher(x)
+        return (self.student(x) - target).square().mean()
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_linear_under_no_grad_in_a_training_forward_has_no_backward_quantizes(backend):
+    """The teacher's weight requires grad, but its output does not: its GEMM has no dgrad and no wgrad."""
+    torch.manual_seed(0)
+    model = fxquant.compile(_Distill(), "linear_mxfp8", backend=backend, strict=True)
+    x = torch.randn(4, 32)
+    model(x).backward()
+    with count_quantize_calls(model, strict=True) as count:
+        model(x).backward()
+    # forward: x and W of each linear (aot_eager's CSE shares x's quantize); backward: the student's wgrad only
+    forward = 4 if backend == "eager" else 3
+    assert (count.expected_forward, count.expected_backward) == (forward, 2)
+    assert count.executed == count.expected
 
 
 def test_counters_flag_a_step_that_skips_the_compiled_graph(caplog):

@@ -4,13 +4,15 @@ are linear sites and its attention an attention site, forward and backward.
 Checked: high precision (bf16) compiled == torch's own module; quantized compiled == an eager reference
 assembled here from ``fxquant.qfunctions`` (quantized_linear / quantized_sdpa / quantized_attention), bit for
 bit, for packed and separate weights, batch_first, bool / float / key-padding masks, need_weights with and
-without head averaging, is_causal, unbatched inputs, dropout and a second sequence length; a
+without head averaging, is_causal, unbatched inputs, dropout, a second sequence length and dynamic=True
+(Dynamo's symbolic dropout_p; the graph Dynamo abandons when it specialises it leaves nothing behind); a
 TransformerEncoderLayer training step with every projection and the attention quantized (counts match);
 ``explain`` rows; capture taps at the MHA's sites. Refused MHA features and other opaque GEMM calls:
 tests/test_compile_opaque.py.
 """
 from __future__ import annotations
 
+import importlib
 
 import pytest
 import torch
@@ -24,6 +26,7 @@ from fxquant.schemes.model import AttentionQuant, LinearQuant, Site, SiteKind
 from tests.bitwise import assert_bitwise_equal
 
 E, H, L, S, B = 64, 4, 8, 6, 2
+MHA_PASS = importlib.import_module("fxquant.passes.decompose_mha")  # fxquant.passes.decompose_mha is its function
 
 
 class AttnModel(nn.Module):
@@ -280,6 +283,43 @@ def test_second_sequence_length_dynamic_shapes():
         want = run(lambda *a, **k: reference(model, "FA_linear_mxfp8", *a, **k), model, (x,), kw)
         assert_same(run(compiled, model, (x,), kw), want)
     assert len(fxquant.compile_state(compiled).backend.reports) == 2  # static, then one dynamic graph
+
+
+@pytest.mark.parametrize("backend,need_weights", [("aot_eager", False), ("eager", False), ("eager", True)])
+def test_dynamic_true_quantizes_every_site_and_strict_accepts_it(backend, need_weights):
+    """dynamic=True: Dynamo traces the module's dropout probability as a symbolic float. Under aot_eager, AOT
+    autograd then makes Dynamo restart the frame with it specialised: the abandoned graph (its MHA opaque) must
+    leave no report, unmatched op or strict error. Under eager that graph runs: the symbolic dropout_p is passed
+    through, so the MHA is decomposed and quantized as under aot_eager."""
+    torch.manual_seed(0)
+    model = AttnModel()  # training mode, dropout 0.0
+    x = torch.randn(B, L, E, generator=_gen(1))
+    kw = dict(need_weights=need_weights)
+    want = run(lambda *a, **k: reference(model, "FA_linear_mxfp8", *a, **k), model, (x,), kw)
+    compiled = fxquant.compile(model, "FA_linear_mxfp8", backend=backend, strict=True, dynamic=True)
+    assert_same(run(compiled, model, (x,), kw), want)
+    state = fxquant.compile_state(compiled)
+    assert len(state.backend.reports) == 1 and not state.unmatched()
+    selected = {s.site.module_path for s in state.sites() if s.selected and s.status.value == "rewritten"}
+    assert {"attn", "attn.in_proj", "attn.out_proj", "fc"} <= selected
+    with count_quantize_calls(compiled, strict=True) as count:
+        run(compiled, model, (x,), kw)
+    assert count.executed == count.expected > 0
+
+
+def test_a_graph_dynamo_abandons_leaves_no_report_and_no_strict_error(monkeypatch):
+    """Under aot_eager and dynamic=True, AOT autograd makes Dynamo restart the frame with the symbolic dropout_p
+    specialised: the first graph is never compiled nor run. Here ``decompose_mha`` is made to refuse a symbolic
+    dropout_p, so that graph's MHA is an opaque call strict rejects; only the graph that runs counts."""
+    monkeypatch.setattr(MHA_PASS, "_FLAGS", (*MHA_PASS._FLAGS, "dropout_p"))
+    torch.manual_seed(0)
+    model = AttnModel()
+    x = torch.randn(B, L, E, generator=_gen(1))
+    compiled = fxquant.compile(model, "FA_linear_mxfp8", backend="aot_eager", strict=True, dynamic=True)
+    run(compiled, model, (x,), dict(need_weights=False))
+    state = fxquant.compile_state(compiled)
+    assert len(state.backend.reports) == 1 and not state.unmatched() and not state.backend.pending
+    assert {s.site.module_path for s in state.sites() if s.status.value == "rewritten"} >= {"attn", "attn.in_proj"}
 
 
 def _encoder(**kw):

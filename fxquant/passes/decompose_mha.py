@@ -27,13 +27,14 @@ Masks as torch canonicalises them: a bool ``attn_mask`` / ``key_padding_mask`` (
 additive float mask (-inf), a 2-D attn_mask is broadcast over batch and heads, a 3-D one is
 [B*H, L, S]; key_padding_mask [B, S] is added per batch; ``is_causal`` (with its attn_mask) runs SDPA's
 causal mode when no key_padding_mask is given and weights are not needed. Dropout applies only when
-``training``. Unbatched inputs ([L, E]) are handled as torch does (a batch of one, squeezed; q, k and v
-then count as distinct).
+``training``, with ``dropout_p`` as the call has it: a constant, or a node (Dynamo's symbolic float under
+``dynamic=True``) passed on to the attention op as it is. Unbatched inputs ([L, E]) are handled as torch does
+(a batch of one, squeezed; q, k and v then count as distinct).
 
 Refused (the node is left as it is and reported as an opaque GEMM call, which ``strict`` rejects, see
 ``passes.opaque``): ``add_bias_kv`` (bias_k / bias_v), ``add_zero_attn``, ``static_k`` /
-``static_v``, non-constant flags, a result used other than by indexing. The reason is kept in
-``node.meta[REFUSED_KEY]``. Every inserted node carries the MHA node's ``stack_trace`` and
+``static_v``, non-constant flags other than ``dropout_p``, a result used other than by indexing. The reason is
+kept in ``node.meta[REFUSED_KEY]``. Every inserted node carries the MHA node's ``stack_trace`` and
 ``source_fn_stack`` and an ``example_value`` computed under the graph's fake mode; the pass never runs
 ``eliminate_dead_code`` (trap 2): only the MHA node and its getitem users are erased.
 """
@@ -70,8 +71,8 @@ MHA_FUNCTION = F.multi_head_attention_forward
 _PARAMS = inspect.signature(MHA_FUNCTION).parameters
 _NAMES = tuple(_PARAMS)
 _DEFAULTS = {n: p.default for n, p in _PARAMS.items() if p.default is not inspect.Parameter.empty}
-_FLAGS = ("embed_dim_to_check", "num_heads", "add_zero_attn", "dropout_p", "training", "need_weights",
-          "is_causal", "use_separate_proj_weight", "average_attn_weights")
+_FLAGS = ("embed_dim_to_check", "num_heads", "add_zero_attn", "training", "need_weights", "is_causal",
+          "use_separate_proj_weight", "average_attn_weights")  # dropout_p may be a node: passed through
 
 
 class Refused(ValueError):
@@ -201,7 +202,7 @@ def _emit(e: _Emitter, call: _Call, same: tuple[bool, bool]) -> tuple[object, ob
         inputs, same = tuple(t.unsqueeze(1) for t in inputs), (False, False)
     q, k, v = _in_projection(e, call, a, inputs, same)
     mask, is_causal, broadcast_mask = _masks(call, a)
-    dropout_p = call["dropout_p"] if call["training"] else 0.0
+    dropout_p = a["dropout_p"] if call["training"] else 0.0  # a proxy where it is a node
     if call["need_weights"]:
         heads_first = [t.unflatten(-1, (H, d)).flatten(1, 2).transpose(0, 1) for t in (q, k, v)]  # [B*H, L, d]
         both = e.call(mha_attention_weights, *heads_first, mask, dropout_p)

@@ -8,8 +8,10 @@ calls are counted once per (operand, spec, axis). ``fxquant.counters`` compares 
 
 Backward GEMMs follow autograd: a gradient that autograd does not ask for is not computed, so its GEMM
 quantizes nothing (a first linear whose input does not require grad has no dgrad; a frozen weight, no
-wgrad). Whether an operand requires grad is read from its node's ``example_value`` (Dynamo's fake tensor);
-an operand without one is assumed to require grad.
+wgrad), and a GEMM whose output does not require grad has no backward at all (a linear run under
+``torch.no_grad()`` inside a training forward, such as a frozen teacher's). Whether an operand or the site's
+output requires grad is read from its node's ``example_value`` (Dynamo's fake tensor, traced in the grad mode of
+its region); a node without one is assumed to require grad.
 """
 from __future__ import annotations
 
@@ -28,9 +30,20 @@ def requires_grad(operand: object) -> bool:
     return bool(getattr(value, "requires_grad", True)) if value is not None else isinstance(operand, fx.Node)
 
 
-def _gemm_runs(a: object, b: object) -> list[bool]:
+def output_requires_grad(node: fx.Node) -> bool:
+    """Whether autograd records the site ``node``'s result (any tensor of it, for a tuple such as (O, P)): False
+    for a site traced under no_grad, whose GEMMs then have no backward (True when unknown)."""
+    value = node.meta.get("example_value")
+    if isinstance(value, (tuple, list)):
+        tensors = [v for v in value if isinstance(v, torch.Tensor)]
+        return not tensors or any(t.requires_grad for t in tensors)
+    return requires_grad(node)
+
+
+def _gemm_runs(node: fx.Node, a: object, b: object) -> list[bool]:
     """Per operand slot of a (fwd a, fwd b, grad_a dC, grad_a b, grad_b a, grad_b dC) table: whether it runs."""
-    ga, gb = requires_grad(a), requires_grad(b)
+    out = output_requires_grad(node)
+    ga, gb = out and requires_grad(a), out and requires_grad(b)
     return [True, True, ga, ga, gb, gb]
 
 
@@ -44,20 +57,20 @@ def _operand_keys(node: fx.Node) -> list[tuple[int, tuple]]:
             w, wk, wn = w.args[0], "K of w.t()", "N of w.t()"
         table = [(_FWD, x, "K"), (_FWD, w, wk), (_BWD, node, "dY,N"), (_BWD, w, wn), (_BWD, node, "dY,M"),
                  (_BWD, x, "M")]
-        runs = _gemm_runs(x, w)
+        runs = _gemm_runs(node, x, w)
     elif t in (wrappers.fxquant_matmul, wrappers.fxquant_bmm, wrappers.fxquant_baddbmm):
         a, b = (args[1], args[2]) if t is wrappers.fxquant_baddbmm else (args[0], args[1])
         s = args[-1]
         table = [(_FWD, a, "-1"), (_FWD, b, "-2"), (_BWD, node, "dC,-1"), (_BWD, b, "-1"), (_BWD, a, "-2"),
                  (_BWD, node, "dC,-2")]
-        runs = _gemm_runs(a, b)
+        runs = _gemm_runs(node, a, b)
     elif t in (wrappers.fxquant_sdpa, wrappers.fxquant_attention_weights):  # operands private to the site
         s = args[-1]
         phases = [_FWD, _FWD, _BWD, _BWD, _BWD, _BWD] * 2
-        q, k, v = args[0], args[1], args[2]
-        p_grad = requires_grad(q) or requires_grad(k)  # P = softmax(Q K^T) needs a gradient iff Q or K does
-        runs = [True, True, requires_grad(q), requires_grad(q), requires_grad(k), requires_grad(k),
-                True, True, p_grad, p_grad, requires_grad(v), requires_grad(v)]
+        out = output_requires_grad(node)
+        gq, gk, gv = (out and requires_grad(t) for t in args[:3])
+        p_grad = gq or gk  # P = softmax(Q K^T) needs a gradient iff Q or K does
+        runs = [True, True, gq, gq, gk, gk, True, True, p_grad, p_grad, gv, gv]
         return [(ph, (node.name, i, spec)) for i, (ph, spec, run) in enumerate(zip(phases, s, runs))
                 if spec is not None and run]
     else:

@@ -7,7 +7,8 @@
   Conv1D and every ``core_attention`` / ``nn.MultiheadAttention`` module that the scheme selects must have been
   rewritten in some graph; one that was not ran outside the compiled graphs (a graph break split it, or
   its frame was skipped / fell back to eager), and the graph-break reasons Dynamo reported during the
-  call are listed with it;
+  call are listed with it. Modules inside a ``fxquant.compile``'d submodule are not expected (``traced_modules``):
+  it runs its own graphs;
 - a frame that hit Dynamo's recompile limit and therefore runs eagerly from then on;
 - per graph: an opaque call that runs GEMMs inside one node (``passes.opaque``: torch's fused
   transformer fast paths, recurrent layers, an nn.MultiheadAttention call ``decompose_mha`` refused, a custom
@@ -22,9 +23,11 @@ paths; docs/schemes.md "Rules that match nothing").
 """
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Iterable
 
+import torch
 from torch import nn
 
 from fxquant.passes.decompose_mha import MHA_LINEAR_SITES
@@ -99,11 +102,35 @@ def attention_not_found(scheme: Scheme, sites: Iterable[SiteMeta], unmatched: It
             f"recognised and runs unquantized; use SDPA (Hugging Face: attn_implementation=\"sdpa\")"]
 
 
-def model_sites(model: nn.Module, layers: LayerNumbering) -> list[Site]:
-    """The sites the model's module structure implies: linear modules (HF Conv1D included), ``core_attention``
-    modules and ``nn.MultiheadAttention`` modules (their attention; their out_proj is an nn.Linear)."""
+def runs_apart(module: nn.Module) -> bool:
+    """Whether an enclosing Dynamo trace leaves calls of ``module`` out of its graph: a compiled module whose
+    forward is ``torch.compiler.disable``d, as ``fxquant.compile`` returns (it runs its own graphs, its own
+    scheme); Dynamo inlines any other module."""
+    return (isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
+            and bool(inspect.getattr_static(module.forward, "_torchdynamo_disable", False)))
+
+
+def traced_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``model.named_modules()`` but a module that ``runs_apart`` and everything in it: what a compile of ``model``
+    traces. The sites of a ``fxquant.compile``'d submodule are its own compile's, not the enclosing one's."""
+    apart: list[str] = []
     out = []
     for name, mod in model.named_modules():
+        if any(name.startswith(f"{p}.") for p in apart):
+            continue
+        if name and runs_apart(mod):
+            apart.append(name)
+            continue
+        out.append((name, mod))
+    return out
+
+
+def model_sites(model: nn.Module, layers: LayerNumbering) -> list[Site]:
+    """The sites the model's module structure implies: linear modules (HF Conv1D included), ``core_attention``
+    modules and ``nn.MultiheadAttention`` modules (their attention; their out_proj is an nn.Linear); none inside
+    a ``fxquant.compile``'d submodule (``traced_modules``)."""
+    out = []
+    for name, mod in traced_modules(model):
         if not name:
             continue
         if isinstance(mod, nn.Linear) or type(mod).__name__ in LINEAR_MODULE_CLASSES or is_hf_conv1d(mod):
@@ -118,9 +145,10 @@ def possible_sites(model: nn.Module, layers: LayerNumbering) -> list[Site]:
     a linear site of the kind its name gives and as an attention site, and for each nn.MultiheadAttention the
     linear sites ``decompose_mha`` creates (``MHA_LINEAR_SITES``; its in-projections are no modules). A rule
     that matches none of these and none of the sites compiled so far cannot match anything
-    (``FxquantBackend.unmatched_rules``)."""
+    (``FxquantBackend.unmatched_rules``). A ``fxquant.compile``'d submodule's modules are not among them
+    (``traced_modules``)."""
     out = []
-    for name, mod in model.named_modules():
+    for name, mod in traced_modules(model):
         out += [layers.site(name), layers.site(name, SiteKind.ATTENTION)]
         if isinstance(mod, nn.MultiheadAttention):
             out += [layers.site(f"{name}.{suffix}" if name else suffix, kind)
