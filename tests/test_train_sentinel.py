@@ -5,7 +5,6 @@ import importlib.util
 import json
 
 import pytest
-import torch
 
 pytestmark = pytest.mark.megatron
 pytest.importorskip("megatron.core", reason="needs megatron-core")
@@ -43,7 +42,7 @@ def test_sentinel_records_the_first_nonfinite_iteration_and_its_parameters(tmp_p
 
 
 def test_sentinel_names_the_first_captured_site_with_a_nonfinite_value(tmp_path):
-    from fxquant.capture.reader import _read_manifest
+    from fxquant.capture.reader import manifest_records
     from fxquant.megatron_glue.run_config import CaptureConfig
     from fxquant.megatron_glue.train import train
 
@@ -57,7 +56,7 @@ def test_sentinel_names_the_first_captured_site_with_a_nonfinite_value(tmp_path)
     ev = result.records[1]["nonfinite"]
     site = ev["first_capture_site"]
     assert site is not None and site["nan_count"] + site["inf_count"] > 0  # here: a gradient (loss stays finite)
-    records, _ = _read_manifest(tmp_path / "cap" / "captures" / "rank-00000" / "manifest.jsonl")
+    records = manifest_records(tmp_path / "cap" / "captures" / "rank-00000" / "manifest.jsonl")
     bad = sorted((r for r in records if r["iteration"] == 1
                   and (r["stats"]["nan_count"] or r["stats"]["inf_count"])), key=lambda r: r["seq"])
     assert bad and (site["module"], site["role"], site["seq"]) == (bad[0]["module"], bad[0]["role"], bad[0]["seq"])

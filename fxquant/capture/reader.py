@@ -67,6 +67,12 @@ class Record:
         return path
 
 
+def manifest_records(path: Path) -> list[dict]:
+    """The records of one rank's manifest file, in file order (a torn last line and lines that are no record
+    skipped, as the reader does)."""
+    return _read_manifest(Path(path))[0]
+
+
 def _read_manifest(path: Path) -> tuple[list[dict], list[int], list[str]]:
     """Records of a manifest, the line numbers of a torn last line (a crash mid-append; skipped), and one problem
     per line that is JSON but no record (not an object; skipped, wherever it is). A line before the last that is not

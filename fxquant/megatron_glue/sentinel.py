@@ -62,10 +62,10 @@ def first_capture_site(session, iteration: int) -> dict | None:
     """The first record (capture order) of ``iteration`` (0-based, the session's counter) whose capture statistics
     count a NaN or Inf; flushes the session's writer first. None when none does (or nothing has statistics)."""
     from fxquant.capture import layout
-    from fxquant.capture.reader import _read_manifest
+    from fxquant.capture.reader import manifest_records
 
     session.flush()
-    records, _ = _read_manifest(session.dir / layout.MANIFEST)
+    records = manifest_records(session.dir / layout.MANIFEST)
     for r in sorted((r for r in records if r.get("iteration") == iteration), key=lambda r: r.get("seq", 0)):
         st = r.get("stats") or {}
         if st.get("nan_count") or st.get("inf_count"):
