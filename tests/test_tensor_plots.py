@@ -97,6 +97,11 @@ def test_two_directories_with_the_same_records_get_a_figure_each(tmp_path, capsy
     assert len(figures) == 2 and figures[0].startswith("0-a_") and figures[1].startswith("1-b_")
     index = (tmp_path / "out" / "index.html").read_text()
     assert all(f"heatmaps/{f}" in index for f in figures)
+    # again into the same directory with one DIR: the other DIR's figure goes, a file of the user's stays
+    (tmp_path / "out" / "heatmaps" / "notes.txt").write_text("mine")
+    assert main(["plot-tensors", str(tmp_path / "a"), "-o", str(tmp_path / "out")]) == 0
+    again = sorted(p.name for p in (tmp_path / "out" / "heatmaps").iterdir())
+    assert len(again) == 2 and "notes.txt" in again and not any(f.startswith(("0-a_", "1-b_")) for f in again)
 
 
 def test_long_module_names_keep_one_figure_per_record(tmp_path):

@@ -12,7 +12,7 @@ from tabulate import tabulate
 
 from fxquant.analysis import bins, svg
 from fxquant.analysis.aggregate import COMPARE_GROUPING, STAT_GROUPINGS, Aggregator
-from fxquant.analysis.outputs import Outputs, fmt_num, sort_key
+from fxquant.analysis.outputs import Outputs, fmt_num, slug, sort_key
 
 SECTION = "Global statistics"
 QUANTILE_ACCURACY = ("exact in rank and within one histogram bin in value: relative error <= 6.25% for normal "
@@ -133,7 +133,8 @@ def _compare(agg: Aggregator, out: Outputs) -> None:
         ax.legend("outside")
         ax.grid()
         _focus(ax, [table[k].signed for k in table if k[1:] == (copy, comp, role) and table[k].signed is not None])
-        out.figure(f"compare/{comp}_{role}_{copy}.svg", fig, "Comparison across schemes", f"{comp} {role} ({copy})")
+        out.figure(f"compare/{slug(f'{comp}_{role}_{copy}')}.svg", fig, "Comparison across schemes",
+                   f"{comp} {role} ({copy})")
     out.text("compare/schemes.txt", tabulate(rows, headers=["scheme", "component", "role", "copy", "tensors", "mean",
                                                             "std", "amax", "zero frac"], disable_numparse=True),
              "Comparison across schemes", "Statistics per scheme and site")

@@ -10,7 +10,9 @@ or the predecessor's ``.pt`` directories, at most ``max_tensors``):
   sequence ([b, h, Lq, Lk] from SDPA sites, [b*h, Lq, Lk] from Megatron's unfused attention), query rows x key
   columns, each cell the largest value inside it (probabilities on 0..max, scores on a diverging map).
 
-File names come from the record (module, role, copy, GEMM, rank, iteration, micro-batch, seq).
+File names come from the record (module, role, copy, GEMM, rank, iteration, micro-batch, seq); ``heatmaps.json``
+lists the files, and the figures an earlier run into the same directory listed but this one does not draw are
+removed (``Outputs.remove_stale``).
 """
 from __future__ import annotations
 
@@ -114,6 +116,9 @@ def attention_map(t: torch.Tensor, fields: dict, heads: int = 8, cells: int = 48
     return fig
 
 
+MANIFEST = "heatmaps.json"  # the files of one plot_tensors run, as report.json lists a report's
+
+
 def plot_tensors(dirs, out: str | Path, *, where: dict | None = None, max_tensors: int = 50, cells: int = 64,
                  heads: int = 8) -> tuple[Path, list[str], int]:
     """Draw the heatmaps (and attention maps) of the selected records; returns (index.html, problems, tensors)."""
@@ -125,6 +130,7 @@ def plot_tensors(dirs, out: str | Path, *, where: dict | None = None, max_tensor
     dirs = [dirs] if isinstance(dirs, (str, Path)) else list(dirs)
     problems: list[str] = []
     outputs = Outputs(Path(out))
+    previous = outputs.listed(MANIFEST)  # an earlier plot-tensors run there: its figures this one does not draw go
     done = 0
     sets = open_sets(dirs, problems)
     for k, (root, cs) in enumerate(sets.items()):
@@ -155,5 +161,8 @@ def plot_tensors(dirs, out: str | Path, *, where: dict | None = None, max_tensor
         cs.close()
     facts = [("capture directories", ", ".join(map(str, dirs))), ("filters", repr(where) if where else "none"),
              ("tensors drawn", str(done)), ("cells", f"at most {cells} x {cells}, largest |value| per cell")]
+    outputs.json(MANIFEST, {"facts": dict(facts), "problems": problems, "tensors": done,
+                            "files": [e.path for e in outputs.entries]}, "About these figures", "Metadata (JSON)")
     index = html.write(outputs.root, outputs.entries, "fxquant tensor heatmaps", facts, problems)
+    outputs.remove_stale(previous, keep=[index.name])
     return index, problems, done
