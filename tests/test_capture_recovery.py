@@ -10,6 +10,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors import safe_open
 
@@ -156,5 +157,37 @@ def test_the_sigterm_handler_is_restored_at_close_and_a_process_handler_is_left_
         with capture.start(spec_text(), tmp_path / "b"):
             assert signal.getsignal(signal.SIGTERM) is own
         assert signal.getsignal(signal.SIGTERM) is own
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_sigterm_is_the_default_again_after_a_caught_exit_or_a_close_cut_short(tmp_path, monkeypatch):
+    """The handler's SystemExit caught up the stack (a harness catching BaseException), or a close that raises
+    (Ctrl-C in the drain): either way the session's close gives SIGTERM its default action back, so a second
+    SIGTERM still ends the process."""
+    import os
+
+    previous = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        s = capture.start(spec_text(), tmp_path / "a")
+        with pytest.raises(SystemExit) as exit_:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs in this thread as the call returns
+            time.sleep(1)
+        assert exit_.value.code == 143
+        s.close()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+        s = capture.start(spec_text(), tmp_path / "b")
+        real_close = s.writer.close
+
+        def interrupted():
+            real_close()
+            raise KeyboardInterrupt("Ctrl-C during the drain")
+
+        monkeypatch.setattr(s.writer, "close", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            s.close()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -390,20 +390,22 @@ class CaptureSession:
         atexit.unregister(self.close)
         if self._sigterm is not None:
             self._sigterm.state = _SigtermExit.State.CLOSING  # a SIGTERM now cannot cut the drain short
-        st = self.writer.close()
-        self.pool.clear()
-        if st.error is not None or st.budget_reason is not None:
-            self._stop(st.error_reason or st.budget_reason)
-        self.summary = {"run_id": self.config.run_id, "records": st.records, "shards": st.shards, "bytes": st.bytes,
-                        "dropped": st.dropped, "stop_reason": self.stop_reason, "error": st.error_reason,
-                        "closed": time.time(), "clean": st.error is None}
         try:
-            layout.write_json_atomic(self.dir / layout.COMMITTED, self.summary)
-        except OSError as exc:
-            log.error("could not write the commit marker in %s: %s", self.dir, exc)
-        self._dir_lock.release()
-        if self._sigterm is not None:
-            self._sigterm.restore()
+            st = self.writer.close()
+            self.pool.clear()
+            if st.error is not None or st.budget_reason is not None:
+                self._stop(st.error_reason or st.budget_reason)
+            self.summary = {"run_id": self.config.run_id, "records": st.records, "shards": st.shards,
+                            "bytes": st.bytes, "dropped": st.dropped, "stop_reason": self.stop_reason,
+                            "error": st.error_reason, "closed": time.time(), "clean": st.error is None}
+            try:
+                layout.write_json_atomic(self.dir / layout.COMMITTED, self.summary)
+            except OSError as exc:
+                log.error("could not write the commit marker in %s: %s", self.dir, exc)
+            self._dir_lock.release()
+        finally:  # a close cut short (Ctrl-C in the drain) must not leave SIGTERM ignored
+            if self._sigterm is not None:
+                self._sigterm.restore()
         if st.error is not None and self.spec.on_error is ErrorPolicy.ABORT and not self._raised:
             self._raised = True
             raise CaptureError(f"capture failed (on_error: abort): {st.error_reason}") from st.error
@@ -507,13 +509,12 @@ class _SigtermExit:
             return
         if self.state is self.State.CLOSING:
             return
-        self.state = self.State.CLOSING
-        signal.signal(signum, signal.SIG_IGN)
+        self.state = self.State.CLOSING  # stays SIGTERM's handler: restore() finds it, also if SystemExit is caught
         raise SystemExit(128 + signum)
 
     def restore(self) -> None:
-        """SIG_DFL again, where this handler is still SIGTERM's (not replaced since, nor fired) and the caller is
-        the main thread."""
+        """SIG_DFL again, where this handler is still SIGTERM's (not replaced since) and the caller is the main
+        thread; close calls it however the close ends."""
         self.state = self.State.CLOSED
         if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is self:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
