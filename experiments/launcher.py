@@ -321,39 +321,37 @@ class Interrupted(BaseException):
 
 
 @contextlib.contextmanager
+def _handlers(handler, keep_ignored_sigint: bool = False):
+    """SIGINT's and SIGTERM's handler set to `handler` while held, the previous ones restored on exit; nothing
+    changes outside the main thread, where handlers cannot be set. `keep_ignored_sigint`: a SIGINT the caller
+    ignores (a background job of a script) stays ignored."""
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            if keep_ignored_sigint and sig == signal.SIGINT and signal.getsignal(sig) == signal.SIG_IGN:
+                continue
+            previous[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
 def interruptible():
     """While held (main thread only), SIGINT and SIGTERM raise `Interrupted` (a SIGINT ignored by the caller,
-    e.g. a background job of a script, stays ignored); the previous handlers are restored on exit."""
+    e.g. a background job of a script, stays ignored; supervise still turns a KeyboardInterrupt into
+    Interrupted off the main thread); the previous handlers are restored on exit."""
     def raise_interrupted(signum, frame):
         raise Interrupted(signum)
 
-    previous = {}
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        if threading.current_thread() is not threading.main_thread():
-            break  # handlers can only be set there; supervise still turns a KeyboardInterrupt into Interrupted
-        if sig == signal.SIGINT and signal.getsignal(sig) == signal.SIG_IGN:
-            continue
-        previous[sig] = signal.signal(sig, raise_interrupted)
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    return _handlers(raise_interrupted, keep_ignored_sigint=True)
 
 
-@contextlib.contextmanager
 def _signals_held():
     """SIGINT and SIGTERM ignored while the job is being stopped (a second Ctrl-C does not cut that short, nor
     print a second traceback); nothing changes outside the main thread, where handlers cannot be set."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    return _handlers(signal.SIG_IGN)
 
 
 def supervise(launch: Launch, timeout: float, echo: tuple[str, ...] = ECHOED, prefix: str = "") -> Outcome:

@@ -24,7 +24,7 @@ from fxquant import formats
 from fxquant.analysis import bins
 from fxquant.analysis.aggregate import FLOW_KEY, Aggregator, counts_exact, format_thresholds
 from fxquant.analysis import svg
-from fxquant.analysis.outputs import Job, Outputs, slug, sort_key
+from fxquant.analysis.outputs import Job, Outputs, scheme_label, slug, sort_key
 from fxquant.formats.element import HiF8
 
 SECTION = "Distributions per format"
@@ -46,11 +46,11 @@ class Scope:
     @property
     def tensors(self) -> str:
         """``hp tensors``, or with several schemes ``hp tensors of bf16``."""
-        return f"{self.copy} tensors" + (f" of {'-' if self.scheme is None else self.scheme}" if self.several else "")
+        return f"{self.copy} tensors" + (f" of {scheme_label(self.scheme)}" if self.several else "")
 
     def title(self, text: str) -> str:
         """An index title, naming the scheme when there are several."""
-        return f"{'-' if self.scheme is None else self.scheme}: {text}" if self.several else text
+        return f"{scheme_label(self.scheme)}: {text}" if self.several else text
 
 
 def element_mag(g, name: str) -> np.ndarray | None:
@@ -132,11 +132,11 @@ def _xrange(mags: list[np.ndarray], name: str) -> tuple[float, float]:
 def scopes(agg: Aggregator) -> list[Scope]:
     """One ``Scope`` per scheme of the analysed records, in scheme order."""
     by_copy = agg.groups[("scheme", "copy")]
-    out = []
+    out, several = [], agg.several_schemes()
     for scheme in sorted({k[0] for k in by_copy}, key=sort_key):
         copy = "hp" if (scheme, "hp") in by_copy else ("quantized" if (scheme, "quantized") in by_copy else None)
         if copy is not None:
-            out.append(Scope(scheme, copy, agg.several_schemes()))
+            out.append(Scope(scheme, copy, several))
     return out
 
 
@@ -145,7 +145,9 @@ def jobs(agg: Aggregator) -> list[Job]:
     once, then per format one page per scheme."""
     names = [n for n in agg.config.formats if n != "nvfp4"]  # NVFP4: no element domain from histograms
     sc = scopes(agg)
-    prefix = (lambda s: f"{slug(s.scheme)}/") if agg.several_schemes() else (lambda s: "")
+    def prefix(s: Scope) -> str:
+        return f"{slug(s.scheme)}/" if s.several else ""
+
     return ([Job(f"{prefix(s)}per_layer", layer_moments, (agg, s)) for s in sc]
             + [Job(f"{prefix(s)}{n}", format_page, (agg, n, s)) for n in names for s in sc])
 

@@ -20,7 +20,7 @@ from tabulate import tabulate
 from fxquant.analysis import bins, svg
 from fxquant.analysis.aggregate import LAYER_PAGE_GROUPING, Aggregator
 from fxquant.analysis.distributions import _thin_layers
-from fxquant.analysis.outputs import Outputs, fmt_num, slug, sort_key
+from fxquant.analysis.outputs import Outputs, fmt_num, scheme_label, slug, sort_key
 
 SECTION = "Per layer and rank"
 STATS = ("tensors", "numel", "nan", "inf", "zero_fraction", "min", "max", "mean", "std", "amax")
@@ -40,10 +40,6 @@ def pages(agg: Aggregator) -> dict[tuple, list[tuple[dict, object]]]:
         key = dict(zip(LAYER_PAGE_GROUPING, k))
         out.setdefault((key["scheme"], key["layer"], key["rank"]), []).append((key, table[k]))
     return out
-
-
-def _scheme_text(scheme: object) -> str:
-    return "-" if scheme is None else str(scheme)
 
 
 def write(agg: Aggregator, out: Outputs, plots: bool = True) -> dict:
@@ -68,7 +64,7 @@ def write(agg: Aggregator, out: Outputs, plots: bool = True) -> dict:
             """(directory, index title prefix, figure title scheme) of one scheme's figures."""
             if not several:
                 return "layers", "", None
-            return f"layers/{slug(scheme)}", f"{_scheme_text(scheme)}: ", _scheme_text(scheme)
+            return f"layers/{slug(scheme)}", f"{scheme_label(scheme)}: ", scheme_label(scheme)
 
         for (scheme, layer, rank), types in by_page.items():
             d, prefix, named = place(scheme)

@@ -42,6 +42,11 @@ def slug(value: object) -> str:
     return s or "none"
 
 
+def scheme_label(scheme: object) -> str:
+    """A record's scheme as pages print it (``-`` where the records name none)."""
+    return "-" if scheme is None else str(scheme)
+
+
 def clean(obj: object) -> object:
     """JSON-ready copy: numpy scalars to Python, NaN to None, ±Inf to strings, tuple keys joined."""
     if isinstance(obj, dict):

@@ -22,7 +22,7 @@ from tabulate import tabulate
 
 from fxquant.analysis.aggregate import FLOW_KEY, Aggregator, counts_exact, format_thresholds
 from fxquant.analysis import svg
-from fxquant.analysis.outputs import Outputs, fmt_num, slug, sort_key
+from fxquant.analysis.outputs import Outputs, fmt_num, scheme_label, slug, sort_key
 
 SECTION = "Over/underflow across formats"
 
@@ -130,7 +130,7 @@ def _plots(agg: Aggregator, out: Outputs, copy: str, rows: list[dict]) -> None:
     for scheme in sorted(by_scheme, key=sort_key):
         per = by_scheme[scheme]
         d = f"overflow/{slug(scheme)}" if several else "overflow"
-        of = f" ({'-' if scheme is None else scheme})" if several else ""
+        of = f" ({scheme_label(scheme)})" if several else ""
         layers = sorted({k[0] for k in per}, key=sort_key)
         cols = sorted({(k[1], k[2]) for k in per}, key=lambda c: tuple(sort_key(v) for v in c))
         for r in rows:
@@ -150,4 +150,4 @@ def _plots(agg: Aggregator, out: Outputs, copy: str, rows: list[dict]) -> None:
             ax.set_title(f"{name}{of}: underflow by layer x direction x role")
             title = f"{name}: underflow by layer x direction x role"
             out.figure(f"{d}/underflow_{slug(name)}.svg", fig, SECTION,
-                       f"{'-' if scheme is None else scheme}: {title}" if several else title)
+                       f"{scheme_label(scheme)}: {title}" if several else title)

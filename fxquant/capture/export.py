@@ -61,12 +61,14 @@ def payload(rec: Record, t: torch.Tensor) -> dict:
     return {"tensor": t.clone(), "tensor_info": info, "metadata": meta}
 
 
-def export_pt(cs: CaptureSet, out_dir: str | Path, quant_type: str | None = None) -> list[Path]:
+def export_pt(cs: CaptureSet, out_dir: str | Path, quant_type: str | None = None, *,
+              skipped: int | None = None) -> list[Path]:
     """Write one ``.pt`` per stored tensor of ``cs``; returns the paths (atomic per file). Statistics-only records
-    (``what: stats``) have no tensor to write: they are skipped, and counted at INFO (``statistics_only``)."""
+    (``what: stats``) have no tensor to write: they are skipped, and counted at INFO (``skipped``: their count where
+    the caller has it, else ``statistics_only``)."""
     out = Path(out_dir)
     written = []
-    skipped = statistics_only(cs)
+    skipped = statistics_only(cs) if skipped is None else skipped
     if skipped:
         log.info("export-pt: %d statistics-only record(s) skipped (what: stats: no tensor stored)", skipped)
     for counter, rec in enumerate(r for r in cs if r.has_tensor):

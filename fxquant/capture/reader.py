@@ -67,6 +67,12 @@ class Record:
         return path
 
 
+def is_capture_set(path: Path) -> bool:
+    """Whether ``path`` is a directory holding ``rank-*`` directories: what ``CaptureSet`` opens."""
+    path = Path(path)
+    return path.is_dir() and any(c.is_dir() and c.name.startswith("rank-") for c in path.iterdir())
+
+
 def manifest_records(path: Path) -> list[dict]:
     """The records of one rank's manifest file, in file order (a torn last line and lines that are no record
     skipped, as the reader does)."""

@@ -99,6 +99,6 @@ def run_export(args: argparse.Namespace) -> int:
               "one; their statistics are in the manifest (fxquant capture ls --json)", file=sys.stderr)
     if _nothing(args, cs, "records with a stored tensor", len(cs) - skipped):
         return 1
-    paths = export_pt(cs, args.out, args.quant_type)
+    paths = export_pt(cs, args.out, args.quant_type, skipped=skipped)
     print(f"wrote {len(paths)} .pt files under {args.out}")
     return 0

@@ -16,6 +16,7 @@ import argparse
 from pathlib import Path
 
 from fxquant.capture import pt_reader
+from fxquant.capture.reader import is_capture_set
 from fxquant.cli import collect_cmd, collect_summary
 
 MODES = ("visualize", "collect", "both")
@@ -34,15 +35,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 def capture_sets(root: Path) -> list[Path]:
     """`root` if it is a capture set (has rank-* directories), else its subdirectories that are; else `root` when it
     holds the predecessor's .pt files (read as one set by fxquant.capture.pt_reader, its quant types as schemes)."""
-    def is_set(d: Path) -> bool:
-        return d.is_dir() and any(c.is_dir() and c.name.startswith("rank-") for c in d.iterdir())
-
     if not root.is_dir():
         raise FileNotFoundError(f"--tensor-dir {str(root)!r}: no such directory; collect first "
                                 f"(`fxquant draw collect ...` or `fxquant collect ...`)")
-    if is_set(root):
+    if is_capture_set(root):
         return [root]
-    found = sorted(d for d in root.iterdir() if is_set(d))
+    found = sorted(d for d in root.iterdir() if is_capture_set(d))
     if not found and pt_reader.has_pt_files(root):
         return [root]
     if not found:

@@ -144,6 +144,7 @@ def _no_sites_reason(args: argparse.Namespace, agg) -> str:
     a readable high-precision source nor capture-time statistics), or hold none (the filter, the capture spec or
     the predecessor's .pt files, which hold high-precision tensors only)."""
     from fxquant.capture import pt_reader
+    from fxquant.capture.reader import is_capture_set
 
     copies = agg.groups[("copy",)].get(("quantized",))
     n = copies.moments.tensors if copies is not None else 0
@@ -153,8 +154,7 @@ def _no_sites_reason(args: argparse.Namespace, agg) -> str:
     text = "no quantized copies among the selected records"
     if args.where:
         text += f" (--where {' '.join(args.where)})"
-    pt = [d for d in args.dirs if not any(c.is_dir() and c.name.startswith("rank-") for c in Path(d).iterdir())
-          and pt_reader.has_pt_files(Path(d))]
+    pt = [d for d in args.dirs if not is_capture_set(Path(d)) and pt_reader.has_pt_files(Path(d))]
     if pt:
         text += f"; the predecessor saved high-precision tensors only ({', '.join(pt)})"
     if len(pt) < len(args.dirs):
