@@ -7,6 +7,7 @@ stays at its default: it is part of the forward's semantics (P is quantized per 
 
     python benchmarks/bench_flash_tiles.py --json tiles.json                       # H100 / H200, ~3 minutes
     python benchmarks/bench_flash_tiles.py --presets bf16 --budget-s 60
+    python benchmarks/bench_flash_tiles.py --head-dim 128 --grid warps                # the default tiles, 4 / 8 warps
 
 The run stops starting configurations after ``--budget-s`` seconds (the rest read "skipped"); the JSON is
 rewritten after every preset. On CPU it runs the kernels in Triton's interpreter at a toy size over a few
@@ -44,8 +45,11 @@ SKIPPED = "skipped: --budget-s spent"
 TOLERANCE = 2.0 ** -6
 
 
-def grids(on_gpu: bool) -> tuple[list[dict], list[dict]]:
-    """The forward and backward settings to try (``FlashBlocks`` fields; the default's are tried first)."""
+def grids(on_gpu: bool, grid: str = "full") -> tuple[list[dict], list[dict]]:
+    """The forward and backward settings to try (``FlashBlocks`` fields; the default's are tried first).
+    ``grid="warps"``: the default tiles and stages at 4 and 8 warps only."""
+    if grid == "warps":
+        return [dict(fwd_warps=w) for w in (4, 8)], [dict(bwd_warps=w) for w in (4, 8)]
     if not on_gpu:
         return [dict(block_m=32), dict(fwd_warps=2)], [dict(bwd_m=32, bwd_n=32), dict(bwd_stages=1)]
     fwd = [dict(block_m=m, fwd_warps=w, fwd_stages=s) for m, w, s in itertools.product((64, 128), (4, 8), (2, 3))]
@@ -65,7 +69,7 @@ def _rel(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> float:
     return worst
 
 
-def sweep(preset: str, tensors, deadline: float) -> list[dict]:
+def sweep(preset: str, tensors, deadline: float, grid: str = "full") -> list[dict]:
     import triton
 
     import fxquant.kernels.flash_attention_launch as launch
@@ -81,13 +85,13 @@ def sweep(preset: str, tensors, deadline: float) -> list[dict]:
     base.check(fq)
     o0, lse0 = launch.forward(q, k, v, True, scale, group, fq, base)
     g0 = launch.backward(q, k, v, o0, lse0, do, True, scale, group, fq, base)
-    fwd, bwd = grids(on_gpu)
+    fwd, bwd = grids(on_gpu, grid)
     rows = []
     for part, settings in (("forward", fwd), ("backward", bwd)):
         for change in [{}] + settings:  # an entry spelling out the default's settings repeats it: a noise check
             blocks = replace(base, **change)
             row = {"preset": preset, "part": part, **asdict(blocks),
-                   "launch": blocks.launch(part == "backward", d), "default": not change}
+                   "launch": blocks.launch(part == "backward"), "default": not change}
             if time.perf_counter() > deadline:
                 rows.append({**row, "note": SKIPPED})
                 continue
@@ -149,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=2048, help="sequence length (GPU; default 2048)")
     p.add_argument("--head-dim", type=int, default=64, help="head dimension (GPU; default 64; heads = 2048 / d, kv heads / 4)")
     p.add_argument("--budget-s", type=float, default=180.0, help="start no configuration after this many seconds")
+    p.add_argument("--grid", choices=("full", "warps"), default="full",
+                   help="full: tiles x warps x stages; warps: the default tiles at 4 and 8 warps (default full)")
     p.add_argument("--json", type=Path, help="write the rows and the summary here")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -167,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {"device": torch.cuda.get_device_name() if on_gpu else "cpu (interpreter)", "torch": torch.__version__,
            "shape": f"B={b} L={lq} d={d} H={h}/{h // 4} bf16 causal"}
     for preset in presets:
-        rows += sweep(preset, tensors, deadline)
+        rows += sweep(preset, tensors, deadline, args.grid)
         if args.json:
             args.json.write_text(json.dumps({"environment": env, "rows": rows, "summary": summary(rows)}, indent=1, default=str))
     for s in summary(rows):

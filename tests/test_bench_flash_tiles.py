@@ -41,3 +41,21 @@ def test_unknown_preset_is_refused():
     run = subprocess.run([sys.executable, str(SCRIPT), "--presets", "bf16,FA_nope"], capture_output=True, text=True,
                          cwd=ROOT, timeout=300)
     assert run.returncode == 2 and "FA_nope" in run.stderr
+
+
+@pytest.mark.triton
+def test_warps_grid_tries_the_default_tiles_at_4_and_8_warps(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"} | {"TRITON_INTERPRET": "1"}
+    out = tmp_path / "warps.json"
+    run = subprocess.run([sys.executable, str(SCRIPT), "--presets", "bf16", "--grid", "warps", "--json", str(out)],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    for part, key in (("forward", "fwd_warps"), ("backward", "bwd_warps")):
+        mine = [r for r in rows if r["part"] == part]
+        assert [(r["default"], r[key]) for r in mine] == [(True, 0), (False, 4), (False, 8)]
+        # the default tiles (64 x 64 forward, 64 x 32 backward) launch 4 warps, as the explicit 4 does
+        assert [r["launch"]["num_warps"] for r in mine] == [4, 4, 8]
+        for r in mine:
+            assert (r["block_m"], r["block_n"], r["bwd_m"], r["bwd_n"]) == (64, 64, 64, 32)
+            assert "note" not in r and r["rel_diff_vs_default"] <= 2.0 ** -6, r

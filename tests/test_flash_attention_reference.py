@@ -193,15 +193,16 @@ def test_bad_arguments_are_refused() -> None:
 
 
 def test_launch_settings_follow_the_tile_rule_unless_given() -> None:
-    """0 warps: 4 for tiles of at most 64 x 64 with head dims <= 64, else 8; given warps and stages pass through."""
+    """0 warps: 4 for tiles of at most 64 x 64, else 8, whatever the head dimension; given warps and stages pass
+    through."""
     b = FlashBlocks()
     assert (b.bwd_m, b.bwd_n) == (64, 32)
-    assert b.launch(False, 64) == dict(num_warps=4, num_stages=2)
-    assert b.launch(False, 128) == dict(num_warps=8, num_stages=2)
-    assert FlashBlocks(block_m=128).launch(False, 64)["num_warps"] == 8
-    assert FlashBlocks(bwd_m=128).launch(False, 64)["num_warps"] == 4  # the forward's tiles decide the forward
-    assert FlashBlocks(bwd_m=128).launch(True, 64)["num_warps"] == 4  # 128 x 32: no larger than 64 x 64
-    assert FlashBlocks(bwd_m=128, bwd_n=64).launch(True, 64)["num_warps"] == 8
+    assert b.launch(False) == dict(num_warps=4, num_stages=2)
+    assert b.launch(True) == dict(num_warps=4, num_stages=2)
+    assert FlashBlocks(block_m=128).launch(False)["num_warps"] == 8
+    assert FlashBlocks(bwd_m=128).launch(False)["num_warps"] == 4  # the forward's tiles decide the forward
+    assert FlashBlocks(bwd_m=128).launch(True)["num_warps"] == 4  # 128 x 32: no larger than 64 x 64
+    assert FlashBlocks(bwd_m=128, bwd_n=64).launch(True)["num_warps"] == 8
     tuned = FlashBlocks(fwd_warps=2, bwd_warps=16, fwd_stages=3, bwd_stages=1)
-    assert tuned.launch(False, 128) == dict(num_warps=2, num_stages=3)
-    assert tuned.launch(True, 16) == dict(num_warps=16, num_stages=1)
+    assert tuned.launch(False) == dict(num_warps=2, num_stages=3)
+    assert tuned.launch(True) == dict(num_warps=16, num_stages=1)

@@ -50,8 +50,8 @@ def _bf16(fq: FlashQuant, a: Operand, b: Operand, dtype: torch.dtype) -> bool:
     return not _INTERPRETED and gemm_bf16(fq, a, b, dtype)
 
 
-def _opts(blocks: FlashBlocks, backward: bool, d: int) -> dict[str, object]:
-    return dict(**blocks.launch(backward, d), enable_fp_fusion=False)
+def _opts(blocks: FlashBlocks, backward: bool) -> dict[str, object]:
+    return dict(**blocks.launch(backward), enable_fp_fusion=False)
 
 
 def _check_device(q: torch.Tensor) -> None:
@@ -105,7 +105,7 @@ def forward(q, k, v, causal: bool, scale: float, group: int, fq: FlashQuant, blo
         q_ptr=roles.get(q, Operand.QK_Q, qk_bf16), k_ptr=roles.get(k, Operand.QK_K, qk_bf16),
         v_ptr=roles.get(v, Operand.PV_V, pv_bf16), o_ptr=o, lse_ptr=lse, **_common(q, v, causal, scale, group),
         BLOCK_M=bm, BLOCK_N=bn, PV_P=fq.code(Operand.PV_P), QK_BF16=qk_bf16, PV_BF16=pv_bf16,
-        **_opts(blocks, False, d),
+        **_opts(blocks, False),
     )
     return o, lse
 
@@ -133,11 +133,11 @@ def backward(q, k, v, o, lse, do, causal: bool, scale: float, group: int, fq: Fl
         q_ptr=q_qk, q2_ptr=q_dk, k_ptr=k_qk, v_ptr=v_dp, do_ptr=do_dp, do2_ptr=do_dv, lse_ptr=lse, delta_ptr=delta,
         dk_ptr=dk, dv_ptr=dv, **common, BLOCK_M=bm, BLOCK_N=bn, **flags,
         DV_P=fq.code(Operand.DV_P), DK_DS=fq.code(Operand.DK_DS), SAME_Q=q_dk is q_qk, SAME_DO=do_dv is do_dp,
-        DV_BF16=dv_bf16, DK_BF16=dk_bf16, **_opts(blocks, True, d),
+        DV_BF16=dv_bf16, DK_BF16=dk_bf16, **_opts(blocks, True),
     )
     _flash_bwd_dq_kernel[(triton.cdiv(lq, bm), b * h)](
         q_ptr=q_qk, k_ptr=k_qk, k2_ptr=k_dq, v_ptr=v_dp, do_ptr=do_dp, lse_ptr=lse, delta_ptr=delta, dq_ptr=dq,
         **common, BLOCK_M=bm, BLOCK_N=bn, **flags, DQ_DS=fq.code(Operand.DQ_DS), SAME_K=k_dq is k_qk,
-        DQ_BF16=dq_bf16, **_opts(blocks, True, d),
+        DQ_BF16=dq_bf16, **_opts(blocks, True),
     )
     return dq, dk, dv

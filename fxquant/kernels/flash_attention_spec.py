@@ -170,7 +170,7 @@ class FlashBlocks:
     Llama-3.2-1B's attention shape (``benchmarks/bench_flash_tiles.py``; docs/flash_attention.md).
 
     Launch settings, speed only: ``fwd_warps`` / ``bwd_warps`` warps per program (a power of two <= 16;
-    0: 4 for tiles of at most 64 x 64 with head dims <= 64, else 8) and ``fwd_stages`` / ``bwd_stages``
+    0: 4 for tiles of at most 64 x 64, else 8, at every head dimension) and ``fwd_stages`` / ``bwd_stages``
     Triton's software-pipelining depth (>= 1)."""
 
     block_m: int = 64
@@ -196,12 +196,12 @@ class FlashBlocks:
             if not _is_int(v) or v < 1:
                 raise ValueError(f"FlashBlocks.{name}={v!r} must be an int >= 1")
 
-    def launch(self, backward: bool, d: int) -> dict[str, int]:
-        """Triton's launch options for the forward or the backward kernels at head dimension ``d``."""
+    def launch(self, backward: bool) -> dict[str, int]:
+        """Triton's launch options for the forward or the backward kernels."""
         bm, bn = (self.bwd_m, self.bwd_n) if backward else (self.block_m, self.block_n)
         warps = self.bwd_warps if backward else self.fwd_warps
         if not warps:
-            warps = 4 if bm * bn <= 64 * 64 and d <= 64 else 8
+            warps = 4 if bm * bn <= 64 * 64 else 8
         return dict(num_warps=warps, num_stages=self.bwd_stages if backward else self.fwd_stages)
 
     def check(self, fq: FlashQuant) -> None:
