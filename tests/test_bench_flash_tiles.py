@@ -2,13 +2,13 @@
 setting of the CPU grid runs, the defaults first, each checked against the defaults' outputs."""
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.bench_helpers import run_interpreted
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "bench_flash_tiles.py"
@@ -16,12 +16,7 @@ SCRIPT = ROOT / "benchmarks" / "bench_flash_tiles.py"
 
 @pytest.mark.triton
 def test_sweep_runs_every_setting_against_the_defaults(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"} | {"TRITON_INTERPRET": "1"}
-    out = tmp_path / "tiles.json"
-    run = subprocess.run([sys.executable, str(SCRIPT), "--presets", "bf16,FA_QKPV_mxfp8", "--json", str(out)],
-                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result = run_interpreted("bench_flash_tiles.py", tmp_path / "tiles.json", "--presets", "bf16,FA_QKPV_mxfp8")
     rows = result["rows"]
     for preset in ("bf16", "FA_QKPV_mxfp8"):
         for part, changed in (("forward", [{"block_m": 32}, {"fwd_warps": 2}]),
@@ -45,12 +40,7 @@ def test_unknown_preset_is_refused():
 
 @pytest.mark.triton
 def test_warps_grid_tries_the_default_tiles_at_4_and_8_warps(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"} | {"TRITON_INTERPRET": "1"}
-    out = tmp_path / "warps.json"
-    run = subprocess.run([sys.executable, str(SCRIPT), "--presets", "bf16", "--grid", "warps", "--json", str(out)],
-                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    rows = run_interpreted("bench_flash_tiles.py", tmp_path / "warps.json", "--presets", "bf16", "--grid", "warps")["rows"]
     for part, key in (("forward", "fwd_warps"), ("backward", "bwd_warps")):
         mine = [r for r in rows if r["part"] == part]
         assert [(r["default"], r[key]) for r in mine] == [(True, 0), (False, 4), (False, 8)]

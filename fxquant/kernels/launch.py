@@ -13,6 +13,7 @@ CPU tensors, otherwise they compile for the GPU.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -31,6 +32,31 @@ from fxquant.kernels._quantize import _quantize_element_kernel, _quantize_mx_ker
 
 # Fixed when the kernels were decorated: TRITON_INTERPRET=1 at that moment makes them CPU-interpreted.
 INTERPRETED = isinstance(_quantize_element_kernel, InterpretedFunction)
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """Launch settings of the quantize kernels, speed only (results are the same bits for any): ``elements``
+    per program (a power of two, at least one block; 0: 2048 on a GPU, 65536 in the interpreter) and
+    ``warps`` per program (a power of two <= 32; 0: 8 for element formats, 4 for block formats)."""
+
+    elements: int = 0
+    warps: int = 0
+
+    def __post_init__(self) -> None:
+        for name, top in (("elements", 1 << 20), ("warps", 32)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v > top or v & (v - 1):
+                raise ValueError(f"KernelLaunch.{name}={v!r} must be 0 (the default) or a power of two <= {top}")
+
+    def per_program(self) -> int:
+        return self.elements or (1 << 16 if INTERPRETED else 2048)
+
+    def num_warps(self, blocked: bool) -> int:
+        return self.warps or (4 if blocked else 8)
+
+
+DEFAULT_LAUNCH = KernelLaunch()
 
 
 def element_constexprs(spec: ElementSpec, prefix: str = "") -> dict[str, object]:
@@ -68,10 +94,15 @@ def _canonical(x: torch.Tensor, dim: int) -> torch.Tensor:
     return xc.reshape(-1, xc.shape[-1])
 
 
-def quantize(x: torch.Tensor, tq: TensorQuant, dim: int = -1, seed: int | None = None) -> torch.Tensor:
-    """Fake-quantize ``x`` along ``dim`` per ``tq`` with the Triton kernels; equals ``tq.quantize`` bitwise."""
+def quantize(
+    x: torch.Tensor, tq: TensorQuant, dim: int = -1, seed: int | None = None, launch: KernelLaunch = DEFAULT_LAUNCH
+) -> torch.Tensor:
+    """Fake-quantize ``x`` along ``dim`` per ``tq`` with the Triton kernels; equals ``tq.quantize`` bitwise
+    (``launch``: the kernels' launch settings, speed only)."""
     if not isinstance(tq, TensorQuant):
         raise TypeError(f"tq must be a TensorQuant, got {type(tq).__name__}")
+    if not isinstance(launch, KernelLaunch):
+        raise TypeError(f"launch must be a KernelLaunch, got {type(launch).__name__}")
     d = check_tensor(x, dim)
     opts = tq.options
     tq.fmt.check_shape(x, d, opts)  # NVFP4's 16x16 tiles (block_2d) need a 2-D tensor
@@ -83,12 +114,12 @@ def quantize(x: torch.Tensor, tq: TensorQuant, dim: int = -1, seed: int | None =
     key = seed_key(seed_)
     if isinstance(fmt, ElementFormat):
         if opts.rounding is Rounding.SR:  # the random stream follows the canonical layout
-            return restore_layout(_element(_canonical(x, d), fmt, opts, key), x.shape, d)
-        return _element(x.contiguous(), fmt, opts, key).reshape(x.shape)  # element-wise: layout is free
+            return restore_layout(_element(_canonical(x, d), fmt, opts, key, launch), x.shape, d)
+        return _element(x.contiguous(), fmt, opts, key, launch).reshape(x.shape)  # element-wise: layout is free
     if isinstance(fmt, MXFormat):
-        return restore_layout(_mx(_canonical(x, d), fmt, opts, key), x.shape, d)
+        return restore_layout(_mx(_canonical(x, d), fmt, opts, key, launch), x.shape, d)
     if isinstance(fmt, NVFP4Format):
-        return restore_layout(_nvfp4(_canonical(x, d), fmt, opts, key), x.shape, d)
+        return restore_layout(_nvfp4(_canonical(x, d), fmt, opts, key, launch), x.shape, d)
     raise TypeError(f"no Triton kernel for format {fmt.name!r} ({type(fmt).__name__})")  # pragma: no cover
 
 
@@ -100,7 +131,7 @@ def abs_max(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     return torch.maximum(-lo, hi).abs().to(torch.float32)
 
 
-def _element(xc: torch.Tensor, fmt: ElementFormat, opts: QuantOptions, key: int) -> torch.Tensor:
+def _element(xc: torch.Tensor, fmt: ElementFormat, opts: QuantOptions, key: int, launch: KernelLaunch) -> torch.Tensor:
     spec = fmt.element
     y = torch.empty_like(xc)
     if opts.scaling is Scaling.TENSOR:
@@ -109,7 +140,7 @@ def _element(xc: torch.Tensor, fmt: ElementFormat, opts: QuantOptions, key: int)
     else:
         k_buf = xc  # unused by the kernel
     n = xc.numel()
-    block = 1 << 16 if INTERPRETED else 2048
+    block = launch.per_program()
     _quantize_element_kernel[(triton.cdiv(n, block),)](
         x_ptr=xc,
         y_ptr=y,
@@ -122,17 +153,17 @@ def _element(xc: torch.Tensor, fmt: ElementFormat, opts: QuantOptions, key: int)
         OVERFLOW_INF=_overflow_to_inf(spec, opts),
         TAPERED=isinstance(spec, HiF8),
         **element_constexprs(spec),
-        num_warps=8,
+        num_warps=launch.num_warps(False),
         enable_fp_fusion=False,
     )
     return y
 
 
-def _block_launch(xc: torch.Tensor, block_size: int) -> tuple[dict[str, object], int]:
+def _block_launch(xc: torch.Tensor, block_size: int, launch: KernelLaunch) -> tuple[dict[str, object], int]:
     """Grid size and shape arguments shared by the block kernels."""
     rows, cols = xc.shape
     n_blocks_row = math.ceil(cols / block_size)
-    block_b = 4096 if INTERPRETED else max(1, 2048 // block_size)
+    block_b = max(1, launch.per_program() // block_size)
     args = dict(
         n_rows=rows,
         n_cols=cols,
@@ -144,10 +175,10 @@ def _block_launch(xc: torch.Tensor, block_size: int) -> tuple[dict[str, object],
     return args, triton.cdiv(rows * n_blocks_row, block_b)
 
 
-def _mx(xc: torch.Tensor, fmt: MXFormat, opts: QuantOptions, key: int) -> torch.Tensor:
+def _mx(xc: torch.Tensor, fmt: MXFormat, opts: QuantOptions, key: int, launch: KernelLaunch) -> torch.Tensor:
     spec = fmt.element
     y = torch.empty_like(xc)
-    args, grid = _block_launch(xc, fmt.block_size)
+    args, grid = _block_launch(xc, fmt.block_size, launch)
     _quantize_mx_kernel[(grid,)](
         x_ptr=xc,
         y_ptr=y,
@@ -159,7 +190,7 @@ def _mx(xc: torch.Tensor, fmt: MXFormat, opts: QuantOptions, key: int) -> torch.
         MANT_SCALE=float(2**spec.mbits),
         TAPERED=isinstance(spec, HiF8),
         **element_constexprs(spec),
-        num_warps=4,
+        num_warps=launch.num_warps(True),
         enable_fp_fusion=False,
     )
     return y
@@ -173,7 +204,7 @@ def _tile_amaxes(xc: torch.Tensor, block_size: int) -> torch.Tensor:
     return amax_b.squeeze(-1).to(torch.float32).contiguous()  # the last group's rows may be an expanded view
 
 
-def _nvfp4(xc: torch.Tensor, fmt: NVFP4Format, opts: QuantOptions, key: int) -> torch.Tensor:
+def _nvfp4(xc: torch.Tensor, fmt: NVFP4Format, opts: QuantOptions, key: int, launch: KernelLaunch) -> torch.Tensor:
     y = torch.empty_like(xc)
     if opts.block_2d:
         block_amax = _tile_amaxes(xc, fmt.block_size)
@@ -181,7 +212,7 @@ def _nvfp4(xc: torch.Tensor, fmt: NVFP4Format, opts: QuantOptions, key: int) -> 
     else:
         block_amax = xc  # unused by the kernel
         amax = abs_max(xc).reshape(1)  # the tensor amax pre-pass
-    args, grid = _block_launch(xc, fmt.block_size)
+    args, grid = _block_launch(xc, fmt.block_size, launch)
     _quantize_nvfp4_kernel[(grid,)](
         x_ptr=xc,
         y_ptr=y,
@@ -195,7 +226,7 @@ def _nvfp4(xc: torch.Tensor, fmt: NVFP4Format, opts: QuantOptions, key: int) -> 
         **element_constexprs(E2M1),
         **element_constexprs(E4M3, prefix="S_"),
         S_MIN_SUBNORMAL=float(E4M3.min_subnormal),
-        num_warps=4,
+        num_warps=launch.num_warps(True),
         enable_fp_fusion=False,
     )
     return y

@@ -1,0 +1,59 @@
+"""benchmarks/bench_kernel_launch.py end to end on CPU (the quantize kernels in Triton's interpreter, a small
+tensor): every setting of the CPU grid runs after the default and gives the default's bits; and the launch
+settings' validation."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # before the kernels are first imported (fxquant.kernels imports them lazily)
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from fxquant.formats.tensor_quant import TensorQuant  # noqa: E402
+from tests.bench_helpers import run_interpreted  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "bench_kernel_launch.py"
+
+
+@pytest.mark.triton
+def test_sweep_runs_every_setting_against_the_default(tmp_path):
+    result = run_interpreted("bench_kernel_launch.py", tmp_path / "launch.json", "--formats", "nvfp4,mxfp8_e4m3,hifp8")
+    for name, warps in (("nvfp4", 4), ("mxfp8_e4m3", 4), ("hifp8", 8)):
+        mine = [r for r in result["rows"] if r["format"] == name]
+        # the interpreter's default is one program of 65536 elements; 1024 gives the [2, 4096] tensor 8 programs
+        assert [(r["default"], r["per_program"], r["num_warps"]) for r in mine] == \
+            [(True, 65536, warps), (False, 1024, warps), (False, 4096, 2)]
+        assert all(r["same_bits"] is True and r["ms"] is None for r in mine), mine
+    assert result["summary"] == []  # nothing timed on CPU
+    assert result["environment"]["device"] == "cpu (interpreter)"
+
+
+def test_bad_arguments_are_refused():
+    for args, needle in ((["--formats", "nvfp4,fp7"], "fp7"), (["--size", "2^x"], "--size")):
+        run = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert run.returncode == 2 and needle in run.stderr, run.stderr
+
+
+@pytest.mark.triton
+def test_launch_settings_are_checked_and_change_no_bits():
+    from fxquant.kernels import launch
+
+    for bad in (dict(elements=3000), dict(warps=3), dict(warps=64), dict(elements=-2), dict(warps=True)):
+        with pytest.raises(ValueError, match="KernelLaunch"):
+            launch.KernelLaunch(**bad)
+    with pytest.raises(TypeError, match="KernelLaunch"):
+        launch.quantize(torch.ones(4, 32, device=DEVICE), TensorQuant("mxfp8_e4m3"), launch={"elements": 1024})
+    x = torch.randn(5, 100, generator=torch.Generator().manual_seed(3))  # short last blocks, rows across programs
+    for name in ("nvfp4", "mxfp4_e2m1", "fp8_e4m3"):
+        tq = TensorQuant(name)
+        want = tq.quantize(x)  # the reference, on CPU
+        for setting in (launch.KernelLaunch(elements=16), launch.KernelLaunch(elements=64, warps=2)):
+            got = launch.quantize(x.to(DEVICE), tq, launch=setting).cpu()
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (name, setting)
