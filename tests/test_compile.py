@@ -149,6 +149,37 @@ def test_runtime_counters_expected_equals_executed(backend):
     assert not fwd_only.compiled and fwd_only.executed == fwd_only.expected_forward
 
 
+def test_forward_only_step_in_grad_mode_allows_backward_quantizes_moved_into_the_forward():
+    """A forward-only call in grad mode runs the training graph's forward, into which AOT autograd's partitioner may
+    move a backward quantize of a forward value (the first linear's X along M for wgrad): no false alarm under
+    strict. A shortfall is still one (nothing at all runs when the uncompiled module is called)."""
+    from fxquant.passes.strict import QuantizationError
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+    model = fxquant.compile(net, "linear_mxfp8", backend="aot_eager", kernels="reference", strict=True)
+    x = torch.randn(8, 64)
+    for _ in range(2):
+        model(x).sum().backward()
+    with count_quantize_calls(model) as step:
+        model(x).sum().backward()
+    assert step.ok and (step.expected_forward, step.expected_backward) == (4, 6) and step.executed == 10
+    with count_quantize_calls(model, backward=False) as fwd_only:
+        model(x)
+    assert not fwd_only.compiled and fwd_only.ok
+    assert 4 <= fwd_only.executed <= 10 and (fwd_only.expected_forward, fwd_only.expected_backward) == (4, 6)
+    assert "expected 4 to 10 (a forward-only step" in str(fwd_only)
+    with pytest.raises(QuantizationError, match="expected 4 to 10"):
+        with count_quantize_calls(model, backward=False):
+            net(x)  # the uncompiled module: no quantize runs
+    with torch.no_grad():
+        model(x)  # compiles the no_grad graph
+    with torch.no_grad(), count_quantize_calls(model, backward=False) as evaluation:
+        model(x)
+    assert evaluation.ok and evaluation.executed == evaluation.expected_forward == 4
+    assert evaluation.expected_backward == 0 and "expected 4 (4 forward)" in str(evaluation)
+
+
 def test_aot_eager_honours_kernels_and_the_counters_follow():
     """Under aot_eager, kernels="inductor" runs the quantizes as ATen ops (no op call: counted as fused) and
     "reference" calls fxquant::quantize_reference (counted as executed); the values are the same bit for bit."""
