@@ -634,3 +634,55 @@ def test_written_since_names_only_files_that_hold_something(tmp_path):
     assert written_since(metrics, started) is None
     metrics.write_text('{"iteration": 1}\n')
     assert written_since(metrics, started) == metrics
+
+
+def test_a_run_config_refuses_wrongly_typed_values_naming_the_key(tmp_path):
+    """A hand-edited run config (docs/megatron.md: `distributed_optimizer: true` is set there) with a value of the
+    wrong type is refused, naming its dotted key: a quoted "false" is no bool (it was true: tied embeddings, a
+    resumed run), 6.5 no int, "abc" no list of prefixes (it was three one-letter prefixes). The rank's entry point
+    prints the error in one line."""
+    import copy
+    import subprocess
+    import sys
+
+    from experiments.launcher import resolve
+    from fxquant.megatron_glue.run_config import RunConfig
+
+    run = resolve(model="llama31-8b", dataset="mock", scheme="bf16", out=str(tmp_path / "runs")).run
+    plain = run.to_dict()
+    assert RunConfig.from_dict(copy.deepcopy(plain)) == run
+    cases = [("model.tie_embeddings", "false", "expected true or false, got str 'false'"),
+             ("resume", "false", "expected true or false"),
+             ("train.optim.distributed_optimizer", 0, "expected true or false, got int 0"),
+             ("train.train_iters", 6.5, "expected an integer, got float 6.5"),
+             ("train.train_iters", "6", "expected an integer, got str '6'"),
+             ("train.eval_interval", True, "expected an integer, got bool True"),
+             ("train.optim.lr", "3e-3", "expected a number, got str"),
+             ("data.prefixes", "abc", "expected a list, got str 'abc'"),
+             ("model.extras", [1], "expected a mapping"),
+             ("train.precision", "fp8", "is not one of"),
+             ("scheme", 3, "expected a string")]
+    for key, value, message in cases:
+        data = copy.deepcopy(plain)
+        *parents, last = key.split(".")
+        node = data
+        for k in parents:
+            node = node[k]
+        node[last] = value
+        with pytest.raises((TypeError, ValueError), match=f"^run\\.{key.replace('.', '[.]')}: .*{message}"):
+            RunConfig.from_dict(data)
+    data = copy.deepcopy(plain)
+    data["train"]["optim"]["lr"] = 3  # an integer where a float is wanted is that number
+    assert RunConfig.from_dict(data).train.optim.lr == 3.0
+    data["train"]["optim"]["lr"] = 3e-3
+    hidden = data["model"].pop("hidden_size")
+    with pytest.raises(ValueError, match=r"^run\.model: missing keys \['hidden_size'\] for ModelConfig"):
+        RunConfig.from_dict(data)
+    data["model"]["hidden_size"] = hidden
+    data["train"]["seq_length"] = 64.0
+    config = tmp_path / "bad.json"
+    config.write_text(json.dumps(data))
+    done = subprocess.run([sys.executable, "-m", "fxquant.megatron_glue.launch", "--config", str(config)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"error: run config {config}: run.train.seq_length: expected an integer, got float 64.0" in done.stderr

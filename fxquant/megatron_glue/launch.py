@@ -117,8 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     from fxquant.megatron_glue.train import train
     from fxquant.megatron_glue.training_capture import describe
 
-    with open(args.config) as handle:
-        run = with_capture_args(RunConfig.from_dict(json.load(handle)), args)
+    try:
+        with open(args.config) as handle:
+            config = RunConfig.from_dict(json.load(handle))
+    except (OSError, ValueError, TypeError) as exc:  # json.JSONDecodeError is a ValueError
+        print(f"error: run config {args.config}: {exc}", file=sys.stderr)
+        return 2
+    run = with_capture_args(config, args)
     signal.signal(signal.SIGTERM, _terminate)
     try:
         result = train(run, progress=_progress(run.train.train_iters), resumed=resumed_line)

@@ -306,15 +306,38 @@ def _to_plain(value):
     return value
 
 
+def _type_error(path: str, wanted: str, value) -> TypeError:
+    return TypeError(f"{path}: expected {wanted}, got {type(value).__name__} {value!r}")
+
+
 def _from_plain(tp, value, path: str):
+    """``value`` (JSON-like: from a run config file or a ``key=value`` override) as type ``tp``, checked: a value of
+    another type is refused naming its dotted path (``"false"`` is no bool, ``6.5`` no int)."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         return None if value is None else _from_plain(args[0], value, path)
     if origin is tuple:
-        return tuple(value)
+        if not isinstance(value, (list, tuple)):
+            raise _type_error(path, "a list", value)
+        (item, *_) = typing.get_args(tp)
+        return tuple(_from_plain(item, v, f"{path}[{i}]") for i, v in enumerate(value))
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        return tp(value)
+        try:
+            return tp(value)
+        except ValueError:
+            allowed = ", ".join(repr(m.value) for m in tp)
+            raise ValueError(f"{path}: {value!r} is not one of {allowed}") from None
+    if tp is bool and not isinstance(value, bool):
+        raise _type_error(path, "true or false", value)
+    if tp is int and (not isinstance(value, int) or isinstance(value, bool)):
+        raise _type_error(path, "an integer", value)
+    if tp is float:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise _type_error(path, "a number", value)
+        return float(value)
+    if tp in (str, dict) and not isinstance(value, tp):
+        raise _type_error(path, "a string" if tp is str else "a mapping", value)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise TypeError(f"{path}: expected a mapping for {tp.__name__}, got {type(value).__name__}")
@@ -323,5 +346,9 @@ def _from_plain(tp, value, path: str):
         unknown = sorted(set(value) - names)
         if unknown:
             raise ValueError(f"{path}: unknown keys {unknown} for {tp.__name__}; allowed: {sorted(names)}")
+        missing = [f.name for f in dataclasses.fields(tp) if f.init and f.name not in value
+                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise ValueError(f"{path}: missing keys {missing} for {tp.__name__}")
         return tp(**{k: _from_plain(hints[k], v, f"{path}.{k}") for k, v in value.items()})
     return value
