@@ -17,7 +17,7 @@ from safetensors import safe_open
 from fxquant import capture
 from fxquant.capture import layout
 from fxquant.cli import main
-from tests.capture_helpers import emit, spec_text
+from tests.capture_helpers import emit, spec_text, tap
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,6 +52,40 @@ def test_a_session_after_lost_manifest_lines_reuses_no_tensor_key_and_verify_nam
         assert torch.equal(cs.load(rec, check=True), want)
     still = cs.verify()  # the lost lines stay lost: the first shard's 4 tensors are still named by no record
     assert len(still) == 1 and "4 tensor(s) that no record names" in still[0]
+
+
+def test_superseding_iterations_moves_their_records_removes_their_own_shards_and_reuses_no_name(tmp_path):
+    """A resumed training run redoes the iterations after its checkpoint (``layout.supersede_from``): their records
+    move to superseded.jsonl, a shard holding only theirs goes, one shared with kept records stays (verify counts
+    the moved tensors in it as accounted for), and the next session reuses neither a shard name nor a tensor key."""
+    for i in range(2):  # two sessions, two shards: iterations 0-3 in shard 1, 4-5 in shard 2
+        with capture.start(spec_text(), tmp_path, run_id=f"s{i}"):
+            s = capture.active_session()
+            for it in (range(4) if i == 0 else range(4, 6)):
+                s.set_iteration(it)
+                torch.ops.fxquant.capture(torch.full((4, 8), float(it)), tap())
+    rank = tmp_path / "rank-00000"
+    shards = sorted((rank / layout.SHARDS).glob("*.safetensors"))
+    assert [p.name for p in shards] == ["shard-000001.safetensors", "shard-000002.safetensors"]
+    with layout.lock_rank_dir(rank):
+        assert layout.supersede_from(rank, 3) == 3
+        assert layout.supersede_from(rank, 3) == 0  # nothing left to move
+    moved = layout.superseded_records(rank)
+    assert [r["iteration"] for r in moved] == [3, 4, 5] and [r["key"] for r in moved] == [
+        "t000000003", "t000000004", "t000000005"]
+    assert shards[0].exists() and not shards[1].exists()  # shard 2 held iterations 4 and 5 alone
+    cs = capture.open(tmp_path)
+    assert sorted(cs.values("iteration")) == [0, 1, 2] and cs.verify() == []
+    assert main(["capture", "verify", str(tmp_path)]) == 0
+    with capture.start(spec_text(), tmp_path, run_id="resumed"):
+        s = capture.active_session()
+        s.set_iteration(3)
+        torch.ops.fxquant.capture(torch.full((4, 8), 30.0), tap())
+    cs = capture.open(tmp_path)
+    (new,) = cs.query(run_id="resumed")
+    assert new.iteration == 3 and new.seq == 6 and new.key == "t000000006"
+    assert new.file == "shards/shard-000003.safetensors"  # not shard 2's name again
+    assert torch.equal(cs.load(new, check=True), torch.full((4, 8), 30.0)) and cs.verify() == []
 
 
 def test_a_complete_last_record_without_its_newline_is_kept(tmp_path):

@@ -329,3 +329,41 @@ def test_a_fresh_run_removes_stale_rank_directories_and_outputs(tmp_path):
         (run_dir / REPORT_FILE).write_text("{}")
         _remove_earlier_outputs(run_dir, start)
         assert (run_dir / TENSORBOARD_DIR).exists() == kept and (run_dir / REPORT_FILE).exists() == kept
+
+
+def test_a_resumed_run_captures_the_iterations_after_its_checkpoint_once(tmp_path):
+    """A run stopped after iteration 2 (control_iter 3) with a checkpoint after iteration 1 resumes at iteration 2
+    and captures it again: the earlier records of iterations >= 2 move to superseded.jsonl (as the metrics are cut
+    back to the checkpoint), their shards go, and every iteration is captured once, by the run that trained it."""
+    from fxquant import capture
+    from fxquant.capture import layout
+    from fxquant.megatron_glue.run_config import CaptureConfig, CompileBackend
+    from fxquant.megatron_glue.train import train
+
+    spec = tmp_path / "every.yaml"
+    spec.write_text("version: 1\nname: every\nsections:\n  - name: fc2\n    layers:\n      kinds: [fc2]\n"
+                    "    points:\n      - component: linear\n        roles: [input]\n        copies: [hp]\n"
+                    "    when:\n      iterations: {start: 0, every: 1}\n    what: both\n")
+    root = tmp_path / "caps"
+    run = _replace(_run(tmp_path, "resumed", iters=4, save_interval=2, eval_interval=0, control_iter=3),
+                   scheme="bf16", backend=CompileBackend.EAGER, capture=CaptureConfig(spec=str(spec), dir=str(root)))
+    train(run)
+    first = capture.open(root)
+    n = collections.Counter(r.iteration for r in first)
+    assert sorted(n) == [0, 1, 2] and len(set(n.values())) == 1
+    n = n[0]  # records per iteration
+    (first_id,) = first.values("run_id")
+    first.close()
+    train(_replace(run, train=_replace(run.train, control_iter=None)))
+    cs = capture.open(root)
+    per_iteration = collections.Counter((r.iteration, r.run_id) for r in cs)
+    assert sorted(it for it, _ in per_iteration) == [0, 1, 2, 3] and set(per_iteration.values()) == {n}
+    assert {it for it, run_id in per_iteration if run_id == first_id} == {0, 1}
+    assert cs.committed and cs.verify() == []
+    rank = root / "rank-00000"
+    moved = layout.superseded_records(rank)
+    assert len(moved) == n and {r["iteration"] for r in moved} == {2} and {r["run_id"] for r in moved} == {first_id}
+    kept_files = {r.file for r in cs}
+    assert all((rank / r["file"]).exists() == (r["file"] in kept_files) for r in moved)  # a shard of theirs alone goes
+    keys = [r.key for r in cs] + [r["key"] for r in moved]
+    assert len(keys) == len(set(keys))  # no tensor key used twice in the rank directory

@@ -5,6 +5,7 @@
         run.json                      run id, scheme, spec text, rank coordinates (written at open)
         shards/shard-000001.safetensors   tensors, keys "t000000042" (never user-supplied names)
         manifest.jsonl                one JSON record per tensor, appended only after its shard is durable
+        superseded.jsonl              records a resumed training run moved out of the manifest (iterations it redid)
         COMMITTED                     written at clean close: counts and the stop reason, if any
         LOCK                          flock'ed by the session writing the directory (its pid)
       rank-00001/ ...
@@ -35,11 +36,12 @@ from pathlib import Path
 import torch
 import xxhash
 
-from fxquant._fileio import write_atomic
+from fxquant._fileio import fsync_dir, write_atomic
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.jsonl"
+SUPERSEDED = "superseded.jsonl"  # records of iterations a resumed run redid (``supersede_from``): not read as data
 COMMITTED = "COMMITTED"
 RUN_INFO = "run.json"
 LOCK = "LOCK"  # held (flock) by the session writing the rank directory
@@ -284,6 +286,10 @@ def resume_point(directory: Path) -> tuple[int, int]:
             log.warning("capture: %s: %s; its tensor keys are unknown, so one may be used again", f, exc)
             continue
         top = max([top, *(int(k.group(1)) for k in map(_TENSOR_KEY.match, keys) if k)])
+    for record in superseded_records(directory):  # their shards may be gone: neither name nor key is used again
+        top = max(top, _int(record.get("seq"), -1))
+        m = _SHARD_FILE.match(Path(str(record.get("file"))).name)
+        shards.append(int(m.group(1)) if m else 0)
     path = directory / MANIFEST
     if not path.is_file():
         return max(shards, default=0), top + 1
@@ -318,6 +324,60 @@ def resume_point(directory: Path) -> tuple[int, int]:
         value = record.get("seq")
         seq = max(seq, value) if isinstance(value, int) and not isinstance(value, bool) else seq
     return max(shards, default=0), max(seq, top) + 1
+
+
+def _int(value: object, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def superseded_records(directory: Path) -> list[dict]:
+    """The records ``supersede_from`` moved out of the rank directory's manifest (torn or non-record lines skipped)."""
+    path = Path(directory) / SUPERSEDED
+    if not path.is_file():
+        return []
+    records = (manifest_record(line) for line in path.read_bytes().split(b"\n") if line.strip())
+    return [r for r in records if isinstance(r, dict)]
+
+
+def supersede_from(directory: Path, iteration: int) -> int:
+    """Move the records of iterations ``>= iteration`` out of the rank directory's manifest into ``superseded.jsonl``
+    and remove the shards that then hold no record's tensor: a training run resumed from a checkpoint at
+    ``iteration`` trains those iterations again and captures them again, as its metrics are cut back to the
+    checkpoint. Records without an integer iteration (captured outside the iteration loop) stay. The caller holds
+    the directory's lock (``lock_rank_dir``). Returns the number of records moved.
+
+    Crash safety: the moved records are appended to ``superseded.jsonl`` (fsync'ed) before the manifest is
+    replaced (atomically), and shards are removed last; a crash in between leaves records in both files (the
+    manifest's stay data; moving them again appends them again) or a shard no record names."""
+    directory = Path(directory)
+    path = directory / MANIFEST
+    if not path.is_file():
+        return 0
+    data = path.read_bytes()
+    cut = data.rfind(b"\n") + 1  # a torn last line stays last, for resume_point to mend or cut
+    kept, moved = [], []
+    for line in data[:cut].split(b"\n")[:-1]:
+        record = manifest_record(line) if line.strip() else False
+        if isinstance(record, dict) and _int(record.get("iteration"), -1) >= iteration:
+            moved.append((line, record))
+        else:
+            kept.append(line)
+    if not moved:
+        return 0
+    append_lines(directory / SUPERSEDED, [r for _, r in moved])
+    write_atomic(path, lambda f: f.write(b"".join(line + b"\n" for line in kept) + data[cut:]))
+    still = set()
+    for line in kept:
+        record = manifest_record(line) if line.strip() else None
+        if isinstance(record, dict) and record.get("file"):
+            still.add(str(record["file"]))
+    for name in sorted({str(r["file"]) for _, r in moved if r.get("file")} - still):
+        shard = directory / name
+        if shard.parent == directory / SHARDS and shard.is_file():
+            shard.unlink()
+    if (directory / SHARDS).is_dir():
+        fsync_dir(directory / SHARDS)
+    return len(moved)
 
 
 def append_lines(path: Path, records: list[dict]) -> None:

@@ -316,6 +316,9 @@ class CaptureSet:
             shard_dir = self.root / name / layout.SHARDS
             for tmp in sorted(shard_dir.glob("*.tmp")) if shard_dir.is_dir() else []:
                 problems.append(f"{name}/{layout.SHARDS}/{tmp.name}: partial shard (never committed)")
+        # keys of records a resumed run moved out of the manifest (``layout.supersede_from``): their tensors may share a
+        # shard with current ones and are accounted for
+        superseded = {name: {r.get("key") for r in layout.superseded_records(self.root / name)} for name in self.meta}
         by_shard: dict[Path, list[Record]] = {}
         for rec in self._records:
             if not rec.has_tensor:
@@ -333,7 +336,8 @@ class CaptureSet:
                             problems.append(f"{path.relative_to(self.root)}: {rec.key}: checksum mismatch")
                     except CaptureReadError as exc:
                         problems.append(str(exc))
-                problems += _unindexed(path, {r.key for r in recs}, self.root)
+                named = {r.key for r in recs} | superseded.get(path.relative_to(self.root).parts[0], set())
+                problems += _unindexed(path, named, self.root)
             finally:
                 self._handles.drop(path)
         for name in self.meta:

@@ -116,6 +116,15 @@ class TrainingCapture:
                 with layout.lock_rank_dir(stale):  # refused (RankDirBusy) while another session writes it
                     stale.rename(aside)  # atomic: a session starting now makes a new directory and LOCK
                 shutil.rmtree(aside)
+        else:  # a resumed run trains (and captures) again the iterations after its checkpoint, as its metrics say
+            own = layout.rank_dir(root, info.rank)
+            if own.is_dir():
+                with layout.lock_rank_dir(own):
+                    moved = layout.supersede_from(own, start_iteration)
+                if moved:
+                    log.warning("capture: resumed at iteration %d; %d earlier record(s) of iterations from %d on "
+                                "moved to %s (they are captured again)", start_iteration, moved, start_iteration,
+                                own / layout.SUPERSEDED)
         session = capture.start(spec, root, scheme=run.scheme, run_id=shared_run_id(info),
                                 rank=rank_info(info, layer_offset), start_iteration=start_iteration)
         log.info("capture: spec %r -> %s (rank %d, run id %s)", spec.name, session.dir, info.rank,
