@@ -39,6 +39,26 @@ def test_validation_at_interval_and_end_changes_nothing_else(tmp_path):
     assert "val loss" in lines[1] and "val loss" not in lines[0]
 
 
+def test_a_run_stopped_by_control_iter_validates_at_its_last_iteration(tmp_path):
+    """control_iter stops a run early: its last iteration is validated too, so the run's final validation loss
+    belongs to the model its final loss does (it came from an earlier iteration). A resumed run counts control_iter
+    from where it starts."""
+    from fxquant.megatron_glue.train import train
+
+    stopped = train(_run(tmp_path, "ctl", train_iters=10, eval_interval=4, eval_iters=1, control_iter=6,
+                         save_interval=3))
+    assert stopped.stopped_by_control_iter and stopped.iterations == 6
+    assert sorted(r["iteration"] for r in stopped.records if "val_loss" in r) == [4, 6]
+    resumed = train(_run(tmp_path, "ctl", train_iters=10, eval_interval=4, eval_iters=1, control_iter=2,
+                         save_interval=3))  # resumes after iteration 6 (the checkpoint), stops after 8
+    assert resumed.iterations == 8 and [r["iteration"] for r in resumed.records] == [7, 8]
+    assert [r["iteration"] for r in resumed.records if "val_loss" in r] == [8]
+    t = _run(tmp_path, "x", train_iters=10, eval_interval=4, control_iter=3).train
+    assert [i for i in range(1, 11) if t.evaluates_at(i)] == [3, 4, 8]
+    assert [i for i in range(6, 11) if t.evaluates_at(i, start=5)] == [8]
+    assert [i for i in range(9, 11) if t.evaluates_at(i, start=8)] == [10]  # control_iter past train_iters
+
+
 def test_validation_loss_is_the_models_loss_on_the_validation_split(tmp_path):
     import torch
 

@@ -150,9 +150,18 @@ class TrainConfig:
         """Samples of the validation split one evaluation reads (0 when validation is off)."""
         return self.eval_iters * self.global_batch_size if self.eval_interval else 0
 
-    def evaluates_at(self, iteration: int) -> bool:
-        """Whether the validation loss is computed after `iteration` (1-based) completes."""
-        return bool(self.eval_interval) and (iteration % self.eval_interval == 0 or iteration == self.train_iters)
+    def last_iteration(self, start: int) -> int:
+        """The (1-based) iteration a run starting after `start` completed iterations ends with: `train_iters`, or
+        `start + control_iter` where `control_iter` stops it earlier."""
+        if self.control_iter is None:
+            return self.train_iters
+        return min(self.train_iters, start + self.control_iter)
+
+    def evaluates_at(self, iteration: int, start: int = 0) -> bool:
+        """Whether the validation loss is computed after `iteration` (1-based) completes, in a run starting after
+        `start` completed iterations: every `eval_interval`-th, and the run's last (`last_iteration`)."""
+        return bool(self.eval_interval) and (iteration % self.eval_interval == 0
+                                             or iteration == self.last_iteration(start))
 
     def bf16_on(self, device: torch.device) -> bool:
         if self.precision is Precision.AUTO:

@@ -236,7 +236,7 @@ def train(run: RunConfig, progress: Callable[[dict], None] | None = None,
                                        None if capture is None else capture.session)
                 if event is not None:
                     record["nonfinite"] = event
-                if validator is not None and t.evaluates_at(iteration + 1):
+                if validator is not None and t.evaluates_at(iteration + 1, start):
                     with capture.paused() if capture is not None else contextlib.nullcontext():
                         record["val_loss"] = validator.loss(forward_step_func, runnable)
                 consumed += t.global_batch_size
