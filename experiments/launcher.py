@@ -173,7 +173,7 @@ def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", varia
             raise ValueError(f"dataset {dataset!r}: {prefix}{missing[0]} not found; build it with `fxquant "
                              f"prepare-data ... --dataset {dataset} -o {prefix}`, or point --data-prefix "
                              f"{dataset}=PREFIX / ${ds.env} at it")
-        dataset_label.check(dataset, prefix, tokenizer)
+        dataset_label.check(dataset, prefix, tokenizer, mcfg.vocab_size)
         data = DataConfig(DataKind.INDEXED, (prefix,), cache_dir=str(data_cache_dir(out, (prefix,))))
     if parse_kernels(kernels) is Kernels.TRITON and (device or run_device()) == "cpu":
         raise ValueError("--kernels triton: the training processes run on the CPU here (no CUDA device), where the "

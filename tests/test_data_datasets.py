@@ -135,7 +135,10 @@ def test_label_data_built_elsewhere(tmp_path, capsys):
     assert experiments_main(run) == 2
     assert f"fxquant prepare-data --label dolma -o {prefix}" in capsys.readouterr().err
     assert main(["prepare-data", "--label", "dolma", "-o", str(prefix)]) == 0
-    assert dataset_label.read(prefix) == dataset_label.DatasetLabel("dolma")  # tokenizer unknown: not checked
+    top = dataset_label.max_token_id(prefix)
+    assert 0 < top < 257  # byte ids
+    # tokenizer unknown (not checked), the largest token id found in the .bin
+    assert dataset_label.read(prefix) == dataset_label.DatasetLabel("dolma", max_token_id=top)
     assert experiments_main(run) == 0
     assert main(["prepare-data", "--label", "wikipedai", "-o", str(prefix)]) == 2
     assert "did you mean 'wikipedia'" in capsys.readouterr().err
@@ -144,3 +147,49 @@ def test_label_data_built_elsewhere(tmp_path, capsys):
     # rebuilding the files without --dataset drops the stale label
     assert main(["prepare-data", str(src), "-o", str(prefix), "-q"]) == 0
     assert dataset_label.read(prefix) is None
+
+
+def test_data_with_token_ids_the_model_cannot_embed_is_refused_before_launch(tmp_path, capsys):
+    """An indexed dataset built elsewhere with a large vocabulary (as preprocess_data.py writes it with a Llama-3
+    tokenizer: int32 ids up to 128255), labelled without --tokenizer, was accepted for a byte-vocabulary tiny model
+    and failed inside the rank (IndexError in the embedding). The label records the largest id; the launcher
+    refuses ids at or above the model's vocabulary, and a label's tokenizer vocabulary above it."""
+    import numpy
+    import torch
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    from experiments.__main__ import main as experiments_main
+    from fxquant.cli import main
+    from fxquant.megatron_glue import dataset_label
+
+    def build(prefix, top):
+        rng = numpy.random.default_rng(0)
+        b = IndexedDatasetBuilder(f"{prefix}.bin", dtype=DType.optimal_dtype(top + 1))
+        for _ in range(40):
+            ids = rng.integers(0, top, size=int(rng.integers(60, 200)))
+            ids[0] = top  # the largest id, once per document
+            b.add_item(torch.tensor(ids, dtype=torch.int64))
+            b.end_document()
+        b.finalize(f"{prefix}.idx")
+
+    run = ["run", "--model", "llama31-8b", "--dataset", "wikipedia", "--dry-run", "--out", str(tmp_path / "runs")]
+    big, small = tmp_path / "llama_text_document", tmp_path / "bytes_text_document"
+    build(big, 128255)
+    build(small, 256)
+    assert dataset_label.token_dtype(big) == numpy.int32 and dataset_label.token_dtype(small) == numpy.uint16
+    for prefix, top in ((big, 128255), (small, 256)):
+        assert main(["prepare-data", "--label", "wikipedia", "-o", str(prefix), "-q"]) == 0
+        assert f"token ids up to {top}" in capsys.readouterr().out
+        assert dataset_label.read(prefix).max_token_id == top
+    assert experiments_main([*run, "--data-prefix", str(big)]) == 2
+    err = capsys.readouterr().err
+    assert "holds token ids up to 128255" in err and "the model's vocabulary is 257" in err and "Traceback" not in err
+    assert experiments_main([*run, "--data-prefix", str(small)]) == 0  # byte ids: the tiny model embeds them
+    capsys.readouterr()
+    dataset_label.write(small, dataset_label.DatasetLabel("wikipedia", tokenizer="/tok/gpt2", vocab_size=50257))
+    assert experiments_main([*run, "--data-prefix", str(small), "--tokenizer", str(tmp_path)]) == 2
+    assert "was tokenized with a vocabulary of 50257" in capsys.readouterr().err
+    (tmp_path / "broken.idx").write_bytes(b"not an index")
+    (tmp_path / "broken.bin").write_bytes(b"")
+    assert main(["prepare-data", "--label", "wikipedia", "-o", str(tmp_path / "broken"), "-q"]) == 2
+    assert "not a Megatron indexed dataset index" in capsys.readouterr().err
