@@ -33,6 +33,16 @@ from fxquant.schemes.scheme import Scheme
 log = logging.getLogger(__name__)
 
 
+
+def _direct_forward(gm: fx.GraphModule):
+    """``gm``'s generated ``forward``, called directly. The passes leave a lazily recompiled GraphModule, whose
+    ``forward`` goes through ``GraphModule.__call__``: a call that raises there (a model failing on its input)
+    had torch.fx print the generated code to stderr before the exception reached the caller."""
+    real_recompile = getattr(gm, "real_recompile", None)  # torch.fx._lazy_graph_module._LazyGraphModule
+    if real_recompile is not None:
+        real_recompile()
+    return gm.forward
+
 class Inner(str, enum.Enum):
     INDUCTOR = "inductor"
     AOT_EAGER = "aot_eager"
@@ -174,13 +184,13 @@ class FxquantBackend:
 
     def compile_inner(self, gm: fx.GraphModule, example_inputs: list, index: int = -1) -> object:
         if self.dry_run:
-            return gm.forward
+            return _direct_forward(gm)
         if self.inner is Inner.EAGER:  # the graph interpreted: its ops run what is registered for the device
             try:  # ... but a choice that cannot run is refused as under the other backends
                 lowering.resolve(self.kernels, inductor=False, device=lowering.graph_device(example_inputs))
             except ValueError as exc:
                 return self.refusal(exc)
-            return gm.forward
+            return _direct_forward(gm)
         try:
             kernels = self._resolve_kernels(example_inputs, index)
         except ValueError as exc:

@@ -182,7 +182,7 @@ def make_float_model():
     """A model of float inputs (no nn.Embedding), for `fxquant explain`."""
     import torch
 
-    return torch.nn.Sequential(torch.nn.Linear(8, 8))
+    return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
 
 
 def test_explain_says_it_feeds_token_ids_for_a_model_without_an_embedding(capsys):
@@ -190,3 +190,9 @@ def test_explain_says_it_feeds_token_ids_for_a_model_without_an_embedding(capsys
     err = capsys.readouterr().err
     assert "the model has no nn.Embedding: `fxquant explain` feeds a model token ids" in err
     assert "fxquant.explain(model, *inputs, scheme=...)" in err
+    # given --vocab, the forward runs and fails on token ids: one error line, no generated code printed by torch.fx
+    # (a lazily recompiled graph called through GraphModule.__call__ printed it to stderr)
+    assert main(["explain", "--scheme", "linear_mxfp8", "--model", f"{__name__}:make_float_model", "--vocab", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "its forward on token ids of shape [2, " in err and "check --vocab, --seq-len and --batch" in err
+    assert "FX-traced Module" not in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
