@@ -166,6 +166,10 @@ def test_tensor_quant_roundtrip_and_equality():
     assert TensorQuant.from_spec("hifp8:scaling=tensor,scale_target=224.0").options.scale_target == 224.0
     with pytest.raises(ValueError, match="bad option 'roundng=rne'.*did you mean 'rounding'"):
         TensorQuant.from_spec("mxfp8:roundng=rne")
+    with pytest.raises(ValueError, match=r"^option 'rounding' in spec 'mxfp8:rounding' needs a value: rounding=VALUE$"):
+        TensorQuant.from_spec("mxfp8:rounding")  # was "bad option ... (did you mean 'rounding'?)"
+    with pytest.raises(ValueError, match="bad option 'roundng'.*did you mean 'rounding'"):
+        TensorQuant.from_spec("mxfp8:roundng")
     with pytest.raises(ValueError, match="unknown format"):
         TensorQuant("mxfp9")
     with pytest.raises(ValueError, match=r"scaling='tensor' does not apply to format 'mxfp8_e4m3', which is "
@@ -230,8 +234,13 @@ def test_cli_formats_table(capsys):
     import json
 
     rows = json.loads(capsys.readouterr().out)
-    assert {r["format"].split(" ")[0] for r in rows if not r.get("compatibility")} == set(ALL)
+    assert {r["format"] for r in rows if not r.get("compatibility")} == set(ALL)  # names formats.get takes
     assert {r["format"] for r in rows if r.get("compatibility")} == set(formats.compat_names())
+    by_name = {r["format"]: r for r in rows}
+    assert by_name["mxfp8_e4m3"]["aliases"] == ["mxfp8"] and by_name["fp8_e5m2"]["aliases"] == []
+    assert all(formats.canonical_name(a) == r["format"] for r in rows for a in r["aliases"])
+    assert by_name["mxint8"]["min normal"] == "-" and by_name["mxint8"]["min subnormal"] == "2^-6"  # FORMATS.md: -, 1/64
+    assert by_name["mxfp8_e4m3"]["min normal"] == "2^-6"
 
 
 CHUNK_CASES = [(n, r, {}) for n in ALL for r in ("rne", "ta", "rz", "sr")] + [

@@ -5,7 +5,7 @@ import math
 from fractions import Fraction
 
 from fxquant.formats.base import Format
-from fxquant.formats.element import ElementSpec, MiniFloat
+from fxquant.formats.element import ElementSpec, FixedPoint, MiniFloat
 
 HEADERS = ["format", "bits", "scale", "max normal", "min normal", "min subnormal", "special codes", "defaults", "description"]
 
@@ -31,10 +31,17 @@ def special_codes(e: ElementSpec) -> str:
     }[e.nan_style]
 
 
-def rows(formats: list[Format], aliases: dict[str, str]) -> list[list[object]]:
+def aliases_of(aliases: dict[str, str]) -> dict[str, list[str]]:
+    """Format name -> its aliases."""
     by_target: dict[str, list[str]] = {}
     for alias, target in aliases.items():
         by_target.setdefault(target, []).append(alias)
+    return by_target
+
+
+def rows(formats: list[Format], aliases: dict[str, str]) -> list[list[object]]:
+    """One table row per format (``HEADERS``); the first cell is its name with its aliases in parentheses."""
+    by_target = aliases_of(aliases)
     out = []
     for f in formats:
         e = f.element
@@ -44,7 +51,7 @@ def rows(formats: list[Format], aliases: dict[str, str]) -> list[list[object]]:
             e.bits,
             f.scale_layout,
             exact(e.max_normal),
-            exact(e.min_normal),
+            "-" if isinstance(e, FixedPoint) else exact(e.min_normal),  # no exponent: no normal range (FORMATS.md)
             exact(e.min_subnormal),
             special_codes(e),
             f.resolve().describe(),

@@ -83,6 +83,8 @@ class TensorQuant:
         for item in filter(None, (p.strip() for p in rest.split(","))):
             key, eq, value = item.partition("=")
             key = key.strip()
+            if not eq and key in _OPTION_KEYS:
+                raise ValueError(f"option {key!r} in spec {spec!r} needs a value: {key}=VALUE")
             if not eq or key not in _OPTION_KEYS:
                 raise ValueError(
                     f"bad option {item!r} in spec {spec!r}; options are {list(_OPTION_KEYS)}"
