@@ -253,3 +253,11 @@ sections:
     assert "linear sites are of kind qkv | proj | fc1 | fc2 | lm_head | embedding | router | linear" in got[1]
     assert all(k.component is (S.Component.ATTENTION if k is S.ModuleKind.ATTENTION else S.Component.LINEAR)
                for k in S.ModuleKind)
+    # a bad module or indices beside the kinds hides neither problem (docs/capture.md: one problem hides no other)
+    both = "version: 1\nsections:\n  - name: s\n    layers: {module: [mlp], kinds: [fc1], indices: [x]}\n" \
+           "    points: [{component: attention}]\n"
+    with pytest.raises(S.SpecError) as err:
+        S.load_spec("b.yaml", text=both)
+    keys = [p.split(": ")[1] for p in err.value.problems]
+    assert keys == ["sections[0].layers.module", "sections[0].layers.indices[0]", "sections[0].points[0].component"], \
+        err.value.problems

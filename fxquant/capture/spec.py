@@ -400,10 +400,12 @@ def _span(value: object, path: str, probs: Problems) -> Span | None:
     return Span(start, end, every)
 
 
-def _layers(value: object, path: str, probs: Problems) -> LayerSelector | None:
+def _layers(value: object, path: str, probs: Problems) -> tuple[LayerSelector | None, frozenset[ModuleKind] | None]:
+    """The section's layer selector (None where any of its keys is bad), and its ``kinds`` when they parse (the
+    points are checked against them even where ``module`` or ``indices`` is bad)."""
     m = _mapping(value, path, probs)
     if m is None:
-        return None
+        return None, None
     _check_keys(m, _LAYER_KEYS, path, probs)
     module, ok = m.get("module"), True
     if module is not None and not isinstance(module, str):  # reported; kinds and indices are still checked
@@ -428,7 +430,7 @@ def _layers(value: object, path: str, probs: Problems) -> LayerSelector | None:
     if m.get("indices") is not None:
         indices = _int_set(m["indices"], join(path, "indices"), probs, "layer index")
         ok = ok and indices is not None
-    return LayerSelector(module, kinds, indices) if ok else None
+    return (LayerSelector(module, kinds, indices) if ok else None), kinds
 
 
 def _points(value: object, path: str, probs: Problems,
@@ -562,10 +564,9 @@ def _section(value: object, path: str, index: int, probs: Problems) -> Section |
     name = m.get("name", f"section{index}")
     if not isinstance(name, str) or not name:
         probs.add(join(path, "name"), f"expected a non-empty string, got {name!r}")
-    layers = _layers(m.get("layers"), join(path, "layers"), probs)
+    layers, kinds = _layers(m.get("layers"), join(path, "layers"), probs)
     if "points" not in m:
         probs.add(path, "missing 'points' (which tensors to capture)")
-    kinds = None if layers is None else layers.kinds
     points = _points(m.get("points"), join(path, "points"), probs, kinds) if "points" in m else None
     when = _when(m.get("when"), join(path, "when"), probs)
     what = _enum(What, m.get("what", "both"), join(path, "what"), probs)
