@@ -21,11 +21,12 @@ def rows_of(agg: Aggregator) -> list[mx_study.StudyRow]:
     return sorted(rows, key=lambda r: (r.format, r.group != "all", r.group, order[r.scale_mode], r.offset))
 
 
-def write(agg: Aggregator, out: Outputs, plots: bool = True) -> dict:
+def write(agg: Aggregator, out: Outputs, plots: bool = True, sample_blocks: int = 128) -> dict:
     rows = rows_of(agg)
     if not rows:
-        out.text("mx_study/study.txt", "no high-precision GEMM operands with stored values: no MX study",
-                 SECTION, "Study (text)")
+        why = ("the MX study is turned off (--sample-blocks 0)" if sample_blocks == 0 else
+               "no high-precision GEMM operands with stored values: no MX study")
+        out.text("mx_study/study.txt", why, SECTION, "Study (text)")
         return {}
     best = mx_study.recommend(rows)
     rec = {f"{f}/{g}": {"scale_mode": r.scale_mode, "offset": r.offset, "sqnr_db": r.sqnr_db,

@@ -101,7 +101,7 @@ def report(dirs: list[str | Path] | str | Path = (), out: str | Path = "fxquant-
             jobs += [Job(f"distributions/{j.name}", j.func, j.args) for j in distributions.jobs(agg)] if plots else []
             jobs += [Job("layers", layer_pages.write, (agg,), {"plots": plots}),
                      Job("overflow", overflow.write, (agg,), {"plots": plots}),
-                     Job("mx_study", mx_report.write, (agg,), {"plots": plots})]
+                     Job("mx_study", mx_report.write, (agg,), {"plots": plots, "sample_blocks": sample_blocks})]
         if runs:
             jobs.append(Job("training", loss_curves.write, (runs,),
                             {"reference": reference, "last_n": last_n, "plots": plots}))
@@ -123,5 +123,5 @@ def report(dirs: list[str | Path] | str | Path = (), out: str | Path = "fxquant-
                  "About this report", "Report metadata (JSON)")
     index = html.write(outputs.root, outputs.entries, "fxquant report", facts, agg.problems)
     outputs.remove_stale(previous, keep=[index.name])
-    return ReportResult(outputs.root, index, agg.records, agg.tensors, p.nbytes, workers, pids, agg.problems,
+    return ReportResult(outputs.root, index, agg.records, agg.tensors, p.nbytes, workers, sorted(set(pids)), agg.problems,
                         seconds, [e.path for e in outputs.entries], agg)
