@@ -196,3 +196,20 @@ def test_explain_says_it_feeds_token_ids_for_a_model_without_an_embedding(capsys
     err = capsys.readouterr().err
     assert "its forward on token ids of shape [2, " in err and "check --vocab, --seq-len and --batch" in err
     assert "FX-traced Module" not in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_help_and_errors_name_the_right_command_and_defaults(tmp_path, capsys):
+    """draw's --quant-type help gives draw's default (it collects as `single`), not collect's quick mode; a quant
+    type error points at `fxquant schemes` for the scheme names (`fxquant explain` lists none); an error inside
+    `capture ls` names `capture ls`."""
+    for verb, want, not_want in (("draw", "$CUSTOM_QUANT_TYPE, else mxfp8)", "quick"),
+                                 ("collect", "else mxfp8 for single, hifp8 for quick", None)):
+        with pytest.raises(SystemExit):
+            main([verb, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert want in text and (not_want is None or not_want not in text.split("--quant-type")[1].split("--")[0])
+    assert main(["collect", "single", "mxfp9", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "a scheme name (fxquant schemes / experiments list)" in err and "fxquant explain" not in err
+    assert main(["capture", "ls", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith("fxquant capture ls: error: ")

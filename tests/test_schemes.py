@@ -335,3 +335,18 @@ def test_an_unmatched_rule_names_the_root_module_readably():
     rule = schemes.get("linear_mxfp8").rules[0]
     text = str(UnmatchedRule(0, rule, ("", "fc"), "no module path matches"))
     assert text.endswith("nearest module paths: <the model itself>, fc")
+
+
+def test_an_unmatched_rule_names_each_nearest_path_once():
+    """explain passes the compiled sites and the model's possible sites together, so one path can come twice: a
+    layer-range rule that selects nothing named layers.0.down_proj twice among its nearest paths."""
+    from fxquant.schemes import Site
+    from fxquant.schemes.rules import explain_unmatched
+    from fxquant.schemes.yaml_io import load_text
+
+    scheme = load_text("rules:\n  - match: {kinds: [fc2], layers: ['4..7']}\n    linear: mxfp4\n")
+    sites = [Site.from_path(p) for p in ("layers.0.mlp.down_proj", "layers.1.mlp.down_proj", "layers.0.mlp.down_proj",
+                                         "layers.1.mlp.down_proj", "layers.0.mlp.up_proj")]
+    why = explain_unmatched(0, scheme.rules[0], sites)
+    assert why.nearest == ("layers.0.mlp.down_proj", "layers.1.mlp.down_proj")
+    assert "no site in the selected layers; the model's layers are 0..1" in why.reason

@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # an OSError: before the clause below
         return quiet_broken_pipe()
     except (ValueError, TypeError, OSError) as exc:  # OSError: a path that is a file, unwritable, disk full, ...
-        print(f"fxquant {args.verb}: error: {_message(exc)}", file=sys.stderr)
+        command = " ".join(filter(None, (args.verb, getattr(args, "capture_verb", None))))  # `capture ls`
+        print(f"fxquant {command}: error: {_message(exc)}", file=sys.stderr)
         return 2
 
 

@@ -48,9 +48,10 @@ def add_collection_arguments(p: argparse.ArgumentParser, modes: tuple[str, ...] 
     p.add_argument("mode_arg", nargs="?", metavar="MODE", choices=modes, help=f"{' | '.join(modes)} (or --mode)")
     p.add_argument("quant_type_arg", nargs="?", metavar="QUANT_TYPE", help="quant type (or --quant-type)")
     p.add_argument("--mode", choices=modes, default=None, help=f"{' | '.join(modes)} (default {modes[0]})")
+    default = "mxfp8 for single, hifp8 for quick" if "quick" in modes else "mxfp8"  # draw collects as `single`
     p.add_argument("--quant-type", default=None, metavar="Q",
                    help="bf16 | mxfp8 | mxfp4 | hifp8 (the FA_linear_ scheme of that format), a scheme name or a "
-                        "scheme YAML path (default: $CUSTOM_QUANT_TYPE, else mxfp8 for single, hifp8 for quick)")
+                        f"scheme YAML path (default: $CUSTOM_QUANT_TYPE, else {default})")
     if "batch" in modes:  # `fxquant draw` collects one quant type (its modes have no batch)
         p.add_argument("--quant-types", nargs="+", default=None, metavar="Q",
                        help="batch: the quant types, scheme names or scheme YAML paths to collect (default: the "

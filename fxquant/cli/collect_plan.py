@@ -65,7 +65,7 @@ def collection_for(quant_type: str, legacy: bool = False) -> Collection:
     if quant_type in schemes.names():
         return Collection(quant_type, quant_type)
     raise ValueError(f"quant type {quant_type!r}{did_you_mean(quant_type, [*BASE_TYPES, *schemes.names()])}; "
-                     f"allowed: {', '.join(BASE_TYPES)}, a scheme name (fxquant explain / experiments list) "
+                     f"allowed: {', '.join(BASE_TYPES)}, a scheme name (fxquant schemes / experiments list) "
                      f"or a scheme YAML path")
 
 

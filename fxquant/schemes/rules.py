@@ -262,5 +262,5 @@ def explain_unmatched(index: int, rule: Rule, sites: list[Site]) -> UnmatchedRul
         layers = sorted({s.layer for s in relevant if s.layer is not None})
         span = f"{layers[0]}..{layers[-1]}" if layers else "none"
         reason = f"no site in the selected layers; the model's layers are {span}"
-        nearest = [s.rule_path for s in relevant if sel.kinds == () or s.kind in sel.kinds][:3]
+        nearest = list(dict.fromkeys(s.rule_path for s in relevant if sel.kinds == () or s.kind in sel.kinds))[:3]
     return UnmatchedRule(index, rule, tuple(nearest), reason)
