@@ -41,6 +41,41 @@ def test_bad_arguments_are_refused():
         assert run.returncode == 2 and needle in run.stderr, run.stderr
 
 
+class _Recorder:
+    """Stands in for a Triton kernel: records each launch's grid and num_warps, then launches the kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def run(**kwargs):
+            self.launches.append((grid, kwargs["num_warps"]))
+            return self.kernel[grid](**kwargs)
+        return run
+
+
+@pytest.mark.triton
+def test_launch_settings_set_the_programs_and_warps(monkeypatch):
+    """elements per program decides the grid and warps the launch's num_warps: NVFP4 on [5, 100] has 5 x 7 = 35
+    blocks of 16 (1 per program at 16 elements, 4 at 64); MX 5 x 4 = 20 blocks of 32; the element kernel 500
+    elements."""
+    from fxquant.kernels import launch
+
+    x = torch.randn(5, 100, device=DEVICE)
+    cases = [("nvfp4", "_quantize_nvfp4_kernel", 16, 35), ("nvfp4", "_quantize_nvfp4_kernel", 64, 9),
+             ("mxfp4_e2m1", "_quantize_mx_kernel", 64, 10), ("fp8_e4m3", "_quantize_element_kernel", 128, 4)]
+    for name, kernel, elements, programs in cases:
+        recorder = _Recorder(getattr(launch, kernel))
+        monkeypatch.setattr(launch, kernel, recorder)
+        launch.quantize(x, TensorQuant(name), launch=launch.KernelLaunch(elements=elements, warps=2))
+        launch.quantize(x, TensorQuant(name))
+        default = launch.KernelLaunch()
+        blocked = kernel != "_quantize_element_kernel"
+        size = 16 if name == "nvfp4" else 32 if blocked else 1
+        want_default = -(-(5 * -(-100 // size)) // max(1, default.per_program() // size))
+        assert recorder.launches == [((programs,), 2), ((want_default,), 4 if blocked else 8)], (name, elements)
+
+
 @pytest.mark.triton
 def test_launch_settings_are_checked_and_change_no_bits():
     from fxquant.kernels import launch

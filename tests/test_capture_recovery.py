@@ -88,6 +88,53 @@ def test_superseding_iterations_moves_their_records_removes_their_own_shards_and
     assert torch.equal(cs.load(new, check=True), torch.full((4, 8), 30.0)) and cs.verify() == []
 
 
+def _two_sessions(root: Path, first: range, second: range) -> Path:
+    """Two sessions on ``root``, one record per iteration: shard 1 holds ``first``'s, shard 2 ``second``'s."""
+    for i, its in enumerate((first, second)):
+        with capture.start(spec_text(), root, run_id=f"s{i}"):
+            s = capture.active_session()
+            for it in its:
+                s.set_iteration(it)
+                torch.ops.fxquant.capture(torch.full((4, 8), float(it)), tap())
+    return root / "rank-00000"
+
+
+def test_superseding_after_crashes_mends_both_files_and_removes_what_a_crash_left(tmp_path, monkeypatch):
+    """A crash can leave the manifest's last record without its newline (kept data: it is moved like the others,
+    and its shard goes only with it), superseded.jsonl with a torn last line (cut before appending: the next moved
+    record is not glued to it), and a moved records' shard not yet removed (the next call removes it)."""
+    rank = _two_sessions(tmp_path / "a", range(3), range(3, 5))
+    manifest = rank / layout.MANIFEST
+    manifest.write_bytes(manifest.read_bytes().rstrip(b"\n"))  # iteration 4's record lost its newline
+    with layout.lock_rank_dir(rank):
+        assert layout.supersede_from(rank, 4) == 1
+    assert [r["iteration"] for r in layout.superseded_records(rank)] == [4]
+    cs = capture.open(tmp_path / "a")
+    assert sorted(cs.values("iteration")) == [0, 1, 2, 3] and cs.verify() == []  # shard 2 still holds iteration 3
+
+    rank = _two_sessions(tmp_path / "b", range(3), range(3, 6))
+    (rank / layout.SUPERSEDED).write_bytes(b'{"iteration": 9, "se')  # torn by a crash mid-append
+    with layout.lock_rank_dir(rank):
+        assert layout.supersede_from(rank, 3) == 3
+    assert [r["iteration"] for r in layout.superseded_records(rank)] == [3, 4, 5]
+    assert capture.open(tmp_path / "b").verify() == []
+
+    rank = _two_sessions(tmp_path / "c", range(3), range(3, 5))
+
+    def crash(self, *args, **kwargs):
+        raise KeyboardInterrupt("a crash before the shard is removed")
+
+    with monkeypatch.context() as m, layout.lock_rank_dir(rank):
+        m.setattr(Path, "unlink", crash)
+        with pytest.raises(KeyboardInterrupt):
+            layout.supersede_from(rank, 3)
+    assert (rank / layout.SHARDS / "shard-000002.safetensors").exists()
+    with layout.lock_rank_dir(rank):
+        assert layout.supersede_from(rank, 3) == 0  # nothing left to move; the shard only moved records name goes
+    assert not (rank / layout.SHARDS / "shard-000002.safetensors").exists()
+    assert capture.open(tmp_path / "c").verify() == []
+
+
 def test_a_complete_last_record_without_its_newline_is_kept(tmp_path):
     """A crash between a record's bytes and its newline leaves a complete record: the next session adds the newline
     and keeps it (only a line that does not parse is cut off)."""

@@ -149,7 +149,7 @@ def test_label_data_built_elsewhere(tmp_path, capsys):
     assert dataset_label.read(prefix) is None
 
 
-def test_data_with_token_ids_the_model_cannot_embed_is_refused_before_launch(tmp_path, capsys):
+def test_data_with_token_ids_the_model_cannot_embed_is_refused_before_launch(tmp_path, capsys, monkeypatch):
     """An indexed dataset built elsewhere with a large vocabulary (as preprocess_data.py writes it with a Llama-3
     tokenizer: int32 ids up to 128255), labelled without --tokenizer, was accepted for a byte-vocabulary tiny model
     and failed inside the rank (IndexError in the embedding). The label records the largest id; the launcher
@@ -189,6 +189,10 @@ def test_data_with_token_ids_the_model_cannot_embed_is_refused_before_launch(tmp
     dataset_label.write(small, dataset_label.DatasetLabel("wikipedia", tokenizer="/tok/gpt2", vocab_size=50257))
     assert experiments_main([*run, "--data-prefix", str(small), "--tokenizer", str(tmp_path)]) == 2
     assert "was tokenized with a vocabulary of 50257" in capsys.readouterr().err
+    with monkeypatch.context() as m:  # a misspelt name is refused before the pass over the data
+        m.setattr(dataset_label, "max_token_id", lambda *a, **k: pytest.fail("read the data for a misspelt name"))
+        assert main(["prepare-data", "--label", "wikipedai", "-o", str(big), "-q"]) == 2
+        assert "did you mean 'wikipedia'" in capsys.readouterr().err
     (tmp_path / "broken.idx").write_bytes(b"not an index")
     (tmp_path / "broken.bin").write_bytes(b"")
     assert main(["prepare-data", "--label", "wikipedia", "-o", str(tmp_path / "broken"), "-q"]) == 2

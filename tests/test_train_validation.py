@@ -49,10 +49,10 @@ def test_a_run_stopped_by_control_iter_validates_at_its_last_iteration(tmp_path)
                          save_interval=3))
     assert stopped.stopped_by_control_iter and stopped.iterations == 6
     assert sorted(r["iteration"] for r in stopped.records if "val_loss" in r) == [4, 6]
-    resumed = train(_run(tmp_path, "ctl", train_iters=10, eval_interval=4, eval_iters=1, control_iter=2,
-                         save_interval=3))  # resumes after iteration 6 (the checkpoint), stops after 8
-    assert resumed.iterations == 8 and [r["iteration"] for r in resumed.records] == [7, 8]
-    assert [r["iteration"] for r in resumed.records if "val_loss" in r] == [8]
+    resumed = train(_run(tmp_path, "ctl", train_iters=10, eval_interval=4, eval_iters=1, control_iter=1,
+                         save_interval=3))  # resumes after iteration 6 (the checkpoint), stops after 7
+    assert resumed.iterations == 7 and [r["iteration"] for r in resumed.records] == [7]
+    assert [r["iteration"] for r in resumed.records if "val_loss" in r] == [7]  # no multiple of 4: the last one
     t = _run(tmp_path, "x", train_iters=10, eval_interval=4, control_iter=3).train
     assert [i for i in range(1, 11) if t.evaluates_at(i)] == [3, 4, 8]
     assert [i for i in range(6, 11) if t.evaluates_at(i, start=5)] == [8]

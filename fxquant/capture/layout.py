@@ -293,6 +293,27 @@ def resume_point(directory: Path) -> tuple[int, int]:
     path = directory / MANIFEST
     if not path.is_file():
         return max(shards, default=0), top + 1
+    data = mend_tail(path)
+    seq = -1
+    for i, line in enumerate(data.split(b"\n")):
+        if not line.strip():
+            continue
+        record = manifest_record(line)
+        if record is None:
+            raise ValueError(f"{path}:{i + 1}: corrupt manifest line (not JSON); a session cannot append to this "
+                             "capture set")
+        if record is False:
+            log.warning("capture: %s:%d: not a manifest record (JSON, but not an object); skipped", path, i + 1)
+            continue
+        value = record.get("seq")
+        seq = max(seq, value) if isinstance(value, int) and not isinstance(value, bool) else seq
+    return max(shards, default=0), max(seq, top) + 1
+
+
+def mend_tail(path: Path) -> bytes:
+    """Make an append-only JSON-lines file (the manifest, ``superseded.jsonl``) end on a line boundary, and return
+    its bytes: a last line without its newline is completed when it parses (the crash came between the record and its
+    newline: the record is kept) and cut off when it does not (a crash mid-append)."""
     data = path.read_bytes()
     if data and not data.endswith(b"\n"):
         cut = data.rfind(b"\n") + 1
@@ -310,20 +331,7 @@ def resume_point(directory: Path) -> tuple[int, int]:
                 f.truncate(cut)
                 os.fsync(f.fileno())
             data = data[:cut]
-    seq = -1
-    for i, line in enumerate(data.split(b"\n")):
-        if not line.strip():
-            continue
-        record = manifest_record(line)
-        if record is None:
-            raise ValueError(f"{path}:{i + 1}: corrupt manifest line (not JSON); a session cannot append to this "
-                             "capture set")
-        if record is False:
-            log.warning("capture: %s:%d: not a manifest record (JSON, but not an object); skipped", path, i + 1)
-            continue
-        value = record.get("seq")
-        seq = max(seq, value) if isinstance(value, int) and not isinstance(value, bool) else seq
-    return max(shards, default=0), max(seq, top) + 1
+    return data
 
 
 def _int(value: object, default: int) -> int:
@@ -346,36 +354,38 @@ def supersede_from(directory: Path, iteration: int) -> int:
     checkpoint. Records without an integer iteration (captured outside the iteration loop) stay. The caller holds
     the directory's lock (``lock_rank_dir``). Returns the number of records moved.
 
-    Crash safety: the moved records are appended to ``superseded.jsonl`` (fsync'ed) before the manifest is
-    replaced (atomically), and shards are removed last; a crash in between leaves records in both files (the
-    manifest's stay data; moving them again appends them again) or a shard no record names."""
+    Crash safety: both files' tails are mended first (``mend_tail``), the moved records are appended to
+    ``superseded.jsonl`` (fsync'ed) before the manifest is replaced (atomically), and shards are removed last; a
+    crash in between leaves records in both files (the manifest's stay data; moving them again appends them again)
+    or a shard that only moved records name, which the next call removes."""
     directory = Path(directory)
     path = directory / MANIFEST
     if not path.is_file():
         return 0
-    data = path.read_bytes()
-    cut = data.rfind(b"\n") + 1  # a torn last line stays last, for resume_point to mend or cut
     kept, moved = [], []
-    for line in data[:cut].split(b"\n")[:-1]:
+    for line in mend_tail(path).split(b"\n")[:-1]:
         record = manifest_record(line) if line.strip() else False
         if isinstance(record, dict) and _int(record.get("iteration"), -1) >= iteration:
-            moved.append((line, record))
+            moved.append(record)
         else:
             kept.append(line)
-    if not moved:
-        return 0
-    append_lines(directory / SUPERSEDED, [r for _, r in moved])
-    write_atomic(path, lambda f: f.write(b"".join(line + b"\n" for line in kept) + data[cut:]))
+    if moved:
+        if (directory / SUPERSEDED).is_file():
+            mend_tail(directory / SUPERSEDED)
+        append_lines(directory / SUPERSEDED, moved)
+        write_atomic(path, lambda f: f.write(b"".join(line + b"\n" for line in kept)))
     still = set()
     for line in kept:
         record = manifest_record(line) if line.strip() else None
         if isinstance(record, dict) and record.get("file"):
             still.add(str(record["file"]))
-    for name in sorted({str(r["file"]) for _, r in moved if r.get("file")} - still):
+    removed = 0
+    for name in sorted({str(r["file"]) for r in superseded_records(directory) if r.get("file")} - still):
         shard = directory / name
         if shard.parent == directory / SHARDS and shard.is_file():
             shard.unlink()
-    if (directory / SHARDS).is_dir():
+            removed += 1
+    if removed:
         fsync_dir(directory / SHARDS)
     return len(moved)
 

@@ -66,8 +66,9 @@ def _label_existing(args: argparse.Namespace) -> int:
     if missing:
         raise FileNotFoundError(f"--label: {prefix}{missing[0]} not found; -o names an existing indexed dataset "
                                 f"(PREFIX.bin / PREFIX.idx)")
+    name = _dataset(args.label, "--label")  # before the pass over the data: a misspelt name fails at once
     top = dataset_label.max_token_id(prefix, progress=not args.quiet)  # the run refuses ids its model cannot embed
-    label = dataset_label.DatasetLabel(_dataset(args.label, "--label"), tokenizer=args.tokenizer, max_token_id=top)
+    label = dataset_label.DatasetLabel(name, tokenizer=args.tokenizer, max_token_id=top)
     print(f"labelled {prefix} as dataset {label.dataset!r} (token ids up to {top}): {dataset_label.write(prefix, label)}")
     return 0
 

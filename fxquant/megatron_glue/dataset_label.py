@@ -5,8 +5,8 @@ vocabulary, counts, inputs); `fxquant prepare-data --label NAME -o PREFIX` label
 elsewhere (Megatron's `preprocess_data.py`, the predecessor's data). The launcher reads the label of every
 prefix a run would read (`check`): a prefix labelled for another dataset, or not labelled at all, is refused,
 so the `dolma` run cannot read the `wikipedia` files (the predecessor's dolma scripts did), and data whose token
-ids the model cannot embed (a label's `max_token_id`, found by `--label` in one pass over `PREFIX.bin`, or its
-tokenizer's `vocab_size`, not below the model's vocabulary). No Megatron import here: dry runs check labels without
+ids the model cannot embed (a label's `max_token_id`, found by `--label` in one pass over `PREFIX.bin`, at or above
+the model's vocabulary, or its tokenizer's `vocab_size` above it). No Megatron import here: dry runs check labels without
 building anything (the `.idx` header is read as Megatron writes it).
 """
 from __future__ import annotations
