@@ -71,9 +71,10 @@ def hand_attention(qt, kt, vt, do, fmts, *, mask_kw, scale=None, dropout_p=0.0, 
     rep = HQ // HK
     k_r, v_r = kt.repeat_interleave(rep, 1), vt.repeat_interleave(rep, 1)
     scale = 1 / math.sqrt(D) if scale is None else scale
-    s = q(qt, fmts["qk.q"], -1) @ q(k_r, fmts["qk.k"], -1).transpose(-2, -1)  # Q, K along d
+    qf, kf = qt.float(), k_r.float()  # the scores' GEMMs run in float32 whatever the input dtype
+    s = q(qf, fmts["qk.q"], -1) @ q(kf, fmts["qk.k"], -1).transpose(-2, -1)  # Q, K along d
     s_leaf = s.detach().requires_grad_()
-    z = s_leaf.float() * scale
+    z = s_leaf * scale
     if mask_kw.get("is_causal"):
         z = z.masked_fill(~torch.ones(LQ, LK, dtype=torch.bool).tril(), float("-inf"))
     m = mask_kw.get("attn_mask")
@@ -88,8 +89,8 @@ def hand_attention(qt, kt, vt, do, fmts, *, mask_kw, scale=None, dropout_p=0.0, 
     dp = q(do, fmts["dp.do"], -1) @ q(v_r, fmts["dp.v"], -1).transpose(-2, -1)  # dO, V along d
     dv_r = q(p, fmts["dv.p"], -2).transpose(-2, -1) @ q(do, fmts["dv.do"], -2)  # P, dO along Lq
     (ds,) = torch.autograd.grad(p, s_leaf, dp)  # softmax/mask/dropout by torch's autograd
-    dq = q(ds, fmts["dq.ds"], -1) @ q(k_r, fmts["dq.k"], -2)  # dS, K along Lk
-    dk_r = q(ds, fmts["dk.ds"], -2).transpose(-2, -1) @ q(qt, fmts["dk.q"], -2)  # dS, Q along Lq
+    dq = (q(ds, fmts["dq.ds"], -1) @ q(kf, fmts["dq.k"], -2)).to(qt.dtype)  # dS (float32), K along Lk
+    dk_r = (q(ds, fmts["dk.ds"], -2).transpose(-2, -1) @ q(qf, fmts["dk.q"], -2)).to(qt.dtype)  # dS, Q along Lq
     fold = lambda t: t.reshape(B, HK, rep, *t.shape[2:]).sum(2)  # noqa: E731  GQA: the heads' grads sum back
     return o, dq, fold(dk_r), fold(dv_r)
 
@@ -143,7 +144,32 @@ def test_bf16_inputs_compute_softmax_in_float32() -> None:
     fmts = dict.fromkeys(OPERANDS, None) | {k: "hifp8" for k in OPERANDS if k.startswith(("qk", "dq", "dk"))}
     ref = hand_attention(qt, kt, vt, do, fmts, mask_kw={"is_causal": True})
     for a, b in zip((o, dq, dk, dv), ref):
-        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("aq_name", ["bf16", "FA_QK_mxfp8"])
+def test_fp16_scores_beyond_the_fp16_range_stay_finite(aq_name: str) -> None:
+    """fp16 q.k products above 65504 (d = 128, large activations) are finite scores once scaled: the scores' GEMM
+    runs in float32 (an fp16 GEMM output was Inf before the scale, and the softmax NaN: 2048 of 4096 outputs),
+    as torch's SDPA and the flash path stay finite; Megatron's baddbmm with alpha likewise."""
+    from fxquant.qfunctions.matmul import quantized_baddbmm
+
+    g = torch.Generator().manual_seed(0)
+    qt, noise, vt = (torch.randn(1, 2, 16, 128, generator=g) * 30 for _ in range(3))
+    qt, kt, vt = (t.to(torch.float16) for t in (qt, qt + noise / 6, vt))  # keys aligned with the queries
+    assert (qt.double() @ kt.double().transpose(-2, -1)).abs().max() > 65504
+    aq = AttentionQuant() if aq_name == "bf16" else schemes.get(aq_name).attention_for(ATT_SITE)
+    o = quantized_sdpa(qt, kt, vt, aq=aq)
+    want = torch.nn.functional.scaled_dot_product_attention(qt.double(), kt.double(), vt.double())
+    assert torch.isfinite(o).all() and o.dtype == torch.float16
+    if aq_name == "bf16":
+        torch.testing.assert_close(o.double(), want, rtol=0, atol=0.05)  # fp16 output rounding (values up to ~100)
+    b1, b2 = qt.reshape(2, 16, 128), kt.reshape(2, 16, 128).transpose(1, 2)
+    scores = quantized_baddbmm(torch.empty(2, 16, 16, dtype=torch.float16), b1, b2, beta=0.0, alpha=128 ** -0.5,
+                               mq=aq.qk)
+    assert torch.isfinite(scores).all() and scores.dtype == torch.float16
+    if aq_name == "bf16":  # one rounding of the float32 product times alpha, as torch.baddbmm
+        assert torch.equal(scores, (b1.float() @ b2.float() * 128 ** -0.5).to(torch.float16))
 
 
 def test_argument_errors() -> None:

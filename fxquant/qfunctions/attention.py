@@ -9,16 +9,19 @@ The reference, step by step (q [.., Hq, Lq, d], k [.., Hk, Lk, d], v [.., Hk, Lk
     the dims before [L, d] (batch, heads) then broadcast as in ``torch.matmul``, as SDPA's math backend
         does: k, v [B, 1, Lk, d] serve every query head, [1, Lk, d] every batch of a 3-D q; the gradient
         of a broadcast operand is summed over the dims it was broadcast along
-    S = quantized_matmul(q, k^T, aq.qk)                 GEMM in the input dtype
-    S' = S.float() * scale  (+ additive mask | -inf where a bool mask is False | causal: -inf above diagonal)
+    S = quantized_matmul(q.float(), k.float()^T, aq.qk)   GEMM in float32 (q, k quantized as they are: widening is
+        exact); a float16 GEMM output would overflow to Inf where |q.k| > 65504 before the scale brings it down
+        (SDPA's math backend scales q and k first, the flash kernel accumulates S in float32)
+    S' = S * scale  (+ additive mask | -inf where a bool mask is False | causal: -inf above diagonal)
     P = softmax(S') in float32, rows that are masked everywhere give 0 (as ``aten._safe_softmax``), cast back
         to the input dtype
     dropout: keep = torch.empty_like(P).bernoulli_(1 - dropout_p) drawn once in the forward from torch's
         default generator; P = P * keep / (1 - dropout_p); autograd reuses the same mask in the backward
     O = quantized_matmul(P, v, aq.pv)
 
-Softmax runs in float32 whatever the input dtype (stable: torch subtracts the row max), so bf16 inputs
-lose precision only in the two GEMMs and the final cast of P. The causal mask is SDPA's: top-left
+Scores and softmax are float32 whatever the input dtype (stable: torch subtracts the row max), so bf16 and fp16
+inputs lose precision only in the PV GEMM and the cast of P to the input dtype; dS, the gradient of S, is float32
+too (dQ and dK are cast back to the inputs' dtype by autograd). The causal mask is SDPA's: top-left
 aligned, ``tril`` of an [Lq, Lk] matrix of ones. Autograd through the scale, mask, softmax and dropout is
 torch's; the four backward GEMMs run inside ``quantized_matmul``'s backward.
 """
@@ -150,7 +153,7 @@ def quantized_attention(
         value = value.repeat_interleave(query.shape[-3] // value.shape[-3], dim=-3)
     lq, lk = query.shape[-2], key.shape[-2]
     scale_ = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    s = quantized_matmul(query, key.transpose(-2, -1), aq.qk).float() * scale_
+    s = quantized_matmul(query.float(), key.float().transpose(-2, -1), aq.qk) * scale_
     if scores_tap is not None:  # capture (fxquant.passes.capture_taps): the scores, before the mask
         torch.ops.fxquant.capture(s, scores_tap)
     if is_causal:

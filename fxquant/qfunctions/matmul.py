@@ -119,9 +119,15 @@ def quantized_baddbmm(
         raise ValueError(
             f"quantized_baddbmm: batch1 and batch2 must be 3-D, got {tuple(batch1.shape)} and {tuple(batch2.shape)}"
         )
-    out = quantized_matmul(batch1, batch2, mq)
-    if alpha != 1:
-        out = out * alpha
+    dtype = torch.promote_types(batch1.dtype, batch2.dtype)
+    if alpha != 1 and dtype in (torch.float16, torch.bfloat16):
+        # as torch.baddbmm: alpha applied to the float32 product, then one rounding to the inputs' dtype (a float16
+        # GEMM output overflows where |b1 . b2| > 65504 before alpha = 1 / sqrt(d) brings it down)
+        out = (quantized_matmul(batch1.float(), batch2.float(), mq) * alpha).to(dtype)
+    else:
+        out = quantized_matmul(batch1, batch2, mq)
+        if alpha != 1:
+            out = out * alpha
     if beta == 0:
         return out
     if beta != 1:
