@@ -115,6 +115,44 @@ sections:
         ("grad_output", "dgrad"), ("grad_output", "wgrad")}
 
 
+def test_quantized_copies_only_for_gemms_that_run(tmp_path):
+    """A quantized copy is the operand as its GEMM consumed it: a graph compiled under no_grad (an evaluation) runs
+    no backward GEMM, a frozen weight no wgrad, an input that needs no gradient (layer 0's q/k/v_proj, after the
+    embedding and that layer's norm are frozen) no dgrad; none of those gets copies (an eval step wrote dgrad/wgrad/dq/dk copies)."""
+    spec = capture.load_spec("t.yaml", text="""
+sections:
+  - layers: {kinds: [qkv, fc2]}
+    points: [{component: linear, roles: [input, weight, grad_output], copies: [quantized]}]
+  - layers: {kinds: [attention]}
+    points: [{component: attention, roles: [query, key], copies: [quantized]}]
+""")
+    model = make_llama()
+    tokens = make_tokens(model.cfg)
+    model.layers[0].mlp.down_proj.weight.requires_grad_(False)  # a frozen weight: its input has no wgrad
+    model.embed_tokens.weight.requires_grad_(False)  # with layer 0's norm: q/k/v_proj inputs need no gradient
+    model.layers[0].input_layernorm.weight.requires_grad_(False)
+    be = TapBackend("FA_linear_mxfp8", spec, inner="aot_eager", root=model)
+    compiled = torch.compile(model, backend=be)
+    with capture.start(spec, tmp_path, scheme="FA_linear_mxfp8") as session:
+        session.set_iteration(0)
+        _train_step(compiled, tokens)
+        session.set_iteration(1)
+        with torch.no_grad():
+            compiled(tokens)
+    cs = capture.open(tmp_path)
+    train = {(r.module, r.role, r.gemm) for r in cs.query(iteration=0)}
+    evaluation = {(r.module, r.role, r.gemm) for r in cs.query(iteration=1)}
+    assert {g for _, _, g in evaluation} == {"fprop", "qk"}  # forward GEMMs only
+    assert {(m, r, g) for m, r, g in train if g in ("fprop", "qk")} == evaluation
+    assert ("layers.0.mlp.down_proj", "input", "wgrad") not in train  # frozen weight
+    assert ("layers.0.mlp.down_proj", "weight", "dgrad") in train  # its input still needs a gradient
+    assert ("layers.1.mlp.down_proj", "input", "wgrad") in train
+    assert ("layers.0.self_attn.q_proj", "weight", "dgrad") not in train  # the embedding is frozen
+    assert ("layers.0.self_attn.q_proj", "input", "wgrad") in train
+    assert ("layers.1.self_attn.q_proj", "weight", "dgrad") in train
+    assert {("layers.0.self_attn", "query", "dk"), ("layers.0.self_attn", "key", "dq")} <= train
+
+
 class TinyMLP(nn.Module):
     def __init__(self):
         super().__init__()

@@ -54,6 +54,7 @@ from torch import fx
 from fxquant.capture.runtime import capture_grad
 from fxquant.capture.spec import GEMM_OPERANDS, CaptureSpec, Component, Copy, Direction, Gemm, ModuleKind, Role
 from fxquant.capture.tap import Tap, encode_taps
+from fxquant.passes.expected import output_requires_grad, requires_grad
 from fxquant.passes.graph_edit import copy_meta
 from fxquant.passes.rewrite_linear import conv1d_as_linear
 from fxquant.passes.rewrite_megatron_linear import operand_positions
@@ -196,6 +197,26 @@ def _quant_operands(meta: SiteMeta, role: Role, op: OpKind) -> list[tuple[Gemm, 
     return [(g, tq, d) for g, tq, d in table.get(role, []) if tq is not None]
 
 
+_BACKWARD_GEMMS = frozenset({Gemm.DGRAD, Gemm.WGRAD, Gemm.DQ, Gemm.DK, Gemm.DP, Gemm.DV})
+
+
+def _gemms_run(node: fx.Node, op: OpKind) -> frozenset[Gemm] | None:
+    """The backward GEMMs of site ``node`` that autograd runs (None: all of them), as the counters judge it
+    (``passes.expected``): none where the site's output does not require grad (a graph compiled under no_grad, an
+    evaluation's; a frozen part under no_grad), at a linear no dgrad for an input and no wgrad for a weight that
+    does not require grad, at attention dQ / dK / dV for the operand that does, dP for either of Q, K."""
+    if not output_requires_grad(node):
+        return frozenset()
+    if op in (OpKind.LINEAR, OpKind.SDPA, OpKind.ATTENTION_WEIGHTS) and node.target is not torch.addmm:
+        operands = [_operand(node, op, i) for i in range(len(_ARG_NAMES[op]))]
+        grads = [requires_grad(a) if a is not None else True for a in operands]
+        if op is OpKind.LINEAR:
+            return frozenset(g for g, run in ((Gemm.DGRAD, grads[0]), (Gemm.WGRAD, grads[1])) if run)
+        gq, gk, gv = grads
+        return frozenset(g for g, run in ((Gemm.DQ, gq), (Gemm.DK, gk), (Gemm.DV, gv), (Gemm.DP, gq or gk)) if run)
+    return None
+
+
 def _kind(meta: SiteMeta) -> ModuleKind | None:
     try:
         return ModuleKind(meta.site.kind.value)
@@ -203,8 +224,10 @@ def _kind(meta: SiteMeta) -> ModuleKind | None:
         return None
 
 
-def _site_taps(meta: SiteMeta, op: OpKind, spec: CaptureSpec, report: TapReport) -> list[tuple[Tap, tuple]]:
-    """Every (tap, graph position) the spec selects at this site."""
+def _site_taps(meta: SiteMeta, op: OpKind, spec: CaptureSpec, report: TapReport,
+               runs: frozenset[Gemm] | None = None) -> list[tuple[Tap, tuple]]:
+    """Every (tap, graph position) the spec selects at this site; a quantized copy only for a GEMM that runs
+    (``runs``: the backward GEMMs autograd runs there, None for all)."""
     site, kind = meta.site, _kind(meta)
     component = Component.ATTENTION if meta.op.is_attention else Component.LINEAR
     chosen: dict[tuple[Role, Copy], list[int]] = {}
@@ -235,6 +258,8 @@ def _site_taps(meta: SiteMeta, op: OpKind, spec: CaptureSpec, report: TapReport)
         quants = _quant_operands(meta, role, op)
         if not quants:
             report.unavailable.append(f"{what}: {KEPT_HIGH}")
+        if runs is not None:  # not for a GEMM autograd never runs here (no_grad, frozen weight, ...)
+            quants = [(g, tq, d) for g, tq, d in quants if g not in _BACKWARD_GEMMS or g in runs]
         for gemm, tq, dim in quants:
             if tq.options.rounding.value == "sr":
                 report.unavailable.append(f"{what} for {gemm.value}: stochastic rounding cannot be re-quantized "
@@ -261,7 +286,7 @@ def insert_capture_taps(gm: fx.GraphModule, spec: CaptureSpec) -> TapReport:
         if not isinstance(meta, SiteMeta):
             continue
         op = _layout(node, meta)
-        taps = _site_taps(meta, op, spec, report)
+        taps = _site_taps(meta, op, spec, report, _gemms_run(node, op))
         if not taps:
             continue
         if node.target is torch.addmm:
