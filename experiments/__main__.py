@@ -49,7 +49,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="processes (torchrun --nproc-per-node); default tp*pp (data-parallel size 1)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
-    p.add_argument("--out", default="runs", help="root of the run directories (OUT/<model>/<dataset>/<scheme>)")
+    p.add_argument("--out", default="runs", help="root of the run directories (OUT/<model name>/<dataset>/<scheme>; the tiny variant's "
+                   "model name ends in -tiny)")
     p.add_argument("--tokenizer", default=None,
                    help="local HuggingFace tokenizer dir (required for --variant full) or 'byte' (default for tiny)")
     p.add_argument("--data-prefix", nargs="+", metavar="[DATASET=]PREFIX",
@@ -142,6 +143,17 @@ def cmd_list(args) -> int:
     return 0
 
 
+def _finished_at(launch) -> int | None:
+    """The iteration of the cell's checkpoint when the run it describes already finished (its run directory holds a
+    checkpoint at or past ``train_iters`` and the run resumes from checkpoints): a run launched again would train
+    nothing and fail ("nothing to train"). Read from the checkpoints' ``latest`` marker (no Megatron import)."""
+    marker = Path(launch.run.output_dir) / "checkpoints" / "latest"
+    if not launch.run.resume or not marker.is_file():
+        return None
+    text = marker.read_text().strip()
+    return int(text) if text.isdigit() and int(text) >= launch.run.train.train_iters else None
+
+
 def written_since(path: Path, since: float) -> Path | None:
     """``path`` if it exists, holds something and was written at or after ``since`` (a time.time()), else None: a
     run that failed or timed out before writing its metrics leaves an earlier run's file in its directory, or the
@@ -220,6 +232,16 @@ def cmd_matrix(args) -> int:
                   "run_dir": launch.run.output_dir,
                   "captures": (str(launch.run.capture.root(launch.run.output_dir))
                                if launch.run.capture is not None else None)}
+        done_at = _finished_at(launch)
+        if done_at is not None:  # a rerun of the matrix (or one resumed after an interruption): not trained again
+            metrics = Path(launch.run.output_dir) / "metrics.jsonl"
+            losses, val_losses = compare.read_losses(metrics), compare.read_losses(metrics, key="val_loss")
+            records.append({**record, "status": "ok", "finished_earlier": True, "iterations": len(losses),
+                            "final_loss": losses[-1] if losses else None,
+                            "final_val_loss": val_losses[-1] if val_losses else None})
+            print(f"[done] {name}: finished earlier (its checkpoint is at iteration {done_at}); not run again",
+                  flush=True)
+            continue
         print(f"[start] {name}", flush=True)
         started = time.time()
         try:  # progress per iteration
@@ -248,11 +270,15 @@ def cmd_matrix(args) -> int:
               flush=True)
     comparison = compare.against_bf16(records, last_n=args.last_n)
     for r in records:
+        if r.get("status") == "ok" and r["scheme"] != "bf16" and r["run"] not in comparison:
+            print(f"note: {r['run']} is not compared: no bf16 run of {r['model']}/{r['dataset']} in this matrix or "
+                  f"beside its run directory", flush=True)
+    for r in records:
         rows.append((r["run"], r["status"], r.get("iterations", ""), r.get("final_loss", ""), r.get("final_val_loss", ""),
                      comparison.get(r["run"], {}).get("mre_all", ""), comparison.get(r["run"], {}).get("mre_last", "")))
     out.mkdir(parents=True, exist_ok=True)
     summary = {"runs": records, "loss_vs_bf16": comparison, "last_n": args.last_n}
-    (out / "matrix_summary.json").write_text(json.dumps(summary, indent=2))
+    (out / "matrix_summary.json").write_text(json.dumps(compare.json_safe(summary), indent=2, allow_nan=False))
     table = tabulate(rows, headers=["run", "status", "iters", "final loss", "val loss", "MRE vs bf16", f"MRE last {args.last_n}"])
     (out / "matrix_summary.txt").write_text(table + "\n")
     print(table)

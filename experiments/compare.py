@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 
@@ -13,28 +14,49 @@ def read_losses(metrics: Path, key: str = "loss") -> list[float]:
     return [r[key] for r in records if key in r]
 
 
-def mean_relative_error(losses: list[float], reference: list[float]) -> float | None:
-    n = min(len(losses), len(reference))
-    if n == 0:
-        return None
-    return sum(abs(a - b) / abs(b) for a, b in zip(losses[:n], reference[:n]) if b != 0) / n
+def reference_run(record: dict, records: list[dict]) -> Path | None:
+    """The bf16 run directory a cell is compared with: the bf16 cell of the same model and dataset in this
+    matrix, else the one an earlier matrix left beside the cell's own directory (OUT/<model name>/<dataset>/bf16),
+    when it holds metrics."""
+    for r in records:
+        if r.get("status") == "ok" and r["scheme"] == "bf16" and (r["model"], r["dataset"]) == (
+                record["model"], record["dataset"]):
+            return Path(r["run_dir"])
+    earlier = Path(record["run_dir"]).parent / "bf16"
+    return earlier if (earlier / "metrics.jsonl").is_file() else None
 
 
 def against_bf16(records: list[dict], last_n: int) -> dict[str, dict]:
-    """{run: {mre_all, mre_last}} for each finished run whose model/dataset has a finished bf16 run."""
-    curves = {r["run"]: read_losses(Path(r["run_dir"]) / "metrics.jsonl") for r in records if r.get("status") == "ok"}
+    """{run: {reference, mre_all, mre_last, nonfinite_loss}} for each finished run with a bf16 reference
+    (``reference_run``), by the rules of ``fxquant report``'s training comparison
+    (``fxquant.analysis.loss_curves.loss_error``: iterations where the reference's loss is zero or not finite are
+    left out; a run whose loss is NaN or Inf where the reference's is finite gets ``inf``)."""
+    from fxquant.analysis import loss_curves
+
     result = {}
     for r in records:
         if r.get("status") != "ok" or r["scheme"] == "bf16":
             continue
-        ref = curves.get(f"{r['model']}/{r['dataset']}/bf16")
-        if not ref:
+        ref_dir = reference_run(r, records)
+        if ref_dir is None:
             continue
-        ours = curves[r["run"]]
-        n = min(len(ours), len(ref))
-        result[r["run"]] = {"mre_all": mean_relative_error(ours[:n], ref[:n]),
-                            "mre_last": mean_relative_error(ours[max(0, n - last_n):n], ref[max(0, n - last_n):n])}
+        run, ref = loss_curves.load_run(Path(r["run_dir"])), loss_curves.load_run(ref_dir)
+        mre, nonfinite = loss_curves.loss_error(run, ref)
+        result[r["run"]] = {"reference": str(ref_dir), "mre_all": mre,
+                            "mre_last": loss_curves.mean_relative_error(run, ref, last_n), "nonfinite_loss": nonfinite}
     return result
+
+
+def json_safe(value):
+    """``value`` with every non-finite float written as the string "nan", "inf" or "-inf" (strict JSON has no
+    NaN or Infinity; a diverged run's loss and its error are such floats)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def plot_curves(records: list[dict], path: Path) -> Path | None:

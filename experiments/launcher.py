@@ -111,7 +111,7 @@ def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", varia
             nonfinite: str = "record", kernels: str = "auto") -> Launch:
     """The run these choices describe, or ValueError naming the value and what is allowed. `nproc` None: tp*pp.
     An explicit capture root (`capture.dir`) gets one subdirectory per run (`run_config.per_run_capture`): the
-    scheme's name, or `<model>/<dataset>/<scheme>` with `capture_per_run` (a matrix). `device`: where the ranks will run (default `run_device()`)."""
+    scheme's name, or `<model name>/<dataset>/<scheme>` with `capture_per_run` (a matrix; `-tiny` ends a tiny variant's name). `device`: where the ranks will run (default `run_device()`)."""
     model = _pick("model", model, catalog.MODELS)
     dataset = _pick("dataset", dataset, catalog.DATASETS)
     scheme, scheme_yaml = resolve_scheme(scheme)
@@ -142,7 +142,9 @@ def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", varia
         _check_capture_spec(capture.spec)
         spec = str(Path(capture.spec).resolve()) if Path(capture.spec).is_file() else capture.spec
         capture = replace(capture, spec=spec, dir=None if capture.dir is None else str(Path(capture.dir).resolve()))
-        capture = per_run_capture(capture, f"{model}/{dataset}/{scheme}" if capture_per_run else scheme)
+        # the run directory's own key (the model's name: `-tiny` for the tiny variant), so that a tiny and a full
+        # sweep into one --tensor-save-dir keep each other's captures
+        capture = per_run_capture(capture, f"{mcfg.name}/{dataset}/{scheme}" if capture_per_run else scheme)
     tcfg = catalog.CONFIGS[config]
     tcfg = replace(tcfg, train_iters=tcfg.train_iters if iters is None else iters,
                    control_iter=stop_after(capture, control_iter),

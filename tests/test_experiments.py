@@ -284,7 +284,12 @@ def test_runs_pointed_at_one_capture_dir_keep_each_others_captures(tmp_path, cap
     assert roots == [root.resolve() / "FA_linear_hifp8", root.resolve() / "bf16"]
     matrix = resolve(model="llama32-1b", dataset="mock", scheme="bf16", capture=CaptureConfig(dir=str(root)),
                      capture_per_run=True)
-    assert matrix.run.capture.root(matrix.run.output_dir) == root.resolve() / "llama32-1b" / "mock" / "bf16"
+    # keyed as the run directory: the tiny variant's name, so a full sweep into D keeps the tiny sweep's captures
+    assert matrix.run.capture.root(matrix.run.output_dir) == root.resolve() / "llama32-1b-tiny" / "mock" / "bf16"
+    assert Path(matrix.run.output_dir).relative_to(Path("runs").resolve()).parts == ("llama32-1b-tiny", "mock", "bf16")
+    full = resolve(model="llama32-1b", dataset="mock", scheme="bf16", capture=CaptureConfig(dir=str(root)),
+                   capture_per_run=True, variant="full", tokenizer=str(tmp_path))
+    assert full.run.capture.root(full.run.output_dir) == root.resolve() / "llama32-1b" / "mock" / "bf16"
     assert _replacing_note(launch) is None
     (roots[1] / "rank-00000").mkdir(parents=True)
     assert f"note: {roots[1]} holds an earlier run's captures (1 rank(s)); this run replaces them" in \
@@ -686,3 +691,45 @@ def test_a_run_config_refuses_wrongly_typed_values_naming_the_key(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert f"error: run config {config}: run.train.seq_length: expected an integer, got float 64.0" in done.stderr
+
+
+def test_matrix_reruns_count_finished_runs_and_compare_like_the_report(tmp_path, capsys, monkeypatch):
+    """A cell whose run finished earlier (its checkpoint at train_iters) is reported from its metrics, not launched
+    again (it failed with "nothing to train", and the bf16 reference with it); a cell is compared with the bf16 run
+    beside its directory when the matrix has none; the error follows fxquant report's rules (a diverged run: inf,
+    not NaN) and the summary is strict JSON."""
+    import experiments.__main__ as cli
+    from experiments import compare, launcher
+
+    monkeypatch.delenv("CUSTOM_QUANT_TYPE", raising=False)
+    out = tmp_path / "runs"
+    losses = {"bf16": [5.0, 4.0, 3.0], "linear_mxfp8": [5.5, 4.0, float("nan")], "linear_hifp8": [5.0, 4.4, 3.3]}
+    for scheme, values in losses.items():
+        run_dir = out / "llama31-8b-tiny" / "mock" / scheme
+        (run_dir / "checkpoints").mkdir(parents=True)
+        (run_dir / "checkpoints" / "latest").write_text("3\n")
+        (run_dir / "metrics.jsonl").write_text("".join(
+            json.dumps({"iteration": i + 1, "loss": v, **({"val_loss": 9.0} if i == 2 else {})}) + "\n"
+            for i, v in enumerate(values)))
+
+    def never(*args, **kwargs):
+        raise AssertionError("a finished run was launched again")
+
+    monkeypatch.setattr(cli, "supervise", never)
+    monkeypatch.setattr(launcher, "supervise", never)
+    code = cli.main(["matrix", "--models", "llama31-8b", "--datasets", "mock", "--schemes", "linear_mxfp8",
+                     "linear_hifp8", "--iters", "3", "--out", str(out), "--last-n", "2"])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "[done] llama31-8b/mock/linear_mxfp8: finished earlier (its checkpoint is at iteration 3)" in text
+    raw = (out / "matrix_summary.json").read_text()
+    summary = json.loads(raw, parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}"))
+    assert [(r["status"], r["finished_earlier"], r["iterations"]) for r in summary["runs"]] == [("ok", True, 3)] * 2
+    assert summary["runs"][1]["final_loss"] == 3.3 and summary["runs"][1]["final_val_loss"] == 9.0
+    hifp8 = summary["loss_vs_bf16"]["llama31-8b/mock/linear_hifp8"]
+    assert hifp8["reference"] == str(out / "llama31-8b-tiny" / "mock" / "bf16")
+    assert hifp8["mre_all"] == pytest.approx((0 + 0.1 + 0.1) / 3) and hifp8["mre_last"] == pytest.approx(0.1)
+    mxfp8 = summary["loss_vs_bf16"]["llama31-8b/mock/linear_mxfp8"]
+    assert (mxfp8["mre_all"], mxfp8["mre_last"], mxfp8["nonfinite_loss"]) == ("inf", "inf", 1)
+    assert summary["runs"][0]["final_loss"] == "nan"
+    assert compare.json_safe({"a": [float("-inf"), 1.5]}) == {"a": ["-inf", 1.5]}
