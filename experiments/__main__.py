@@ -219,7 +219,8 @@ def cmd_matrix(args) -> int:
     if args.dry_run:  # nothing written: the commands and the refusals are the whole answer
         for name, *_, launch in launches:
             print(launch.shell())
-        print(f"{len(launches)} run(s) resolved, {len(records)} refused")
+        print(f"{len(launches)} run(s) resolved, {len(records)} refused (each command reads its run's launch.json, "
+              "which the matrix writes when it runs the cell; `experiments run ... --dry-run` prints a cell's config)")
         return 1 if records else 0
     if records:
         print(f"error: {len(records)} of {len(combos)} run(s) refused (above); nothing was run", file=sys.stderr)

@@ -153,7 +153,9 @@ def test_nproc_defaults_to_the_parallel_sizes_and_dry_run_writes_nothing(tmp_pat
     assert config["layout"] == {"tp": 2, "pp": 2, "ep": 1}
     assert main(["matrix", "--models", "llama32-1b", "--schemes", "bf16", "FA_mxfp8", "--out", str(out),
                  "--dry-run"]) == 0
-    assert "2 run(s) resolved, 0 refused" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "2 run(s) resolved, 0 refused" in printed
+    assert "each command reads its run's launch.json, which the matrix writes when it runs the cell" in printed
     assert list(tmp_path.iterdir()) == []  # neither the run directory, launch.json, captures nor a summary
 
 
