@@ -692,7 +692,7 @@ def test_a_run_config_refuses_wrongly_typed_values_naming_the_key(tmp_path):
     done = subprocess.run([sys.executable, "-m", "fxquant.megatron_glue.launch", "--config", str(config)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert f"error: run config {config}: run.train.seq_length: expected an integer, got float 64.0" in done.stderr
+    assert f"run config {config}: run.train.seq_length: expected an integer, got float 64.0" in done.stderr
 
 
 def test_matrix_reruns_count_finished_runs_and_compare_like_the_report(tmp_path, capsys, monkeypatch):

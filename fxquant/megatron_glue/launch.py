@@ -23,6 +23,7 @@ import signal
 import sys
 import warnings
 
+log = logging.getLogger(__name__)
 CONSOLE = logging.getLogger(__name__ + ".console")  # the process's console lines (stdout, bare message)
 
 
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.config) as handle:
             config = RunConfig.from_dict(json.load(handle))
     except (OSError, ValueError, TypeError) as exc:  # json.JSONDecodeError is a ValueError
-        print(f"error: run config {args.config}: {exc}", file=sys.stderr)
+        log.error("run config %s: %s", args.config, exc)
         return 2
     run = with_capture_args(config, args)
     signal.signal(signal.SIGTERM, _terminate)
