@@ -14,6 +14,7 @@ from tabulate import tabulate
 
 from experiments import catalog, compare
 from experiments.launcher import Interrupted, interruptible, resolve, supervise
+from fxquant.analysis import outputs
 from fxquant.capture import compat
 from fxquant.cli import HelpFormatter, quiet_broken_pipe
 from fxquant.cli.collect_plan import collection_for
@@ -279,7 +280,8 @@ def cmd_matrix(args) -> int:
                      comparison.get(r["run"], {}).get("mre_all", ""), comparison.get(r["run"], {}).get("mre_last", "")))
     out.mkdir(parents=True, exist_ok=True)
     summary = {"runs": records, "loss_vs_bf16": comparison, "last_n": args.last_n}
-    (out / "matrix_summary.json").write_text(json.dumps(compare.json_safe(summary), indent=2, allow_nan=False))
+    # strict JSON as fxquant report writes it (a diverged run's NaN loss null, its inf error "inf")
+    (out / "matrix_summary.json").write_text(json.dumps(outputs.clean(summary), indent=2, allow_nan=False))
     table = tabulate(rows, headers=["run", "status", "iters", "final loss", "val loss", "MRE vs bf16", f"MRE last {args.last_n}"])
     (out / "matrix_summary.txt").write_text(table + "\n")
     print(table)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 
@@ -45,18 +44,6 @@ def against_bf16(records: list[dict], last_n: int) -> dict[str, dict]:
         result[r["run"]] = {"reference": str(ref_dir), "mre_all": mre,
                             "mre_last": loss_curves.mean_relative_error(run, ref, last_n), "nonfinite_loss": nonfinite}
     return result
-
-
-def json_safe(value):
-    """``value`` with every non-finite float written as the string "nan", "inf" or "-inf" (strict JSON has no
-    NaN or Infinity; a diverged run's loss and its error are such floats)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
 
 
 def plot_curves(records: list[dict], path: Path) -> Path | None:
