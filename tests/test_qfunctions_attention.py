@@ -71,8 +71,9 @@ def hand_attention(qt, kt, vt, do, fmts, *, mask_kw, scale=None, dropout_p=0.0, 
     rep = HQ // HK
     k_r, v_r = kt.repeat_interleave(rep, 1), vt.repeat_interleave(rep, 1)
     scale = 1 / math.sqrt(D) if scale is None else scale
-    qf, kf = qt.float(), k_r.float()  # the scores' GEMMs run in float32 whatever the input dtype
-    s = q(qf, fmts["qk.q"], -1) @ q(kf, fmts["qk.k"], -1).transpose(-2, -1)  # Q, K along d
+    f32 = lambda t: t.to(torch.promote_types(t.dtype, torch.float32))  # noqa: E731
+    # Q, K quantized in their own dtype, the scores' GEMMs in float32 (at least)
+    s = f32(q(qt, fmts["qk.q"], -1)) @ f32(q(k_r, fmts["qk.k"], -1)).transpose(-2, -1)  # Q, K along d
     s_leaf = s.detach().requires_grad_()
     z = s_leaf * scale
     if mask_kw.get("is_causal"):
@@ -89,8 +90,8 @@ def hand_attention(qt, kt, vt, do, fmts, *, mask_kw, scale=None, dropout_p=0.0, 
     dp = q(do, fmts["dp.do"], -1) @ q(v_r, fmts["dp.v"], -1).transpose(-2, -1)  # dO, V along d
     dv_r = q(p, fmts["dv.p"], -2).transpose(-2, -1) @ q(do, fmts["dv.do"], -2)  # P, dO along Lq
     (ds,) = torch.autograd.grad(p, s_leaf, dp)  # softmax/mask/dropout by torch's autograd
-    dq = (q(ds, fmts["dq.ds"], -1) @ q(kf, fmts["dq.k"], -2)).to(qt.dtype)  # dS (float32), K along Lk
-    dk_r = (q(ds, fmts["dk.ds"], -2).transpose(-2, -1) @ q(qf, fmts["dk.q"], -2)).to(qt.dtype)  # dS, Q along Lq
+    dq = (q(ds, fmts["dq.ds"], -1) @ f32(q(k_r, fmts["dq.k"], -2))).to(qt.dtype)  # dS (float32), K along Lk
+    dk_r = (q(ds, fmts["dk.ds"], -2).transpose(-2, -1) @ f32(q(qt, fmts["dk.q"], -2))).to(qt.dtype)  # dS, Q along Lq
     fold = lambda t: t.reshape(B, HK, rep, *t.shape[2:]).sum(2)  # noqa: E731  GQA: the heads' grads sum back
     return o, dq, fold(dk_r), fold(dv_r)
 
@@ -136,12 +137,14 @@ def test_mixed_formats_per_operand_and_dropout() -> None:
     assert all(torch.equal(a, b) for a, b in zip(ours, again))
 
 
-def test_bf16_inputs_compute_softmax_in_float32() -> None:
+@pytest.mark.parametrize("fmt", ["hifp8", "nvfp4"])  # NVFP4's values are not all bf16 values: rounded back to bf16
+def test_bf16_inputs_compute_softmax_in_float32(fmt: str) -> None:
     qt, kt, vt, do = inputs(seed=3, dtype=torch.bfloat16)
-    aq = schemes.get("FA_hifp8").attention_for(ATT_SITE)
-    o, dq, dk, dv = run(quantized_sdpa, qt, kt, vt, do, aq=aq, enable_gqa=True, is_causal=True)
+    o, dq, dk, dv = run(quantized_sdpa, qt, kt, vt, do, aq=aq_from(
+        dict.fromkeys(OPERANDS, None) | {k: fmt for k in OPERANDS if k.startswith(("qk", "dq", "dk"))}),
+        enable_gqa=True, is_causal=True)
     assert o.dtype == dq.dtype == torch.bfloat16
-    fmts = dict.fromkeys(OPERANDS, None) | {k: "hifp8" for k in OPERANDS if k.startswith(("qk", "dq", "dk"))}
+    fmts = dict.fromkeys(OPERANDS, None) | {k: fmt for k in OPERANDS if k.startswith(("qk", "dq", "dk"))}
     ref = hand_attention(qt, kt, vt, do, fmts, mask_kw={"is_causal": True})
     for a, b in zip((o, dq, dk, dv), ref):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

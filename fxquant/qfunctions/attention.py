@@ -9,9 +9,9 @@ The reference, step by step (q [.., Hq, Lq, d], k [.., Hk, Lk, d], v [.., Hk, Lk
     the dims before [L, d] (batch, heads) then broadcast as in ``torch.matmul``, as SDPA's math backend
         does: k, v [B, 1, Lk, d] serve every query head, [1, Lk, d] every batch of a 3-D q; the gradient
         of a broadcast operand is summed over the dims it was broadcast along
-    S = quantized_matmul(q.float(), k.float()^T, aq.qk)   GEMM in float32 (q, k quantized as they are: widening is
-        exact); a float16 GEMM output would overflow to Inf where |q.k| > 65504 before the scale brings it down
-        (SDPA's math backend scales q and k first, the flash kernel accumulates S in float32)
+    S = quantized_matmul(q, k^T, aq.qk, gemm_dtype=float32)   q, k quantized in their own dtype (FORMATS.md), the
+        GEMM in float32 (float64 inputs: float64): a float16 GEMM output would overflow to Inf where |q.k| > 65504 before the scale brings it
+        down (SDPA's math backend scales q and k first, the flash kernel accumulates S in float32)
     S' = S * scale  (+ additive mask | -inf where a bool mask is False | causal: -inf above diagonal)
     P = softmax(S') in float32, rows that are masked everywhere give 0 (as ``aten._safe_softmax``), cast back
         to the input dtype
@@ -153,7 +153,8 @@ def quantized_attention(
         value = value.repeat_interleave(query.shape[-3] // value.shape[-3], dim=-3)
     lq, lk = query.shape[-2], key.shape[-2]
     scale_ = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    s = quantized_matmul(query.float(), key.float().transpose(-2, -1), aq.qk) * scale_
+    s = quantized_matmul(query, key.transpose(-2, -1), aq.qk,
+                         gemm_dtype=torch.promote_types(query.dtype, torch.float32)) * scale_
     if scores_tap is not None:  # capture (fxquant.passes.capture_taps): the scores, before the mask
         torch.ops.fxquant.capture(s, scores_tap)
     if is_causal:

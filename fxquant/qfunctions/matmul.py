@@ -60,10 +60,13 @@ def qc(x: torch.Tensor, spec: str | None, dim: int, dtype: torch.dtype) -> torch
 
 class _QuantizedMatmulFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a: torch.Tensor, b: torch.Tensor, specs: Specs) -> torch.Tensor:
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, specs: Specs, gemm_dtype: torch.dtype | None) -> torch.Tensor:
         ctx.specs = specs
         ctx.save_for_backward(a, b)
-        out = torch.matmul(q(a, specs[0], -1), q(b, specs[1], -2))
+        qa, qb = q(a, specs[0], -1), q(b, specs[1], -2)
+        if gemm_dtype is not None:  # the quantized operands (in their own dtype) widened: the GEMM's result in it
+            qa, qb = qa.to(gemm_dtype), qb.to(gemm_dtype)
+        out = torch.matmul(qa, qb)
         ctx.gemm_dtype = out.dtype
         return out
 
@@ -80,14 +83,17 @@ class _QuantizedMatmulFn(torch.autograd.Function):
             db = torch.matmul(qc(a, s[4], -2, dt).transpose(-2, -1), qc(dc, s[5], -2, dt))
             if db.shape != b.shape:
                 db = db.sum_to_size(b.shape)
-        return da, db, None
+        return da, db, None, None
 
 
-def quantized_matmul(a: torch.Tensor, b: torch.Tensor, mq: MatmulQuant) -> torch.Tensor:
+def quantized_matmul(a: torch.Tensor, b: torch.Tensor, mq: MatmulQuant,
+                     gemm_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``torch.matmul(a, b)`` (a [.., M, K], b [.., K, N], batch dims broadcast) with its forward, grad_a
-    and grad_b GEMMs quantized per ``mq``."""
+    and grad_b GEMMs quantized per ``mq``. ``gemm_dtype`` (e.g. float32 for half inputs): the three GEMMs run in
+    it, on the operands quantized in their own dtype and then widened, and the result is in it (the incoming
+    gradient is quantized in it too); autograd casts the gradients back to the inputs' dtypes."""
     _check_matmul_args(a, b, mq, "quantized_matmul")
-    return _QuantizedMatmulFn.apply(a, b, gemm_specs(mq.forward, mq.grad_a, mq.grad_b))
+    return _QuantizedMatmulFn.apply(a, b, gemm_specs(mq.forward, mq.grad_a, mq.grad_b), gemm_dtype)
 
 
 def quantized_bmm(input: torch.Tensor, mat2: torch.Tensor, *, mq: MatmulQuant) -> torch.Tensor:
@@ -119,15 +125,11 @@ def quantized_baddbmm(
         raise ValueError(
             f"quantized_baddbmm: batch1 and batch2 must be 3-D, got {tuple(batch1.shape)} and {tuple(batch2.shape)}"
         )
+    # as torch.baddbmm: the product in float32 times alpha, one rounding to the inputs' dtype (a float16 GEMM output
+    # overflows where |b1 . b2| > 65504 before alpha = 1 / sqrt(d) brings it down); float32 / float64: their own
     dtype = torch.promote_types(batch1.dtype, batch2.dtype)
-    if alpha != 1 and dtype in (torch.float16, torch.bfloat16):
-        # as torch.baddbmm: alpha applied to the float32 product, then one rounding to the inputs' dtype (a float16
-        # GEMM output overflows where |b1 . b2| > 65504 before alpha = 1 / sqrt(d) brings it down)
-        out = (quantized_matmul(batch1.float(), batch2.float(), mq) * alpha).to(dtype)
-    else:
-        out = quantized_matmul(batch1, batch2, mq)
-        if alpha != 1:
-            out = out * alpha
+    out = quantized_matmul(batch1, batch2, mq, gemm_dtype=torch.promote_types(dtype, torch.float32))
+    out = (out * alpha if alpha != 1 else out).to(dtype)
     if beta == 0:
         return out
     if beta != 1:
