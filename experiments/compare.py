@@ -14,13 +14,14 @@ def read_losses(metrics: Path, key: str = "loss") -> list[float]:
 
 
 def reference_run(record: dict, records: list[dict]) -> Path | None:
-    """The bf16 run directory a cell is compared with: the bf16 cell of the same model and dataset in this
-    matrix, else the one an earlier matrix left beside the cell's own directory (OUT/<model name>/<dataset>/bf16),
-    when it holds metrics."""
-    for r in records:
-        if r.get("status") == "ok" and r["scheme"] == "bf16" and (r["model"], r["dataset"]) == (
-                record["model"], record["dataset"]):
-            return Path(r["run_dir"])
+    """The bf16 run directory a cell is compared with: the bf16 cell of the same model and dataset in this matrix
+    when it finished (one that failed or was interrupted: none, its metrics are not this matrix's), else, when the
+    matrix has no such cell, the bf16 run an earlier matrix left beside the cell's own directory
+    (OUT/<model name>/<dataset>/bf16), when it holds metrics."""
+    same = [r for r in records if r.get("scheme") == "bf16" and (r.get("model"), r.get("dataset")) == (
+        record["model"], record["dataset"])]
+    if same:
+        return Path(same[0]["run_dir"]) if same[0].get("status") == "ok" else None
     earlier = Path(record["run_dir"]).parent / "bf16"
     return earlier if (earlier / "metrics.jsonl").is_file() else None
 
@@ -32,14 +33,16 @@ def against_bf16(records: list[dict], last_n: int) -> dict[str, dict]:
     left out; a run whose loss is NaN or Inf where the reference's is finite gets ``inf``)."""
     from fxquant.analysis import loss_curves
 
-    result = {}
+    result, references = {}, {}
     for r in records:
         if r.get("status") != "ok" or r["scheme"] == "bf16":
             continue
         ref_dir = reference_run(r, records)
         if ref_dir is None:
             continue
-        run, ref = loss_curves.load_run(Path(r["run_dir"])), loss_curves.load_run(ref_dir)
+        if ref_dir not in references:  # each reference's metrics read once
+            references[ref_dir] = loss_curves.load_run(ref_dir)
+        run, ref = loss_curves.load_run(Path(r["run_dir"])), references[ref_dir]
         mre, nonfinite = loss_curves.loss_error(run, ref)
         result[r["run"]] = {"reference": str(ref_dir), "mre_all": mre,
                             "mre_last": loss_curves.mean_relative_error(run, ref, last_n), "nonfinite_loss": nonfinite}

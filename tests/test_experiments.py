@@ -701,7 +701,7 @@ def test_matrix_reruns_count_finished_runs_and_compare_like_the_report(tmp_path,
     beside its directory when the matrix has none; the error follows fxquant report's rules (a diverged run: inf,
     not NaN) and the summary is strict JSON."""
     import experiments.__main__ as cli
-    from experiments import launcher
+    from experiments import compare, launcher
 
     monkeypatch.delenv("CUSTOM_QUANT_TYPE", raising=False)
     out = tmp_path / "runs"
@@ -734,3 +734,8 @@ def test_matrix_reruns_count_finished_runs_and_compare_like_the_report(tmp_path,
     mxfp8 = summary["loss_vs_bf16"]["llama31-8b/mock/linear_mxfp8"]
     assert (mxfp8["mre_all"], mxfp8["mre_last"], mxfp8["nonfinite_loss"]) == ("inf", "inf", 1)
     assert summary["runs"][0]["final_loss"] is None  # NaN, written as fxquant report's JSON writes it
+    failed = [{"run": "m/d/bf16", "model": "m", "dataset": "d", "scheme": "bf16", "status": "failed",
+               "run_dir": str(out / "llama31-8b-tiny" / "mock" / "bf16")},
+              {"run": "m/d/linear_hifp8", "model": "m", "dataset": "d", "scheme": "linear_hifp8", "status": "ok",
+               "run_dir": str(out / "llama31-8b-tiny" / "mock" / "linear_hifp8")}]
+    assert compare.against_bf16(failed, last_n=2) == {}  # a failed bf16 cell's directory holds no reference of this matrix
