@@ -54,7 +54,7 @@ from torch import fx
 from fxquant.capture.runtime import capture_grad
 from fxquant.capture.spec import GEMM_OPERANDS, CaptureSpec, Component, Copy, Direction, Gemm, ModuleKind, Role
 from fxquant.capture.tap import Tap, encode_taps
-from fxquant.passes.expected import output_requires_grad, requires_grad
+from fxquant.passes.expected import attention_runs, gemm_runs, output_requires_grad
 from fxquant.passes.graph_edit import copy_meta
 from fxquant.passes.rewrite_linear import conv1d_as_linear
 from fxquant.passes.rewrite_megatron_linear import operand_positions
@@ -201,20 +201,18 @@ _BACKWARD_GEMMS = frozenset({Gemm.DGRAD, Gemm.WGRAD, Gemm.DQ, Gemm.DK, Gemm.DP, 
 
 
 def _gemms_run(node: fx.Node, op: OpKind) -> frozenset[Gemm] | None:
-    """The backward GEMMs of site ``node`` that autograd runs (None: all of them), as the counters judge it
+    """The backward GEMMs of site ``node`` that autograd runs (None: all of them), by the counters' rules
     (``passes.expected``): none where the site's output does not require grad (a graph compiled under no_grad, an
-    evaluation's; a frozen part under no_grad), at a linear no dgrad for an input and no wgrad for a weight that
-    does not require grad, at attention dQ / dK / dV for the operand that does, dP for either of Q, K."""
-    if not output_requires_grad(node):
-        return frozenset()
+    evaluation's), at a linear no dgrad / wgrad for an input / weight without gradient, at attention dQ / dK / dV
+    for the operand that has none, dP where neither Q nor K has one."""
     if op in (OpKind.LINEAR, OpKind.SDPA, OpKind.ATTENTION_WEIGHTS) and node.target is not torch.addmm:
         operands = [_operand(node, op, i) for i in range(len(_ARG_NAMES[op]))]
-        grads = [requires_grad(a) if a is not None else True for a in operands]
         if op is OpKind.LINEAR:
-            return frozenset(g for g, run in ((Gemm.DGRAD, grads[0]), (Gemm.WGRAD, grads[1])) if run)
-        gq, gk, gv = grads
-        return frozenset(g for g, run in ((Gemm.DQ, gq), (Gemm.DK, gk), (Gemm.DV, gv), (Gemm.DP, gq or gk)) if run)
-    return None
+            runs = gemm_runs(node, *operands)
+            return frozenset(g for g, i in ((Gemm.DGRAD, 2), (Gemm.WGRAD, 4)) if runs[i])
+        runs = attention_runs(node, *operands)
+        return frozenset(g for g, i in ((Gemm.DQ, 2), (Gemm.DK, 4), (Gemm.DP, 8), (Gemm.DV, 10)) if runs[i])
+    return None if output_requires_grad(node) else frozenset()
 
 
 def _kind(meta: SiteMeta) -> ModuleKind | None:

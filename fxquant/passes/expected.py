@@ -40,11 +40,20 @@ def output_requires_grad(node: fx.Node) -> bool:
     return requires_grad(node)
 
 
-def _gemm_runs(node: fx.Node, a: object, b: object) -> list[bool]:
+def gemm_runs(node: fx.Node, a: object, b: object) -> list[bool]:
     """Per operand slot of a (fwd a, fwd b, grad_a dC, grad_a b, grad_b a, grad_b dC) table: whether it runs."""
     out = output_requires_grad(node)
     ga, gb = out and requires_grad(a), out and requires_grad(b)
     return [True, True, ga, ga, gb, gb]
+
+
+def attention_runs(node: fx.Node, q: object, k: object, v: object) -> list[bool]:
+    """Per operand slot of an attention site's (qk: fwd q, fwd k, dq ds, dq k, dk q, dk ds; pv: fwd p, fwd v,
+    dp do, dp v, dv p, dv do) table: whether its GEMM runs."""
+    out = output_requires_grad(node)
+    gq, gk, gv = (out and requires_grad(t) for t in (q, k, v))
+    p_grad = gq or gk  # P = softmax(Q K^T) needs a gradient iff Q or K does
+    return [True, True, gq, gq, gk, gk, True, True, p_grad, p_grad, gv, gv]
 
 
 def _operand_keys(node: fx.Node) -> list[tuple[int, tuple]]:
@@ -57,20 +66,17 @@ def _operand_keys(node: fx.Node) -> list[tuple[int, tuple]]:
             w, wk, wn = w.args[0], "K of w.t()", "N of w.t()"
         table = [(_FWD, x, "K"), (_FWD, w, wk), (_BWD, node, "dY,N"), (_BWD, w, wn), (_BWD, node, "dY,M"),
                  (_BWD, x, "M")]
-        runs = _gemm_runs(node, x, w)
+        runs = gemm_runs(node, x, w)
     elif t in (wrappers.fxquant_matmul, wrappers.fxquant_bmm, wrappers.fxquant_baddbmm):
         a, b = (args[1], args[2]) if t is wrappers.fxquant_baddbmm else (args[0], args[1])
         s = args[-1]
         table = [(_FWD, a, "-1"), (_FWD, b, "-2"), (_BWD, node, "dC,-1"), (_BWD, b, "-1"), (_BWD, a, "-2"),
                  (_BWD, node, "dC,-2")]
-        runs = _gemm_runs(node, a, b)
+        runs = gemm_runs(node, a, b)
     elif t in (wrappers.fxquant_sdpa, wrappers.fxquant_attention_weights):  # operands private to the site
         s = args[-1]
         phases = [_FWD, _FWD, _BWD, _BWD, _BWD, _BWD] * 2
-        out = output_requires_grad(node)
-        gq, gk, gv = (out and requires_grad(t) for t in args[:3])
-        p_grad = gq or gk  # P = softmax(Q K^T) needs a gradient iff Q or K does
-        runs = [True, True, gq, gq, gk, gk, True, True, p_grad, p_grad, gv, gv]
+        runs = attention_runs(node, *args[:3])
         return [(ph, (node.name, i, spec)) for i, (ph, spec, run) in enumerate(zip(phases, s, runs))
                 if spec is not None and run]
     else:
