@@ -147,12 +147,16 @@ def cmd_list(args) -> int:
 def _finished_at(launch) -> int | None:
     """The iteration of the cell's checkpoint when the run it describes already finished (its run directory holds a
     checkpoint at or past ``train_iters`` and the run resumes from checkpoints): a run launched again would train
-    nothing and fail ("nothing to train"). Read from the checkpoints' ``latest`` marker (no Megatron import)."""
-    marker = Path(launch.run.output_dir) / "checkpoints" / "latest"
-    if not launch.run.resume or not marker.is_file():
+    nothing and fail ("nothing to train")."""
+    from fxquant.megatron_glue.checkpoint import latest_iteration
+
+    if not launch.run.resume:
         return None
-    text = marker.read_text().strip()
-    return int(text) if text.isdigit() and int(text) >= launch.run.train.train_iters else None
+    try:
+        done = latest_iteration(Path(launch.run.output_dir) / "checkpoints")
+    except ValueError:  # a corrupt marker: the cell is launched, and its rank names the problem
+        return None
+    return done if done is not None and done >= launch.run.train.train_iters else None
 
 
 def written_since(path: Path, since: float) -> Path | None:

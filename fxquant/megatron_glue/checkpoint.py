@@ -22,7 +22,6 @@ from pathlib import Path
 import numpy
 import torch
 import torch.distributed as dist
-from megatron.core.tensor_parallel import random as megatron_random
 
 from fxquant._fileio import write_atomic
 
@@ -48,6 +47,8 @@ def latest_iteration(root: str | Path) -> int | None:
 
 
 def _rng_state() -> dict:
+    from megatron.core.tensor_parallel import random as megatron_random  # here: latest_iteration needs no Megatron
+
     tracker = megatron_random.get_cuda_rng_tracker()
     _, keys, pos, has_gauss, cached = numpy.random.get_state()
     state = {"torch": torch.get_rng_state(), "numpy": [keys.tolist(), int(pos), int(has_gauss), float(cached)],
@@ -64,6 +65,8 @@ def _set_rng_state(state: dict) -> None:
     keys, pos, has_gauss, cached = state["numpy"]
     numpy.random.set_state(("MT19937", numpy.array(keys, dtype=numpy.uint32), pos, has_gauss, cached))
     random.setstate(ast.literal_eval(state["python"]))
+    from megatron.core.tensor_parallel import random as megatron_random
+
     megatron_random.get_cuda_rng_tracker().set_states(dict(state["tracker"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
