@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch._inductor.config
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -213,6 +214,7 @@ def bench(args: argparse.Namespace) -> dict:
         "shape": list(x.shape),
         "dtype": str(dtype),
         "repeat": args.repeat,
+        "inductor_cpp_simdlen": torch._inductor.config.cpp.simdlen,
         "bytes_per_call": nbytes,
         "rows": rows,
     }
@@ -275,8 +277,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--floor", action="store_true", help="also time the parts of a quantize's work (Inductor)")
     p.add_argument("--floor-blocks", type=lambda s: [int(b) for b in s.split(",")], default=[32, 512],
                    help="block sizes of --floor's block-structure rows (default 32,512)")
+    p.add_argument("--simdlen", type=int, default=None,
+                   help="Inductor's C++ vector width in bits (cpp.simdlen; default: Inductor's choice for the CPU)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     args = p.parse_args(argv)
+    if args.simdlen is not None:
+        if args.simdlen not in (0, 128, 256, 512):
+            p.error(f"--simdlen: {args.simdlen} is not one of 0 (scalar), 128, 256, 512")
+        torch._inductor.config.cpp.simdlen = args.simdlen
     unknown = set(args.impls.split(",")) - set(IMPLS) if args.impls != "all" else set()
     if unknown:
         p.error(f"--impls: unknown {sorted(unknown)}; allowed {list(IMPLS)}")
