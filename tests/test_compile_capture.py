@@ -60,6 +60,32 @@ def test_explicit_session_with_compiled_capture(tmp_path):
     assert sorted(set(capture.open(tmp_path).values("iteration"))) == [5, 6]
 
 
+def test_session_with_another_spec_than_the_compiled_one_is_refused(tmp_path):
+    """Taps name their sections by index: a session whose spec would read those indices as other sections (here
+    weight statistics for the compiled spec's stored inputs) is refused instead of writing mislabelled records;
+    one that differs only in its window captures."""
+    text = "version: 1\nname: {name}\nsections: [{{name: {sec}, points: [{{component: linear, roles: [{role}]}}], " \
+           "what: {what}{when}}}]\n"
+    compiled_spec = capture.load_spec("a", text=text.format(name="A", sec="inputs", role="input", what="full", when=""))
+    other = capture.load_spec("b", text=text.format(name="B", sec="weights", role="weight", what="stats", when=""))
+    windowed = capture.load_spec("c", text=text.format(name="A", sec="inputs", role="input", what="stats",
+                                                       when=", when: {iterations: [3]}"))
+    assert windowed.placement_digest() == compiled_spec.placement_digest() != other.placement_digest()
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16))
+    compiled = fxquant.compile(model, "linear_mxfp8", capture=compiled_spec, backend="aot_eager")
+    x = torch.randn(4, 16)
+    with pytest.raises(capture.CaptureError, match=r"compiled for another capture spec .* this session's 'B'"):
+        with capture.start(other, tmp_path / "other", scheme="linear_mxfp8"):
+            compiled(x).sum().backward()
+    assert len(capture.open(tmp_path / "other")) == 0
+    with capture.start(windowed, tmp_path / "windowed", scheme="linear_mxfp8") as session:
+        for it in (2, 3):
+            session.set_iteration(it)
+            compiled(x).sum().backward()
+    cs = capture.open(tmp_path / "windowed")
+    assert [(r.iteration, r.role, r.section, r.has_tensor) for r in cs] == [(3, "input", "inputs", False)]
+
+
 def test_capture_argument_errors(tmp_path):
     model = make_llama()
     with pytest.raises(ValueError, match="capture_dir is only meaningful"):

@@ -147,6 +147,7 @@ class CaptureSession:
         self.iteration, self.micro_batch = config.start_iteration, 0
         self.seq, self.reserved_bytes = seq_before, 0
         self._first_seq = seq_before  # budget.tensors counts the records from this seq on
+        self._placement = spec.placement_digest()  # what the taps of graphs compiled with this spec carry
         self.stop_reason: str | None = None
         self._warned: set[tuple[str, str]] = set()
         self._raised = False
@@ -276,6 +277,13 @@ class CaptureSession:
         taps that store the same thing (one tensor tapped at several sites) share one payload."""
         groups: dict[Work, list[tuple[Tap, str]]] = {}
         for tap in taps:
+            if tap.placement is not None and tap.placement != self._placement:
+                raise CaptureError(
+                    f"the capture tap at {tap.module!r} ({tap.component.value}.{tap.role.value}) was compiled for another "
+                    f"capture spec (placement {tap.placement}) than this session's {self.spec.name!r} "
+                    f"({self._placement}): its section indices would name other sections. Start the session with "
+                    f"the spec the model was compiled with, or compile the model with this one "
+                    f"(fxquant.compile(..., capture=spec)); sections may differ in when/what/sampling only")
             sections = [self.spec.sections[i] for i in tap.sections if i in self._active]
             if not sections:
                 continue

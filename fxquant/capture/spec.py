@@ -11,6 +11,8 @@ Every problem is reported at once with ``file:line``, the dotted path and a did-
 from __future__ import annotations
 
 import enum
+import hashlib
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -288,6 +290,16 @@ class CaptureSpec:
 
     def sections_for(self, module_path: str, kind: ModuleKind | None, layer: int | None) -> tuple[int, ...]:
         return tuple(i for i, s in enumerate(self.sections) if s.layers.matches(module_path, kind, layer))
+
+    def placement_digest(self) -> str:
+        """16 hex digits over what decides the taps a compile inserts: each section's name, layer selector and
+        points, in order. A tap carries it, so a session whose spec would read the tap's section indices as other
+        sections is refused; the window, ``what`` and ``sampling`` apply at run time and may differ."""
+        parts = [[s.name, s.layers.module,
+                  None if s.layers.kinds is None else sorted(k.value for k in s.layers.kinds),
+                  None if s.layers.layers is None else sorted(s.layers.layers),
+                  [[p.component.value, p.role.value, p.copy.value] for p in s.points]] for s in self.sections]
+        return hashlib.sha256(json.dumps(parts, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
 # ------------------------------------------------------------------------------------------------ parsing

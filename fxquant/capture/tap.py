@@ -28,6 +28,7 @@ class Tap:
     qspec: str | None = None  # for a quantized copy: TensorQuant.spec() of its format
     dim: int | None = None  # for a quantized copy: the blocked (reduction) dim
     shard_dim: int | None = None  # tensor-parallel split dim of this tensor, if any
+    placement: str | None = None  # CaptureSpec.placement_digest() of the spec whose section indices ``sections`` are
 
     def __post_init__(self) -> None:
         if self.role not in ROLE_TABLE[self.component]:
@@ -51,6 +52,7 @@ class Tap:
             "c": self.component.value, "r": self.role.value, "m": self.module, "s": list(self.sections),
             "k": None if self.kind is None else self.kind.value, "l": self.layer, "cp": self.copy.value,
             "g": None if self.gemm is None else self.gemm.value, "q": self.qspec, "d": self.dim, "sd": self.shard_dim,
+            "p": self.placement,
         }
 
 
@@ -87,6 +89,7 @@ def _tap(d: object, text: str) -> Tap:
             component=Component(d["c"]), role=Role(d["r"]), module=str(d["m"]), sections=tuple(d["s"]),
             kind=None if d["k"] is None else ModuleKind(d["k"]), layer=d["l"], copy=Copy(d["cp"]),
             gemm=None if d["g"] is None else Gemm(d["g"]), qspec=d["q"], dim=d["d"], shard_dim=d["sd"],
+            placement=d.get("p"),
         )
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"malformed capture tap string {text[:200]!r}: {exc}") from None

@@ -247,7 +247,7 @@ def _site_taps(meta: SiteMeta, op: OpKind, spec: CaptureSpec, report: TapReport,
                                   f"{what}: not materialised at a {meta.op.value} site"))
             continue
         base = dict(component=component, role=role, module=site.module_path, sections=tuple(secs), kind=kind,
-                    layer=site.layer)
+                    layer=site.layer, placement=spec.placement_digest())
         if copy is Copy.HP:
             out.append((Tap(**base), where))
             continue
