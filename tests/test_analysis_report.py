@@ -493,3 +493,18 @@ def test_a_report_with_the_mx_study_turned_off_says_so(sets, tmp_path):
     assert (tmp_path / "off/mx_study/study.txt").read_text().strip() == "the MX study is turned off (--sample-blocks 0)"
     analysis.report([root / "mxfp8"], tmp_path / "on", plots=False, **dict(FAST, sample_blocks=4))
     assert (tmp_path / "on/mx_study/study.txt").read_text().startswith("Recommendation")
+
+
+def test_mx_study_max_error_is_the_largest_over_tensors_not_their_sum(tmp_path, capsys):
+    """The same tensor stored once or three times: the study's max |q - x| is the reference's, every time."""
+    from fxquant.formats.tensor_quant import TensorQuant
+
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    true = (TensorQuant.from_spec("mxfp4_e2m1").quantize(x, -1) - x).abs().max().item()
+    for copies in (1, 3):
+        write_tensors(tmp_path / str(copies), [x.clone() for _ in range(copies)])
+        assert main(["mx-sweep", str(tmp_path / str(copies)), "--mx-formats", "mxfp4", "--offsets=0", "--json",
+                     "-q"]) == 0
+        rows = json.loads(capsys.readouterr().out)["rows"]
+        row = next(r for r in rows if r["scale_mode"] == "floor" and r["group"] == "all")
+        assert row["max_err"] == pytest.approx(true, rel=1e-6) and row["n"] == copies * x.numel()

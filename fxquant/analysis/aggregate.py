@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fxquant import formats
-from fxquant.analysis import bins
+from fxquant.analysis import bins, mx_study
 from fxquant.analysis.moments import Moments
 from fxquant.analysis.summary import AnalysisConfig, RecordSummary, dense
 from fxquant.formats.mx import MXFormat
@@ -156,7 +156,7 @@ class Aggregator:
         for (fmt, mode, k), sums in s.study.items():
             for grp in group_names:
                 key = (fmt, mode, k, grp)
-                self.study[key] = sums.copy() if key not in self.study else self.study[key] + sums
+                self.study[key] = sums.copy() if key not in self.study else mx_study.merge(self.study[key], sums)
                 if s.moments.n_finite:
                     self.study_peak[(fmt, grp)] = max(self.study_peak[(fmt, grp)], s.moments.amax)
 

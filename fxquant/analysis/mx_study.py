@@ -172,6 +172,16 @@ class StudyRow:
     flushed_pct: float
 
 
+MAX_FIELD = FIELDS.index("max_err")
+
+
+def merge(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The study sums of two sets of tensors: every field added, ``max_err`` the larger of the two."""
+    out = a + b
+    out[MAX_FIELD] = max(a[MAX_FIELD], b[MAX_FIELD])
+    return out
+
+
 def metrics(fmt: str, mode: str, k: int, group: str, s: np.ndarray, peak: float) -> StudyRow:
     v = dict(zip(FIELDS, s.tolist()))
     n = int(v["n"])
