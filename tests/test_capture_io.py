@@ -5,8 +5,10 @@ from __future__ import annotations
 import errno
 import io
 import json
+import math
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import fxquant
 from fxquant import capture
 from fxquant.capture import layout
 from fxquant.capture.export import export_pt, load_pt
@@ -153,7 +156,10 @@ def test_any_writer_failure_is_reported_counted_and_never_hangs(tmp_path, monkey
     assert (raised is not None) == (policy == "abort") and capture.active_session() is None
     assert not s.writer._thread.is_alive()
     cs = capture.open(tmp_path)
-    assert cs.committed and len(cs) == 1 and cs.verify() == []
+    problems = cs.verify()  # the set is consistent, and verify says that it is incomplete
+    assert cs.committed and len(cs) == 1 and len(problems) == 1
+    assert "ended on an error" in problems[0] and "injected writer failure" in problems[0]
+    assert f"{summary['dropped']} record(s) not written" in problems[0]
 
 
 def test_one_tensor_for_several_works_survives_a_writer_that_is_done_with_the_first(tmp_path, monkeypatch):
@@ -283,7 +289,8 @@ def test_disk_full_policy_stop(tmp_path, monkeypatch):
         assert "No space left on device" in s.stop_reason
     _no_partial_finals(tmp_path)
     cs = capture.open(tmp_path)
-    assert len(cs) == 2 and cs.verify() == []
+    problems = cs.verify()  # consistent, and incomplete: the session ended on the error
+    assert len(cs) == 2 and len(problems) == 1 and "ended on an error" in problems[0] and "errno 28" in problems[0]
     assert "errno 28" in cs.meta["rank-00000"]["committed"]["error"]
 
 
@@ -379,10 +386,84 @@ def test_corrupted_bytes_fail_checksum(tmp_path, capsys):
     data[-5] ^= 0xFF
     shard.write_bytes(bytes(data))
     cs = capture.open(tmp_path)
-    with pytest.raises(CaptureReadError, match="fails its checksum"):
+    with pytest.raises(CaptureReadError, match="checksum mismatch"):
         cs.load(cs[1], check=True)
     assert main(["capture", "verify", str(tmp_path)]) == 1
     assert "checksum mismatch" in capsys.readouterr().err
+
+
+def _strict_json(line: str) -> object:
+    def refuse(constant):
+        raise ValueError(f"non-standard JSON constant {constant}")
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_changed_manifest_line_and_shard_header_are_found(tmp_path, capsys):
+    """Corruption that keeps the syntax: a flipped digit in a manifest line (crc), a shard header's dtype or shape
+    changed (the tensor no longer is what its record says; its bytes still hash the same)."""
+    cs, shard = _one_shard(tmp_path)
+    manifest = shard.parents[1] / layout.MANIFEST
+    lines = manifest.read_bytes().split(b"\n")
+    assert b'"iteration":0' in lines[0]
+    manifest.write_bytes(b"\n".join([lines[0].replace(b'"iteration":0', b'"iteration":1'), *lines[1:]]))
+    problems = capture.open(tmp_path).verify()
+    assert len(capture.open(tmp_path)) == 1 and any("manifest.jsonl:1: record seq=0 fails its crc" in p for p in problems)
+    manifest.write_bytes(b"\n".join(lines))
+    header = shard.read_bytes()
+    for old, new, what in ((b'"F32"', b'"I32"', "is int32, its record says float32"),
+                           (b'"shape":[8,16]', b'"shape":[16,8]', "has shape [16, 8], its record says [8, 16]")):
+        assert header.count(old) == 2  # both tensors' entries
+        shard.write_bytes(header.replace(old, new, 1))
+        cs = capture.open(tmp_path)
+        with pytest.raises(CaptureReadError, match=re.escape(what)):
+            cs.load(cs[0], check=True)
+        assert main(["capture", "verify", str(tmp_path)]) == 1
+        assert what in capsys.readouterr().err
+    shard.write_bytes(header)
+    assert capture.open(tmp_path).verify() == []
+
+
+def test_lines_lost_or_repeated_at_a_line_boundary_are_found(tmp_path):
+    """A manifest cut or extended at a line boundary parses: verify compares it with COMMITTED's count and seqs."""
+    cs, shard = _one_shard(tmp_path)
+    manifest = shard.parents[1] / layout.MANIFEST
+    whole = manifest.read_bytes()
+    first, second = whole.splitlines(keepends=True)
+    manifest.write_bytes(first)
+    assert capture.open(tmp_path).verify()[0].endswith("1 record(s), 2 when its session committed (lines lost since)")
+    manifest.write_bytes(whole + second)
+    problems = capture.open(tmp_path).verify()
+    assert any("3 record(s), 2 when its session committed (lines added since)" in p for p in problems)
+    assert any("seq 1 on 2 records" in p for p in problems)
+
+
+def test_corrupt_line_before_an_unterminated_last_one_is_corruption_not_a_torn_tail(tmp_path):
+    cs, shard = _one_shard(tmp_path)
+    manifest = shard.parents[1] / layout.MANIFEST
+    first, second = manifest.read_bytes().splitlines()
+    manifest.write_bytes(first[:-10] + b"\n" + second)  # no final newline: the corrupt line is not the last
+    with pytest.raises(CaptureReadError, match=r"manifest.jsonl:1: corrupt manifest line"):
+        capture.open(tmp_path)
+
+
+def test_non_finite_statistics_are_strict_json_and_read_back_as_floats(tmp_path, capsys):
+    """An exactly representable quantized copy has no error: its sqnr_db is +inf, written as "inf"."""
+    spec = capture.load_spec("q", text="version: 1\nsections: [{name: q, points: [{component: linear, roles: "
+                                        "[weight], copies: [quantized]}], what: stats}]\n")
+    model = torch.nn.Linear(32, 32, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.randint(-2, 3, (32, 32)).float())
+    compiled = fxquant.compile(model, scheme="linear_mxfp8", capture=spec, backend="aot_eager")
+    with capture.start(spec, tmp_path, scheme="linear_mxfp8"):
+        compiled(torch.randn(4, 32)).sum().backward()
+    lines = next(tmp_path.glob(f"rank-*/{layout.MANIFEST}")).read_text().splitlines()
+    assert lines and all(isinstance(_strict_json(line), dict) for line in lines)
+    assert any('"sqnr_db":"inf"' in line for line in lines)
+    cs = capture.open(tmp_path)
+    assert {r.stats["sqnr_db"] for r in cs} == {math.inf} and cs.verify() == []
+    assert main(["capture", "ls", str(tmp_path), "--json"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == len(cs) and all(_strict_json(line)["stats"]["sqnr_db"] == "inf" for line in out)
 
 
 def test_missing_and_unreferenced_shards_reported(tmp_path):
@@ -529,7 +610,7 @@ def test_reader_query_results_load_and_hostile_file_fields_are_refused(tmp_path)
     lines = manifest.read_text().splitlines()
     rec = json.loads(lines[0])
     rec["file"] = "../../outside.safetensors"
-    manifest.write_text("\n".join([json.dumps(rec)] + lines[1:]) + "\n")
+    manifest.write_text(layout.record_line(rec) + "\n".join(lines[1:]) + "\n")  # a valid crc: no changed byte
     hostile = capture.open(tmp_path)
     with pytest.raises(CaptureReadError, match="outside"):
         hostile.load(hostile.query(seq=rec["seq"])[0])
@@ -615,7 +696,8 @@ def test_a_failing_capture_keeps_what_was_prepared_before_it(tmp_path):
     assert s.summary["records"] == 4 and s.summary["dropped"] == 1 and not s.summary["clean"]
     assert "no_such_format" in s.summary["error"]
     cs = capture.open(tmp_path)
-    assert len(cs) == 4 and cs.verify() == [] and all(torch.equal(cs.load(r), x) for r, x in zip(cs, sent))
+    assert len(cs) == 4 and all(torch.equal(cs.load(r), x) for r, x in zip(cs, sent))
+    assert [p.split(":")[0] for p in cs.verify()] == ["rank-00000"]  # only: ended on an error, 1 record not written
 
 
 @pytest.mark.parametrize("what", ["full", "both"])

@@ -28,6 +28,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import zlib
@@ -255,15 +256,58 @@ def shard_keys(path: Path) -> list[str]:
     return [k for k in header if k != "__metadata__"]
 
 
+class CorruptRecord(dict):
+    """A manifest line that parses as a record but fails its ``crc`` (a changed byte): ``manifest_record`` returns
+    it (a dict, so that ``resume_point`` still skips its seq and ``supersede_from`` still moves it), the reader skips
+    and reports it."""
+
+
+NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+
+
+def strict_json(obj: object) -> object:
+    """``obj`` with every non-finite float written as the string "inf", "-inf" or "nan" (strict JSON)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else "inf" if obj > 0 else "-inf"
+    if isinstance(obj, dict):
+        return {k: strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_json(v) for v in obj]
+    return obj
+
+
+def _record_text(record: dict) -> str:
+    return json.dumps(record, separators=(",", ":"), sort_keys=True, allow_nan=False)
+
+
+def record_line(record: dict) -> str:
+    """A record's manifest line: strict JSON (non-finite statistics as strings), with ``crc``, the CRC-32 of the same
+    line without it, so that a changed byte in a line that still parses is found."""
+    body = strict_json({k: v for k, v in record.items() if k != "crc"})
+    return _record_text({**body, "crc": zlib.crc32(_record_text(body).encode())}) + "\n"
+
+
 def manifest_record(line: bytes) -> dict | None | bool:
-    """One manifest line: its record (a JSON object), False for valid JSON that is not an object (not a record, such
-    as a stray line another tool appended), None for a line that is not JSON (torn by a crash mid-append, or
+    """One manifest line: its record (a JSON object; its ``crc`` checked and removed, the strings "inf", "-inf",
+    "nan" of its ``stats`` read back as floats), a ``CorruptRecord`` when the crc does not match (lines written
+    without one, by earlier versions, are not checked), False for valid JSON that is not an object (not a record,
+    such as a stray line another tool appended), None for a line that is not JSON (torn by a crash mid-append, or
     corrupt)."""
     try:
         value = json.loads(line)
     except (json.JSONDecodeError, UnicodeDecodeError):
         return None
-    return value if isinstance(value, dict) else False
+    if not isinstance(value, dict):
+        return False
+    crc = value.pop("crc", None)
+    try:
+        intact = crc is None or crc == zlib.crc32(_record_text(value).encode())
+    except ValueError:  # a non-finite number in a line with a crc: not written by record_line
+        intact = False
+    stats = value.get("stats")
+    if isinstance(stats, dict):
+        value["stats"] = {k: NONFINITE.get(v, v) if isinstance(v, str) else v for k, v in stats.items()}
+    return value if intact else CorruptRecord(value)
 
 
 def resume_point(directory: Path) -> tuple[int, int]:
@@ -310,6 +354,15 @@ def resume_point(directory: Path) -> tuple[int, int]:
     return max(shards, default=0), max(seq, top) + 1
 
 
+def count_records(path: Path) -> int:
+    """The records of a manifest file (lines that parse as records; 0 for no file): what ``COMMITTED`` records as
+    ``manifest_records`` at close, for ``verify`` to compare with later."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    return sum(isinstance(manifest_record(line), dict) for line in path.read_bytes().split(b"\n") if line.strip())
+
+
 def mend_tail(path: Path) -> bytes:
     """Make an append-only JSON-lines file (the manifest, ``superseded.jsonl``) end on a line boundary, and return
     its bytes: a last line without its newline is completed when it parses (the crash came between the record and its
@@ -347,6 +400,19 @@ def superseded_records(directory: Path) -> list[dict]:
     return [r for r in records if isinstance(r, dict)]
 
 
+def _recount(directory: Path) -> None:
+    """Bring the ``manifest_records`` of the rank directory's ``COMMITTED`` marker, if it has one, up to the manifest
+    that ``supersede_from`` rewrote (a crash before this leaves a count that ``verify`` reports)."""
+    marker = directory / COMMITTED
+    try:
+        committed = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(committed, dict) and isinstance(committed.get("manifest_records"), int):
+        committed["manifest_records"] = count_records(directory / MANIFEST)
+        write_json_atomic(marker, committed)
+
+
 def supersede_from(directory: Path, iteration: int) -> int:
     """Move the records of iterations ``>= iteration`` out of the rank directory's manifest into ``superseded.jsonl``
     and remove the shards that then hold no record's tensor: a training run resumed from a checkpoint at
@@ -374,6 +440,7 @@ def supersede_from(directory: Path, iteration: int) -> int:
             mend_tail(directory / SUPERSEDED)
         append_lines(directory / SUPERSEDED, moved)
         write_atomic(path, lambda f: f.write(b"".join(line + b"\n" for line in kept)))
+        _recount(directory)
     still = set()
     for line in kept:
         record = manifest_record(line) if line.strip() else None
@@ -394,7 +461,7 @@ def append_lines(path: Path, records: list[dict]) -> None:
     """Append one JSON line per record and fsync (a crash can leave at most one torn last line)."""
     if not records:
         return
-    data = "".join(json.dumps(r, separators=(",", ":"), sort_keys=True) + "\n" for r in records).encode()
+    data = "".join(record_line(r) for r in records).encode()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         _write_all(fd, data)

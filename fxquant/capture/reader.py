@@ -79,22 +79,25 @@ def manifest_records(path: Path) -> list[dict]:
     return _read_manifest(Path(path))[0]
 
 
-def _read_manifest(path: Path) -> tuple[list[dict], list[int], list[str]]:
-    """Records of a manifest, the line numbers of a torn last line (a crash mid-append; skipped), and one problem
-    per line that is JSON but no record (not an object; skipped, wherever it is). A line before the last that is not
-    JSON is corruption: ``CaptureReadError`` naming the file and line."""
+def _read_manifest(path: Path) -> tuple[list[dict], list[int], list[str], int]:
+    """Records of a manifest, the line numbers of a torn last line (a crash mid-append; skipped), one problem per
+    line that is JSON but no record (not an object) or a record failing its crc (both skipped, wherever they are),
+    and the number of the latter. A line before the last that is not JSON is corruption: ``CaptureReadError`` naming
+    the file and line."""
     records: list[dict] = []
     torn: list[int] = []
     bad: list[str] = []
+    corrupt = 0
     if not path.is_file():
-        return records, torn, bad
+        return records, torn, bad, corrupt
     lines = path.read_bytes().split(b"\n")
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
     for i, line in enumerate(lines):
         if not line.strip():
             continue
         record = layout.manifest_record(line)
         if record is None:
-            if i >= len(lines) - 2:  # only the last line may be torn
+            if i == last:  # only the last line may be torn
                 torn.append(i + 1)
                 continue
             raise CaptureReadError(f"{path}:{i + 1}: corrupt manifest line (not JSON)") from None
@@ -103,8 +106,13 @@ def _read_manifest(path: Path) -> tuple[list[dict], list[int], list[str]]:
             bad.append(f"{path.parent.name}/{path.name}:{i + 1}: not a manifest record (JSON {kind}, not an object); "
                        "line skipped")
             continue
+        if isinstance(record, layout.CorruptRecord):
+            bad.append(f"{path.parent.name}/{path.name}:{i + 1}: record seq={record.get('seq')} fails its crc (line "
+                       "changed after it was written); line skipped")
+            corrupt += 1
+            continue
         records.append(record)
-    return records, torn, bad
+    return records, torn, bad, corrupt
 
 
 def _check_shard(path: Path) -> None:
@@ -126,7 +134,7 @@ def _check_shard(path: Path) -> None:
 def _read_rank(d: Path) -> tuple[list[dict], dict, dict, dict | None]:
     """(manifest records, skipped lines: {"torn": line numbers, "bad": problems}, run.json, COMMITTED or None) of
     one rank directory."""
-    recs, torn, bad = _read_manifest(d / layout.MANIFEST)
+    recs, torn, bad, corrupt = _read_manifest(d / layout.MANIFEST)
     out = []
     for name in (layout.RUN_INFO, layout.COMMITTED):
         path = d / name
@@ -137,7 +145,7 @@ def _read_rank(d: Path) -> tuple[list[dict], dict, dict, dict | None]:
         if value is not None and not isinstance(value, dict):
             raise CaptureReadError(f"{path}: not a JSON object (a {type(value).__name__})")
         out.append(value)
-    return recs, {"torn": torn, "bad": bad}, out[0] or {}, out[1]
+    return recs, {"torn": torn, "bad": bad, "corrupt": corrupt}, out[0] or {}, out[1]
 
 
 class _Handles:
@@ -210,8 +218,11 @@ class CaptureSet:
             if isinstance(version, int) and version > layout.FORMAT_VERSION:
                 log.warning("%s was written in capture format %d; this fxquant reads format %d and may misread it",
                             d, version, layout.FORMAT_VERSION)
+            seqs = collections.Counter(r.get("seq") for r in recs)
             self.meta[d.name] = {"run": info, "committed": committed, "torn_lines": len(skipped["torn"]),
-                                 "torn_at": skipped["torn"], "bad_lines": skipped["bad"]}
+                                 "torn_at": skipped["torn"], "bad_lines": skipped["bad"],
+                                 "records": len(recs) + skipped["corrupt"],
+                                 "repeated_seqs": sorted((q, n) for q, n in seqs.items() if n > 1 and q is not None)}
             self._records.extend(Record(r, d) for r in recs)
         self.problems = [f"{name} (all its records): {why}" for name, why in self.unreadable.items()]
         for name, m in self.meta.items():
@@ -283,8 +294,10 @@ class CaptureSet:
             t = self._handle(path).get_tensor(record.key)
         except SafetensorError as exc:
             raise CaptureReadError(f"{path}: cannot read tensor {record.key}: {exc}") from None
-        if check and not layout.checksum_matches(t, record.checksum):
-            raise CaptureReadError(f"{path}: tensor {record.key} fails its checksum (file corrupted)")
+        if check:
+            problem = _tensor_problem(record, t)
+            if problem is not None:
+                raise CaptureReadError(f"{path}: tensor {record.key}: {problem}")
         return t
 
     def tensors(self) -> Iterator[tuple[Record, torch.Tensor]]:
@@ -312,7 +325,7 @@ class CaptureSet:
             if meta["committed"] is None:
                 problems.append(f"{name}: no {layout.COMMITTED} marker (run crashed or still running); "
                                 "only its committed part is readable")
-            problems += [*_torn_problems(name, meta), *meta.get("bad_lines", [])]
+            problems += [*_torn_problems(name, meta), *meta.get("bad_lines", []), *_commit_problems(name, meta)]
             shard_dir = self.root / name / layout.SHARDS
             for tmp in sorted(shard_dir.glob("*.tmp")) if shard_dir.is_dir() else []:
                 problems.append(f"{name}/{layout.SHARDS}/{tmp.name}: partial shard (never committed)")
@@ -331,9 +344,9 @@ class CaptureSet:
             try:
                 for rec in recs:
                     try:
-                        t = self.load(rec)
-                        if not layout.checksum_matches(t, rec.checksum):
-                            problems.append(f"{path.relative_to(self.root)}: {rec.key}: checksum mismatch")
+                        problem = _tensor_problem(rec, self.load(rec))
+                        if problem is not None:
+                            problems.append(f"{path.relative_to(self.root)}: {rec.key}: {problem}")
                     except CaptureReadError as exc:
                         problems.append(str(exc))
                 named = {r.key for r in recs} | superseded.get(path.relative_to(self.root).parts[0], set())
@@ -347,6 +360,38 @@ class CaptureSet:
                     problems.append(f"{name}/{layout.SHARDS}/{shard.name}: not referenced by the manifest "
                                     "(written just before a crash?)")
         return sorted(set(problems), key=problems.index)
+
+
+def _commit_problems(name: str, meta: dict) -> list[str]:
+    """What a rank's manifest and COMMITTED marker say is missing or wrong: a session that ended on a capture error
+    (records dropped), a manifest holding another number of records than the marker counted at close (lines lost or
+    added since; markers of earlier versions hold no count), a ``seq`` on several records."""
+    out = []
+    committed = meta.get("committed") or {}
+    if committed.get("clean") is False:
+        out.append(f"{name}: its capture session ended on an error, {committed.get('dropped', 0)} record(s) not "
+                   f"written: {committed.get('error') or committed.get('stop_reason')}")
+    counted, have = committed.get("manifest_records"), meta.get("records")
+    if isinstance(counted, int) and isinstance(have, int) and counted != have:
+        out.append(f"{name}/{layout.MANIFEST}: {have} record(s), {counted} when its session committed (lines "
+                   f"{'lost' if have < counted else 'added'} since)")
+    for seq, n in meta.get("repeated_seqs", []):
+        out.append(f"{name}/{layout.MANIFEST}: seq {seq} on {n} records (a duplicated line?)")
+    return out
+
+
+def _tensor_problem(record: Record, t: torch.Tensor) -> str | None:
+    """What is wrong with the tensor a shard holds for ``record`` (None: nothing): a dtype or shape other than the
+    record's (a changed shard header), or a checksum mismatch (changed bytes)."""
+    dtype = str(t.dtype).replace("torch.", "")
+    want_dtype, want_shape = record.fields.get("dtype"), record.fields.get("stored_shape")
+    if want_dtype is not None and dtype != want_dtype:
+        return f"is {dtype}, its record says {want_dtype} (shard header corrupted)"
+    if want_shape is not None and list(t.shape) != list(want_shape):
+        return f"has shape {list(t.shape)}, its record says {list(want_shape)} (shard header corrupted)"
+    if not layout.checksum_matches(t, record.checksum):
+        return "checksum mismatch (file corrupted)"
+    return None
 
 
 def _same(have: object, want: object) -> bool:

@@ -406,6 +406,10 @@ class CaptureSession:
             self.summary = {"run_id": self.config.run_id, "records": st.records, "shards": st.shards,
                             "bytes": st.bytes, "dropped": st.dropped, "stop_reason": self.stop_reason,
                             "error": st.error_reason, "closed": time.time(), "clean": st.error is None}
+            try:  # every session's records in this rank's manifest, for verify to compare with later
+                self.summary["manifest_records"] = layout.count_records(self.dir / layout.MANIFEST)
+            except OSError as exc:
+                log.error("could not count the records of %s: %s", self.dir / layout.MANIFEST, exc)
             try:
                 layout.write_json_atomic(self.dir / layout.COMMITTED, self.summary)
             except OSError as exc:

@@ -56,8 +56,10 @@ def _nothing(args, cs, what: str = "capture records", found: int | None = None) 
 def run_ls(args: argparse.Namespace) -> int:
     cs = _filtered(args)
     if args.json:
+        from fxquant.capture.layout import strict_json
+
         for r in cs:
-            print(json.dumps(r.fields, sort_keys=True))
+            print(json.dumps(strict_json(r.fields), sort_keys=True, allow_nan=False))
         return _nothing(args, cs)
     for name, m in cs.meta.items():
         c = m["committed"]
