@@ -369,6 +369,37 @@ def test_expected_quantize_calls_follow_autograd_in_attention(monkeypatch):
     assert count.ok
 
 
+class _SummedLinears(torch.nn.Module):
+    """A LoRA branch added to its base linear, and two linears of one input summed (a parallel block): the summed
+    sites receive one gradient tensor, whose identical dY quantizes AOT autograd's CSE merges."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base, self.lora_a = torch.nn.Linear(32, 32), torch.nn.Linear(32, 16, bias=False)
+        self.lora_b = torch.nn.Linear(16, 32, bias=False)
+        self.attn_like, self.mlp_like = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        h = self.base(x) + self.lora_b(self.lora_a(x))
+        return (self.attn_like(h) + self.mlp_like(torch.relu(h))).square().mean()
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "eager"])
+def test_expected_quantize_calls_of_linears_whose_outputs_are_added(backend):
+    torch.manual_seed(0)
+    model = fxquant.compile(_SummedLinears(), "linear_mxfp8", backend=backend, kernels="reference", strict=True)
+    x = torch.randn(2, 8, 32)
+    model(x).backward()
+    with count_quantize_calls(model, strict=True) as count:
+        model(x).backward()
+    assert count.ok and count.executed == count.expected
+    # forward: x shared by base and lora_a, h by attn_like; five weights, lora_a's output, relu(h)
+    merged = backend == "aot_eager"
+    # backward per site (dgrad dY, W; wgrad dY, X), x needing no grad: base 2, lora_a 2 (its X is base's: 1 when
+    # merged), lora_b 4 (its dY is base's: 3), attn_like 4, mlp_like 4 (its dY is attn_like's: 2 less)
+    assert count.expected_backward == (2 + 1 + 3 + 4 + 2 if merged else 2 + 2 + 4 + 4 + 4)
+
+
 def test_counters_after_an_evaluation_under_no_grad_and_with_a_module_called_twice():
     """An evaluation under no_grad compiles a graph of its own beside the training graph: the next training step
     expects the training graph's quantizes (not the evaluation's) and an evaluation step the evaluation graph's

@@ -15,6 +15,8 @@ its region); a node without one is assumed to require grad.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import fx
 
@@ -56,6 +58,35 @@ def attention_runs(node: fx.Node, q: object, k: object, v: object) -> list[bool]
     return [True, True, gq, gq, gk, gk, True, True, p_grad, p_grad, gv, gv]
 
 
+_ADDS = frozenset({operator.add, operator.iadd, torch.add})
+_ADD_METHODS = frozenset({"add", "add_", "__add__", "__iadd__"})
+
+
+def _same_value(a: fx.Node, b: fx.Node) -> bool:
+    """Whether two nodes' example values have one shape and dtype (an add between them neither broadcasts nor
+    promotes, so its backward hands each operand the add's gradient itself)."""
+    va, vb = a.meta.get("example_value"), b.meta.get("example_value")
+    return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.shape == vb.shape
+            and va.dtype == vb.dtype)
+
+
+def gradient_node(node: fx.Node) -> fx.Node:
+    """The node whose gradient is ``node``'s own gradient tensor: ``node`` itself, or, where its only user is a plain
+    add of two tensors of its shape and dtype (a LoRA branch added to its base linear, parallel attention and MLP
+    outputs summed), that add's (followed on). Sites whose outputs reach one such node receive one gradient tensor,
+    so AOT autograd's CSE merges their identical dY quantizes."""
+    while len(node.users) == 1:
+        (user,) = node.users
+        is_add = (user.op == "call_function" and user.target in _ADDS) or (
+            user.op == "call_method" and user.target in _ADD_METHODS)
+        if not is_add or len(user.args) != 2 or user.kwargs or not all(isinstance(a, fx.Node) for a in user.args):
+            break
+        if not (_same_value(node, user) and _same_value(user.args[0], user.args[1])):
+            break
+        node = user
+    return node
+
+
 def _operand_keys(node: fx.Node) -> list[tuple[int, tuple]]:
     """(phase, key) of every quantization a rewritten wrapper call makes; keys equal iff CSE merges them."""
     t, args = node.target, node.args
@@ -64,14 +95,16 @@ def _operand_keys(node: fx.Node) -> list[tuple[int, tuple]]:
         wk, wn = "K", "N"
         if isinstance(w, fx.Node) and w.target is torch.t:  # Conv1D: w.t() of its [K, N] weight, a node per site
             w, wk, wn = w.args[0], "K of w.t()", "N of w.t()"
-        table = [(_FWD, x, "K"), (_FWD, w, wk), (_BWD, node, "dY,N"), (_BWD, w, wn), (_BWD, node, "dY,M"),
+        dy = gradient_node(node)
+        table = [(_FWD, x, "K"), (_FWD, w, wk), (_BWD, dy, "dY,N"), (_BWD, w, wn), (_BWD, dy, "dY,M"),
                  (_BWD, x, "M")]
         runs = gemm_runs(node, x, w)
     elif t in (wrappers.fxquant_matmul, wrappers.fxquant_bmm, wrappers.fxquant_baddbmm):
         a, b = (args[1], args[2]) if t is wrappers.fxquant_baddbmm else (args[0], args[1])
         s = args[-1]
-        table = [(_FWD, a, "-1"), (_FWD, b, "-2"), (_BWD, node, "dC,-1"), (_BWD, b, "-1"), (_BWD, a, "-2"),
-                 (_BWD, node, "dC,-2")]
+        dc = gradient_node(node)
+        table = [(_FWD, a, "-1"), (_FWD, b, "-2"), (_BWD, dc, "dC,-1"), (_BWD, b, "-1"), (_BWD, a, "-2"),
+                 (_BWD, dc, "dC,-2")]
         runs = gemm_runs(node, a, b)
     elif t in (wrappers.fxquant_sdpa, wrappers.fxquant_attention_weights):  # operands private to the site
         s = args[-1]
