@@ -178,7 +178,8 @@ class CompileState:
             reason.splitlines()[0] for reason, n in _graph_break_counts().items() if n > self._breaks.get(reason, 0)
         ]
         expected = checks.model_sites(self.model, self.backend.layers)
-        issues = checks.coverage(expected, self.scheme, sites, new_breaks)
+        traced = frozenset().union(*(r.modules for r in self.backend.reports))
+        issues = checks.coverage(expected, self.scheme, sites, new_breaks, traced)
         if not self._attention_said:  # once: later graphs (no_grad, new shapes) would repeat it
             missing = checks.attention_not_found(self.scheme, sites, self.unmatched())
             self._attention_said = bool(missing)

@@ -153,6 +153,31 @@ def test_strict_raises_when_a_selected_site_is_not_rewritten(caplog):
     assert "down_proj" not in caplog.text
 
 
+class WithAuxHead(torch.nn.Module):
+    """An auxiliary head called in training only, and a linear the forward never calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.aux, self.unused = (torch.nn.Linear(32, 32) for _ in range(3))
+
+    def forward(self, x):
+        h = self.body(x)
+        return h + self.aux(h) if self.training else h
+
+
+def test_strict_does_not_raise_for_selected_modules_that_were_not_called(caplog):
+    """Without a graph break every module a call ran was traced: a selected one in no graph was not called (it
+    said 'ran outside torch.compile' and strict raised). The aux head is checked once training calls it."""
+    model = WithAuxHead().eval()
+    strict = fxquant.compile(model, "linear_hifp8", backend="aot_eager", strict=True)
+    with caplog.at_level("WARNING", logger="fxquant"), torch.no_grad():
+        strict(torch.randn(4, 32))
+    model.train()
+    strict(torch.randn(4, 32)).sum().backward()
+    paths = {s.site.module_path for s in fxquant.compile_state(strict).sites() if s.status.value == "rewritten"}
+    assert paths == {"body", "aux"} and "was not rewritten" not in caplog.text
+
+
 def test_strict_raises_when_a_frame_hits_the_recompile_limit(caplog):
     model = fxquant.compile(make_llama(), "linear_hifp8", backend="aot_eager", strict=True, dynamic=False)
     cfg = make_llama().cfg

@@ -54,6 +54,7 @@ class GraphReport:
     frame: int | None = None  # Dynamo's frame id of the graph (its recompiles share it); None when unknown
     grad_enabled: bool = True  # compiled under grad mode (Dynamo keeps a no_grad graph beside the training one)
     recomputes: bool = False  # sites in checkpointed regions: the backward runs more quantizes (expected.recomputes)
+    modules: frozenset[str] = frozenset()  # every module path on a node's module stack (graph and nested bodies)
 
     @property
     def failed(self) -> list[SiteMeta]:
@@ -92,6 +93,8 @@ def run_passes(
     for module in [gm, *checkpointed_bodies(gm)]:  # an MHA inside a checkpointed region too
         if decompose_mha(module, names):
             module.recompile()
+    traced = frozenset(path for module in gm.modules() if isinstance(module, fx.GraphModule)
+                       for node in module.graph.nodes for path, _ in names.node_stack(node))
     found = find_sites(gm, names, layers)
     resolve_sites(found, scheme)
     refused = {id(m) for m in found.matches if _sr_in_region(m, gm)}  # status FAILED
@@ -99,7 +102,7 @@ def run_passes(
         metas = [m.node.meta[META_KEY] for m in found.matches]
         metas = [dataclasses.replace(meta, status=Status.DRY_RUN) if meta.selected and meta.status is not Status.FAILED
                  else meta for meta in metas]
-        return GraphReport(index, metas, found.unmatched, graph_module=gm)
+        return GraphReport(index, metas, found.unmatched, graph_module=gm, modules=traced)
     done = []
     owners = {id(gm): gm}
     for match in found.matches:
@@ -124,4 +127,4 @@ def run_passes(
     gm.graph.lint()
     gm.recompile()
     return GraphReport(index, done, found.unmatched, expected_calls(gm, dedupe=dedupe), gm,
-                       recomputes=recomputes(gm))
+                       recomputes=recomputes(gm), modules=traced)
