@@ -13,7 +13,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 from experiments import catalog, compare
-from experiments.launcher import Interrupted, interruptible, resolve, supervise
+from experiments.launcher import Interrupted, interruptible, resolve, run_device, supervise
 from fxquant.analysis import outputs
 from fxquant.capture import compat
 from fxquant.cli import HelpFormatter, quiet_broken_pipe
@@ -60,6 +60,10 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "$FXQUANT_WIKIPEDIA_PREFIX / $FXQUANT_DOLMA_PREFIX, else data/<dataset>/<dataset>_text_document")
     p.add_argument("--iters", type=int, default=None, help="training iterations (default: the config's train_iters); "
                    "the config's warm-up is clipped to iters - 1")
+    p.add_argument("--save-interval", type=int, default=None,
+                   help="checkpoint every N iterations and at the end, and resume from the run directory's checkpoint "
+                   "(0 = no checkpoints; default: the config's, which is 0 for cpu and fast: a rerun then trains "
+                   "again from iteration 0)")
     p.add_argument("--eval-interval", type=int, default=None,
                    help="validation loss every N iterations and at the end (0 = off; default: the config's)")
     p.add_argument("--eval-iters", type=int, default=None,
@@ -91,7 +95,8 @@ def _resolve(args, model, dataset, scheme, capture_per_run: bool = False):
                    tokenizer=args.tokenizer, iters=args.iters,
                    data_prefix=catalog.data_prefixes(args.data_prefix, getattr(args, "datasets", [dataset])).get(dataset),
                    backend=args.backend, attention=args.attention, control_iter=args.control_iter,
-                   eval_interval=args.eval_interval, eval_iters=args.eval_iters, capture_per_run=capture_per_run,
+                   eval_interval=args.eval_interval, eval_iters=args.eval_iters, save_interval=args.save_interval,
+                   capture_per_run=capture_per_run,
                    precision=args.precision, tensorboard=args.tensorboard, nonfinite=args.on_nonfinite,
                    kernels=args.kernels)
 
@@ -142,6 +147,29 @@ def cmd_list(args) -> int:
     print("predecessor schemes:", ", ".join(catalog.PREDECESSOR_SCHEMES))
     print(f"all schemes ({len(catalog.scheme_names())} presets, or a scheme YAML path): `fxquant schemes` lists them")
     return 0
+
+
+def _checkpoint_mismatch(launch) -> str | None:
+    """Why the checkpoint in the cell's run directory belongs to another experiment (another parallel layout or other
+    run settings, as the rank's resume would refuse it), or None: a finished one would be reported as this cell's
+    result, an unfinished one would fail the cell after it started."""
+    import torch
+
+    from fxquant.megatron_glue import checkpoint
+
+    if not launch.run.resume:
+        return None
+    run, root = launch.run, Path(launch.run.output_dir) / "checkpoints"
+    layout = checkpoint.expected_layout(launch.nproc, run.layout.tp, run.layout.pp, run.layout.ep)
+    try:
+        differences = checkpoint.mismatch(root, layout=layout,
+                                          settings=checkpoint.run_settings(run, run.train.bf16_on(torch.device(run_device()))))
+    except (ValueError, OSError, RuntimeError):  # a corrupt marker or file: the cell's rank names it when it resumes
+        return None
+    if not differences:
+        return None
+    return (f"its run directory's checkpoint ({root}) is of another run ({'; '.join(differences)}); write this "
+            f"matrix somewhere else (another --out), or delete {root} to run the cell again from iteration 0")
 
 
 def _finished_at(launch) -> int | None:
@@ -221,6 +249,11 @@ def cmd_matrix(args) -> int:
             msg = f"{' and '.join(names)} resolve to one run directory, {run_dir}: each would overwrite the other's"
             records.append({"run": names[-1], "status": "refused", "error": msg + "; give the schemes distinct names"})
             print(f"[refused] {msg}; give the schemes distinct names (a scheme YAML's `name:`)", flush=True)
+    for name, *_, launch in launches:  # a checkpoint of another experiment would be taken for this cell's
+        why = _checkpoint_mismatch(launch)
+        if why:
+            records.append({"run": name, "status": "refused", "error": why})
+            print(f"[refused] {name}: {why}", flush=True)
     if args.dry_run:  # nothing written: the commands and the refusals are the whole answer
         for name, *_, launch in launches:
             print(launch.shell())

@@ -106,7 +106,8 @@ def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", varia
             capture: CaptureConfig | str | None = None, nproc: int | None = None, tp: int = 1, pp: int = 1,
             out: str = "runs", tokenizer: str | None = None, data_prefix: str | None = None, iters: int | None = None,
             backend: str = "aot_eager", attention: str = "sdpa", control_iter: int | None = None,
-            eval_interval: int | None = None, eval_iters: int | None = None, capture_per_run: bool = False,
+            eval_interval: int | None = None, eval_iters: int | None = None, save_interval: int | None = None,
+            capture_per_run: bool = False,
             device: str | None = None, precision: str = "auto", tensorboard: bool = False,
             nonfinite: str = "record", kernels: str = "auto") -> Launch:
     """The run these choices describe, or ValueError naming the value and what is allowed. `nproc` None: tp*pp.
@@ -126,6 +127,9 @@ def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", varia
     for flag, value in (("--iters", iters), ("--eval-iters", eval_iters)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{flag} {value!r}: must be an integer >= 1 (leave it out for the config's)")
+    if save_interval is not None and (isinstance(save_interval, bool) or not isinstance(save_interval, int)
+                                      or save_interval < 0):
+        raise ValueError(f"--save-interval {save_interval!r}: must be an integer >= 0 (0: no checkpoints)")
     if nproc is None:
         nproc = tp * pp
     if nproc < 1 or nproc % (tp * pp):
@@ -150,6 +154,7 @@ def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", varia
                    control_iter=stop_after(capture, control_iter),
                    eval_interval=tcfg.eval_interval if eval_interval is None else eval_interval,
                    eval_iters=tcfg.eval_iters if eval_iters is None else eval_iters,
+                   save_interval=tcfg.save_interval if save_interval is None else save_interval,
                    precision=Precision(_pick("precision", precision, [p.value for p in Precision])),
                    nonfinite=NonFinitePolicy(_pick("--on-nonfinite policy", nonfinite, [p.value for p in NonFinitePolicy])))
     dp = nproc // (tp * pp)

@@ -739,3 +739,51 @@ def test_matrix_reruns_count_finished_runs_and_compare_like_the_report(tmp_path,
               {"run": "m/d/linear_hifp8", "model": "m", "dataset": "d", "scheme": "linear_hifp8", "status": "ok",
                "run_dir": str(out / "llama31-8b-tiny" / "mock" / "linear_hifp8")}]
     assert compare.against_bf16(failed, last_n=2) == {}  # a failed bf16 cell's directory holds no reference of this matrix
+
+
+def test_matrix_refuses_a_cell_whose_checkpoint_is_of_another_layout_or_other_settings(tmp_path, capsys, monkeypatch):
+    """A finished one-process fp32 cell's checkpoint is the cell's result when rerun as it was ([done]); rerun with
+    --tp 2 or --precision bf16 it is another experiment's (a resume would refuse it): the cell is refused before
+    anything runs, naming the difference, instead of reported as finished with the other run's metrics."""
+    import experiments.__main__ as cli
+    from experiments import launcher
+    from fxquant.megatron_glue import checkpoint
+
+    monkeypatch.delenv("CUSTOM_QUANT_TYPE", raising=False)
+    out = tmp_path / "runs"
+    args = dict(model="llama32-1b", dataset="mock", scheme="bf16", iters=2, out=str(out), save_interval=2)
+    launch = launcher.resolve(**args)
+    ckpt = Path(launch.run.output_dir) / "checkpoints"
+    (ckpt / "iter_0000002").mkdir(parents=True)
+    torch.save({"iteration": 2, "layout": checkpoint.expected_layout(1, 1, 1),
+                "settings": checkpoint.run_settings(launch.run, False)}, ckpt / "iter_0000002" / "rank_00000.pt")
+    (ckpt / "latest").write_text("2\n")
+    (Path(launch.run.output_dir) / "metrics.jsonl").write_text('{"iteration": 1, "loss": 5.0}\n'
+                                                              '{"iteration": 2, "loss": 4.0}\n')
+
+    def never(*a, **k):
+        raise AssertionError("no cell may run")
+
+    monkeypatch.setattr(cli, "supervise", never)
+    base = ["matrix", "--models", "llama32-1b", "--datasets", "mock", "--schemes", "bf16", "--iters", "2",
+            "--out", str(out), "--save-interval", "2"]
+    assert cli.main(base) == 0
+    assert "[done] llama32-1b/mock/bf16: finished earlier" in capsys.readouterr().out
+    for extra, why in ((["--tp", "2"], "layout: checkpoint 1 processes, tp=1, pp=1, dp=1, ep=1, cp=1, this run 2 "
+                                       "processes, tp=2, pp=1, dp=1, ep=1, cp=1"),
+                       (["--precision", "bf16"], "precision: checkpoint 'fp32', this run 'bf16'")):
+        assert cli.main(base + extra) == 1
+        text = capsys.readouterr()
+        assert f"[refused] llama32-1b/mock/bf16: its run directory's checkpoint ({ckpt}) is of another run ({why})" \
+            in text.out
+        assert "nothing was run" in text.err
+
+
+def test_save_interval_sets_the_config_and_is_checked():
+    from experiments import launcher
+
+    assert launcher.resolve(model="llama32-1b", dataset="mock", scheme="bf16").run.train.save_interval == 0
+    assert launcher.resolve(model="llama32-1b", dataset="mock", scheme="bf16",
+                            save_interval=5).run.train.save_interval == 5
+    with pytest.raises(ValueError, match=r"--save-interval -1: must be an integer >= 0"):
+        launcher.resolve(model="llama32-1b", dataset="mock", scheme="bf16", save_interval=-1)

@@ -11,7 +11,8 @@ ones, refusing with every difference named; a setting the checkpoint does not re
 recorded) is not checked, and named at INFO. The lr schedule is the resuming run's (its config's `train_iters`,
 warm-up and decay), with the step count restored: the same config continues bit for bit, a longer `--iters`
 continues on the longer schedule (a WARNING names what changed). The compile backend and `kernels` are not
-settings: every choice computes the same bits, so a run may resume on another machine with another choice.
+settings, so a run may resume on another machine with another choice: the quantize ops compute the same bits under
+every choice, the rest of the model may differ in the last bits under Inductor (a close, not bit-identical, resume).
 """
 from __future__ import annotations
 
@@ -82,6 +83,32 @@ def _layout() -> dict[str, int]:
             "ep": ps.get_expert_model_parallel_world_size(), "cp": ps.get_context_parallel_world_size()}
 
 
+def expected_layout(world_size: int, tp: int, pp: int, ep: int = 1) -> dict[str, int]:
+    """The layout `_layout()` records for a job of `world_size` processes with these sizes (no context parallelism),
+    computed without starting the job: what a launcher compares a run directory's checkpoint with."""
+    return {"world_size": world_size, "tp": tp, "pp": pp, "dp": world_size // (tp * pp), "ep": ep, "cp": 1}
+
+
+def mismatch(root: str | Path, *, layout: dict, settings: dict) -> list[str]:
+    """Why the latest checkpoint in `root` would not load into a job of `layout` with `settings` (`run_settings`),
+    as `load` would refuse it: one line per difference; [] when it would load, when there is none, and when rank 0's
+    file is missing (`load` names that). Reads the metadata of rank 0's file only (memory-mapped: no tensor data is
+    read)."""
+    root = Path(root)
+    iteration = latest_iteration(root)
+    if iteration is None:
+        return []
+    path = _iter_dir(root, iteration) / "rank_00000.pt"
+    if not path.is_file():  # an incomplete checkpoint: the resume names it
+        return []
+    payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    saved, recorded = payload.get("layout"), payload.get("settings")
+    out = [f"layout: checkpoint {_layout_text(saved)}, this run {_layout_text(layout)}"] if saved not in (None, layout) else []
+    if recorded is not None:
+        out += _compare(recorded, settings)[0]
+    return out
+
+
 def _layout_text(layout: dict) -> str:
     sizes = ", ".join(f"{k}={layout[k]}" for k in ("tp", "pp", "dp", "ep", "cp") if k in layout)
     return f"{layout['world_size']} processes, {sizes}"
@@ -100,8 +127,9 @@ def run_settings(run, bf16: bool) -> dict:
     data (kind, prefixes, split; not the cache directory, which is derived from them) and the optimizer
     hyperparameters `OPTIMIZER_SETTINGS`. Resumed under other ones, training would go on silently as another
     experiment than the one its metrics began. Not among them: the lr schedule (a resume may extend the run),
-    the compile backend and `kernels` (every choice computes the same bits, so a run may resume on another
-    machine), and what only names where outputs go or how often they are written."""
+    the compile backend and `kernels` (the quantize ops compute the same bits under every choice, so a run may
+    resume on another machine, closely rather than bit for bit where Inductor changes the rest of the model's
+    last bits), and what only names where outputs go or how often they are written."""
     t, d = run.train, run.data
     return {"model": run.to_dict()["model"], "precision": "bf16" if bf16 else "fp32", "attention": run.attention.value,
             "seq_length": t.seq_length, "micro_batch_size": t.micro_batch_size,
