@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
-import json
 import os
 import platform
 import shutil
@@ -36,6 +35,7 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fxquant.analysis.outputs import strict_dumps  # noqa: E402
 from fxquant import capture, schemes  # noqa: E402
 from fxquant.backend import FxquantBackend  # noqa: E402
 from fxquant.capture.spec import Span, Window  # noqa: E402
@@ -203,12 +203,16 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="raw-write / writer measurements (best kept)")
     p.add_argument("--skip-io", action="store_true", help="only the step-time part")
     p.add_argument("--skip-steps", action="store_true", help="only the write part")
-    p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    p.add_argument("--dir", default=None,
+                   help="directory under which a temporary one is written and removed (created if missing; default: "
+                   "the system's temporary directory)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads for training (default: torch's)")
     p.add_argument("--out", default="bench_capture.json")
     args = p.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.dir is not None:
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
     io: dict = {}
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
@@ -243,7 +247,7 @@ def main() -> None:
         result["loadavg_after"] = os.getloadavg()
         print(f"load average {load_before[0]:.2f} -> {result['loadavg_after'][0]:.2f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    Path(args.out).write_text(strict_dumps(result, indent=1))
     print(f"wrote {args.out}")
 
 

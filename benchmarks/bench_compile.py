@@ -9,7 +9,6 @@ numbers are comparable. Prints a table; with --json PATH also writes the rows as
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -21,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fxquant.analysis.outputs import strict_dumps  # noqa: E402
 import fxquant  # noqa: E402
 from tests.models import make_llama, make_tokens, next_token_loss  # noqa: E402
 
@@ -71,7 +71,7 @@ def main() -> None:
                    headers=["backend", "scheme", "first step (compile) s", "later step ms", "vs plain"]))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+        args.json.write_text(strict_dumps({"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
                                          "torch": torch.__version__, "rows": rows}, indent=2))
         print(f"wrote {args.json}")
 

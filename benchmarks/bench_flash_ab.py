@@ -33,6 +33,7 @@ if not torch.cuda.is_available():
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from fxquant.analysis.outputs import strict_dumps  # noqa: E402
 from fxquant import schemes  # noqa: E402
 from fxquant.kernels.flash_attention import FlashBlocks, FlashQuant  # noqa: E402
 from fxquant.schemes import Site, SiteKind  # noqa: E402
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         log.info("%s", json.dumps(row))
     if args.json:
-        args.json.write_text(json.dumps({"old": (args.old / "REV").read_text().strip() if (args.old / "REV").is_file() else None,
+        args.json.write_text(strict_dumps({"old": (args.old / "REV").read_text().strip() if (args.old / "REV").is_file() else None,
                                          "rows": rows}, indent=1))
     return 0 if all(r["bitwise_equal"] for r in rows) else 1
 

@@ -33,6 +33,7 @@ if not torch.cuda.is_available():
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from fxquant.analysis.outputs import strict_dumps  # noqa: E402
 from fxquant import schemes  # noqa: E402
 from fxquant.kernels.flash_attention import FlashBlocks, FlashQuant  # noqa: E402
 from fxquant.schemes import Site, SiteKind  # noqa: E402
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     for preset in presets:
         rows += sweep(preset, tensors, deadline, args.grid)
         if args.json:
-            args.json.write_text(json.dumps({"environment": env, "rows": rows, "summary": summary(rows)}, indent=1, default=str))
+            args.json.write_text(strict_dumps({"environment": env, "rows": rows, "summary": summary(rows)}, indent=1, default=str))
     for s in summary(rows):
         log.info("%s", json.dumps(s, default=str))
     bad = [r for r in rows if "rel_diff_vs_default" in r and not r["rel_diff_vs_default"] <= TOLERANCE]

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import json
 import platform
 import statistics
 import sys
@@ -38,6 +37,7 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fxquant.analysis.outputs import strict_dumps  # noqa: E402
 from fxquant import formats, kernels  # noqa: E402
 from fxquant.formats.tensor_quant import TensorQuant  # noqa: E402
 
@@ -81,7 +81,7 @@ def _torchao_to_mx() -> tuple[Callable | None, dict[str, object], str]:
 def write_json(path: Path | None, result: dict) -> None:
     """Write ``result`` as indented JSON to ``path`` (``--json``; nothing when None) and say where."""
     if path is not None:
-        path.write_text(json.dumps(result, indent=2))
+        path.write_text(strict_dumps(result, indent=2))
         print(f"# wrote {path}")
 
 

@@ -7,7 +7,6 @@ tensor a reduction reads: both the quantized copy and its source for the pair su
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -20,6 +19,7 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fxquant.analysis.outputs import strict_dumps  # noqa: E402
 from fxquant.capture import stats as capture_stats  # noqa: E402
 from fxquant.formats.tensor_quant import TensorQuant  # noqa: E402
 from fxquant.kernels import host  # noqa: E402
@@ -74,7 +74,7 @@ def main() -> int:
     print(f"{args.rows}x{args.cols} elements, 1 thread; {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs, torch {torch.__version__}, load average {os.getloadavg()[0]:.2f}")
     print(tabulate(rows, headers=["reduction", "numba ms", "torch twin ms", "speed-up", "GB/s read"]))
-    Path(args.json).write_text(json.dumps({"shape": [args.rows, args.cols], "torch": torch.__version__,
+    Path(args.json).write_text(strict_dumps({"shape": [args.rows, args.cols], "torch": torch.__version__,
                                            "cpus": os.cpu_count(), "load_average": os.getloadavg()[0],
                                            "results": out}, indent=1))
     print(f"wrote {args.json}")

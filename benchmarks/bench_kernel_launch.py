@@ -30,6 +30,7 @@ if not torch.cuda.is_available():
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from fxquant.analysis.outputs import strict_dumps  # noqa: E402
 from fxquant import formats  # noqa: E402
 from fxquant.formats.tensor_quant import TensorQuant  # noqa: E402
 
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         rows += sweep(name, x, deadline, bench)
         if args.json:
-            args.json.write_text(json.dumps({"environment": env, "rows": rows, "summary": summary(rows, copy_ms)},
+            args.json.write_text(strict_dumps({"environment": env, "rows": rows, "summary": summary(rows, copy_ms)},
                                             indent=1, default=str))
     for s in summary(rows, copy_ms):
         log.info("%s", json.dumps(s, default=str))

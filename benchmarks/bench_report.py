@@ -12,7 +12,6 @@ The issue's target: report <= 2x the cold read, on a 2 GB set (--size-mb 2048).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -27,6 +26,7 @@ from tabulate import tabulate
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from fxquant.analysis.outputs import strict_dumps  # noqa: E402
 from fxquant import analysis, capture  # noqa: E402
 from fxquant.capture.runtime import RankInfo  # noqa: E402
 from fxquant.capture.spec import Component, Copy, Gemm, ModuleKind, Role  # noqa: E402
@@ -124,7 +124,7 @@ def main() -> int:
                               "report_full": r2.seconds},
                   "ratio_vs_cold_read": {"report_tables": r1.seconds / t_cold, "report_full": r2.seconds / t_cold},
                   "target": "report <= 2x the cold read of a 2 GB set"}
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        Path(args.json).write_text(strict_dumps(result, indent=1))
         print(f"wrote {args.json}")
     finally:
         if args.dir is None:

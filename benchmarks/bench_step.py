@@ -52,6 +52,7 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from fxquant.analysis.outputs import strict_dumps  # noqa: E402
 import fxquant  # noqa: E402
 from fxquant import cpp_prebuild  # noqa: E402
 from bench_formats import device_name  # noqa: E402
@@ -290,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     torch._dynamo.config.cache_size_limit = 64  # one code object, many compiled copies
     torch._dynamo.config.accumulated_cache_size_limit = 512
     if args.compile_only is not None:
-        print(f"COMPILE {json.dumps(compile_only(models[0], args.compile_only, args))}", flush=True)
+        print(f"COMPILE {strict_dumps(compile_only(models[0], args.compile_only, args))}", flush=True)
         return 0
     child_argv = [a for a in _without(raw, ("--models", "--json", "--rounds")) if a != "--cold-compile"]
     rows = []
@@ -313,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             import transformers
 
             env["transformers"] = transformers.__version__
-        Path(args.json).write_text(json.dumps({"environment": env, "args": vars(args), "rows": rows}, indent=1))
+        Path(args.json).write_text(strict_dumps({"environment": env, "args": vars(args), "rows": rows}, indent=1))
     return 0
 
 

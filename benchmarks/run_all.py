@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import logging
 import os
 import statistics
@@ -63,6 +62,7 @@ import bench_compile  # noqa: E402
 import bench_formats  # noqa: E402
 import bench_fused  # noqa: E402
 
+from fxquant.analysis.outputs import strict_dumps  # noqa: E402
 import fxquant  # noqa: E402
 from fxquant import kernels, lowering, schemes  # noqa: E402
 from fxquant.passes.rewrite_sdpa import ENV as ATTENTION_ENV  # noqa: E402
@@ -528,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
         result["errors"] = list(ERRORS)
         out.append(render(name, rows))
         print(out[-1], flush=True)
-        Path(args.json).write_text(json.dumps(result, indent=1, default=str))  # after every section: a killed
+        Path(args.json).write_text(strict_dumps(result, indent=1, default=str))  # after every section: a killed
         if args.markdown:  # run keeps what it measured
             Path(args.markdown).write_text("\n".join(out))
     _log(f"wrote {args.json}")

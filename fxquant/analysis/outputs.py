@@ -66,6 +66,11 @@ def clean(obj: object) -> object:
     return obj
 
 
+def strict_dumps(obj: object, **kwargs) -> str:
+    """``json.dumps`` of ``clean(obj)`` refusing NaN/Inf: strict JSON, as every JSON file the project writes."""
+    return json.dumps(clean(obj), allow_nan=False, **kwargs)
+
+
 def fmt_num(v: object) -> str:
     if v is None:
         return "-"
