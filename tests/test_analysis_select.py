@@ -6,6 +6,7 @@ import json
 
 import torch
 
+from fxquant import capture
 from fxquant.analysis import plan
 from fxquant.analysis.what_if import what_if
 from fxquant.cli import main
@@ -87,3 +88,14 @@ def test_repeated_where_for_one_field_is_the_union_of_its_values(tmp_path, capsy
         assert main(["capture", "ls", str(tmp_path / "cap"), "--json", *argv]) == 0
         counts.append(sorted((r["role"], r["copy"]) for r in _rows(capsys.readouterr().out)))
     assert counts[0] == counts[1] and {role for role, _ in counts[0]} == {"input", "weight"}
+
+
+def test_where_values_with_a_leading_zero_stay_text(tmp_path, capsys):
+    """run_id=0042 selects a run id stored as "0042" (it was read as 42, which reads "42", and matched nothing)."""
+    assert where_conditions(["run_id=0042", "layer=-1", "seq=-0"]) == {"run_id": "0042", "layer": -1, "seq": "-0"}
+    spec = capture.load_spec("x", text="version: 1\nsections: [{name: s, points: [{component: linear}]}]\n")
+    with capture.start(spec, tmp_path / "cap", scheme="t", run_id="0042") as session:
+        session.save(torch.ones(2, 2), "a")
+    assert main(["capture", "ls", str(tmp_path / "cap"), "--json", "--where", "run_id=0042"]) == 0
+    assert [r["run_id"] for r in _rows(capsys.readouterr().out)] == ["0042"]
+    assert main(["capture", "ls", str(tmp_path / "cap"), "--json", "--where", "run_id=42"]) == 1

@@ -14,7 +14,8 @@ WHERE_HELP = ("records whose manifest FIELD equals VALUE (a number matches it st
 
 
 def where_conditions(items: list[str]) -> dict:
-    """``--where`` items -> CaptureSet.query conditions: ``FIELD=VALUE`` (integers as integers, ``None`` as None;
+    """``--where`` items -> CaptureSet.query conditions: ``FIELD=VALUE`` (integers as integers, those written with
+    a leading zero as text, ``None`` as None;
     the query matches an integer with the same digits stored as a string) or ``FIELD=V1,V2`` (any of those values). Items for different fields must all hold; the values of items for one
     field add up (``["role=input", "role=weight"]`` is ``["role=input,weight"]``)."""
     values: dict[str, list] = {}
@@ -22,7 +23,9 @@ def where_conditions(items: list[str]) -> dict:
         key, eq, value = item.partition("=")
         if not eq or not key:
             raise ValueError(f"--where {item!r}: expected FIELD=VALUE or FIELD=V1,V2")
-        vals = [int(v) if v.lstrip("-").isdigit() else (None if v == "None" else v) for v in value.split(",")]
+        # an integer only where it reads back the same: "0042" stays text (a run id "0042" stored as a string)
+        vals = [int(v) if v.lstrip("-").isdigit() and str(int(v)) == v else (None if v == "None" else v)
+                for v in value.split(",")]
         seen = values.setdefault(key, [])
         seen += [v for v in vals if v not in seen]
     return {key: vals if len(vals) > 1 else vals[0] for key, vals in values.items()}
