@@ -76,6 +76,7 @@ def test_all_problems_reported_at_once_with_lines_and_suggestions():
         ("bad.yaml:10: sections[0].when.iterations.end:", "must be greater than start"),
         ("bad.yaml:10: sections[0].when.ranks[1]:", "'x'"),
         ("bad.yaml:11: sections[0].what:", "did you mean 'full'"),
+        ("bad.yaml:12: sections[1].name:", "duplicate section name 'a'"),
         ("bad.yaml:13: sections[1].points[0].component:", "did you mean 'attention'"),
         ("bad.yaml:14: budget.bytes:", "'lots'"),
         ("bad.yaml:14: budget.files:", ">= 1"),
@@ -84,6 +85,25 @@ def test_all_problems_reported_at_once_with_lines_and_suggestions():
     for prefix, fragment in expected:
         assert any(p.startswith(prefix) and fragment in p for p in got), (prefix, fragment, got)
     assert len(got) == len(expected)
+
+
+def test_problems_of_a_broken_section_do_not_hide_its_sampling_or_name_problems():
+    """A section with a bad window still has its stats-with-sampling and duplicate-name problems reported (they
+    appeared only once the first ones were fixed); ``version: true`` is no version 1."""
+    text = ("version: 1\nsections:\n  - name: s\n    points: [{component: linear, roles: [input]}]\n"
+            "    when: {iterations: {every: 0}}\n    what: stats\n    sampling: {first_rows: 4}\n"
+            "  - name: s\n    points: [{component: linear, roles: [inputt]}]\n")
+    with pytest.raises(S.SpecError) as err:
+        S.load_spec("g.yaml", text=text)
+    got = err.value.problems
+    for prefix, fragment in (("g.yaml:5: sections[0].when.iterations.every:", ">= 1"),
+                             ("g.yaml:7: sections[0].sampling:", "nothing is stored"),
+                             ("g.yaml:8: sections[1].name:", "duplicate section name 's'"),
+                             ("g.yaml:9: sections[1].points[0].roles[0]:", "did you mean 'input'")):
+        assert any(p.startswith(prefix) and fragment in p for p in got), (prefix, got)
+    assert len(got) == 4
+    with pytest.raises(S.SpecError, match="unsupported version True"):
+        S.load_spec("h.yaml", text="version: true\nsections: [{points: [{component: linear}]}]\n")
 
 
 @pytest.mark.parametrize("text, fragment", [
@@ -143,7 +163,7 @@ def test_check_spec_cli(tmp_path, capsys):
     assert "ok: spec 't'" in capsys.readouterr().out
     assert main(["check-spec", str(bad)]) == 1
     err = capsys.readouterr().err
-    assert err.startswith(f"{bad}: 13 problems:\n") and f"{bad}:15: on_eror" in err and err.count("\n") == 14
+    assert err.startswith(f"{bad}: 14 problems:\n") and f"{bad}:15: on_eror" in err and err.count("\n") == 15
 
 
 HIDDEN = """\
@@ -195,7 +215,7 @@ def test_check_spec_checks_every_file_and_names_unreadable_ones(tmp_path, capsys
     assert main(["check-spec", "-q", str(missing), str(bad), str(latin), str(empty), "predecessor"]) == 1
     err = capsys.readouterr().err
     assert f"{missing}: error: capture spec {str(missing)!r} is neither a file nor a shipped spec" in err
-    assert f"{bad}: 13 problems:" in err
+    assert f"{bad}: 14 problems:" in err
     assert f"{latin}: 1 problem:\n  {latin}:2: not UTF-8 text: byte 0xe9" in err
     assert f"{empty}: 1 problem:\n  {empty}:5: sections[0].points[0].roles: an empty list selects no linear role" in err
     with pytest.raises(S.SpecError, match="kinds: an empty list selects no module kind"):

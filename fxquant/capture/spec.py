@@ -583,10 +583,10 @@ def _section(value: object, path: str, index: int, probs: Problems) -> Section |
     when = _when(m.get("when"), join(path, "when"), probs)
     what = _enum(What, m.get("what", "both"), join(path, "what"), probs)
     sampling = None if m.get("sampling") is None else _sampling(m["sampling"], join(path, "sampling"), probs)
+    if m.get("sampling") is not None and what is What.STATS:  # whatever else is wrong with the section
+        probs.add(join(path, "sampling"), "sampling chooses stored rows; with what: stats nothing is stored")
     if None in (layers, points, when, what) or (m.get("sampling") is not None and sampling is None):
         return None
-    if sampling is not None and what is What.STATS:
-        probs.add(join(path, "sampling"), "sampling chooses stored rows; with what: stats nothing is stored")
     return Section(str(name), layers, tuple(points), when, what, sampling)
 
 
@@ -595,8 +595,9 @@ def parse_spec(data: object, probs: Problems, text: str = "") -> CaptureSpec:
     if top is None:
         probs.raise_if_any()
     _check_keys(top, _TOP_KEYS, "", probs)
-    if top.get("version", 1) != 1:
-        probs.add("version", f"unsupported version {top.get('version')!r}; allowed: [1]")
+    version = top.get("version", 1)
+    if isinstance(version, bool) or version != 1:  # true == 1 in Python
+        probs.add("version", f"unsupported version {version!r}; allowed: [1]")
     secs = top.get("sections")
     sections: list[Section] = []
     if not isinstance(secs, list) or not secs:
@@ -605,12 +606,14 @@ def parse_spec(data: object, probs: Problems, text: str = "") -> CaptureSpec:
         names: dict[str, int] = {}
         for i, s in enumerate(secs):
             sec = _section(s, join("sections", i), i, probs)
-            if sec is None:
-                continue
-            if sec.name in names:
-                probs.add(join(join("sections", i), "name"), f"duplicate section name {sec.name!r} (first at sections[{names[sec.name]}])")
-            names[sec.name] = i
-            sections.append(sec)
+            name = s.get("name", f"section{i}") if isinstance(s, dict) else None  # checked even where sec is None
+            if isinstance(name, str) and name:
+                if name in names:
+                    probs.add(join(join("sections", i), "name"),
+                              f"duplicate section name {name!r} (first at sections[{names[name]}])")
+                names.setdefault(name, i)
+            if sec is not None:
+                sections.append(sec)
     budget = Budget()
     b = _mapping(top.get("budget"), "budget", probs)
     if b:
