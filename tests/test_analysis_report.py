@@ -210,7 +210,7 @@ def test_newer_schema_version_and_hostile_files_are_skipped_with_a_reason(tmp_pa
                {**rec, "seq": 91, "stats": [1, 2], "key": None},
                {**rec, "seq": 92, "stats": None, "key": None, "layer": [1, 2]}]
     with open(manifest, "a") as f:
-        f.writelines(json.dumps(r) + "\n" for r in hostile)
+        f.writelines(layout.record_line(r) for r in hostile)  # valid crcs: crafted, not changed
     (tmp_path / "junk").mkdir()
     res = analysis.report([tmp_path / "new", tmp_path / "ok", tmp_path / "evil", tmp_path / "junk"],
                           tmp_path / "r", workers=2, plots=False, **FAST)
@@ -508,3 +508,36 @@ def test_mx_study_max_error_is_the_largest_over_tensors_not_their_sum(tmp_path, 
         rows = json.loads(capsys.readouterr().out)["rows"]
         row = next(r for r in rows if r["scale_mode"] == "floor" and r["group"] == "all")
         assert row["max_err"] == pytest.approx(true, rel=1e-6) and row["n"] == copies * x.numel()
+
+
+@pytest.mark.parametrize("what", ["both", "full"])
+def test_quantization_error_of_a_sampled_copy(tmp_path, what):
+    """Only the first 2 rows of a 64-row operand stored: with capture statistics (what: both) the site's error is
+    the whole tensor's, as its saturation is (the report mixed the 2 rows' SQNR with the whole tensor's saturation);
+    without them (what: full) it is the rows', and says so."""
+    from fxquant.capture.runtime import RankInfo
+    from fxquant.capture.spec import Component, Copy, Gemm, ModuleKind, Role
+    from fxquant.capture.tap import Tap
+    from fxquant.formats.tensor_quant import TensorQuant
+
+    spec = capture.load_spec("s.yaml", text="sections:\n  - name: all\n    points: [{component: linear, copies: "
+                                            f"[hp, quantized]}}]\n    what: {what}\n    sampling: {{first_rows: 2}}\n")
+    x = torch.cat([torch.zeros(2, 64), 1000 + torch.randn(62, 64, generator=torch.Generator().manual_seed(0))])
+    x[0, :32] = torch.randn(32, generator=torch.Generator().manual_seed(1)) * 1e-3
+    tq = TensorQuant.from_spec("mxfp4_e2m1")
+    q = tq.quantize(x, -1)
+    base = (Component.LINEAR, Role.INPUT, "layers.0.mlp.fc1", (0,), ModuleKind.FC1, 0)
+    with capture.start(spec, tmp_path / "cap", scheme="s", rank=RankInfo(0, 1), run_id="r"):
+        torch.ops.fxquant.capture(x, Tap(*base).encode())
+        torch.ops.fxquant.capture(q, Tap(*base, copy=Copy.QUANTIZED, gemm=Gemm.FPROP, qspec=tq.spec(), dim=-1).encode(), x)
+    analysis.report([tmp_path / "cap"], tmp_path / "r", plots=False, **FAST)
+    (site,) = _json(tmp_path / "r/quant_error/sites.json")["sites"]
+    if what == "both":
+        e2, r2 = (q.double() - x.double()).square().sum().item(), x.double().square().sum().item()
+        assert site["source"] == "manifest" and site["sqnr_db"] == pytest.approx(10 * math.log10(r2 / e2), rel=1e-4)
+        assert site["mse"] == pytest.approx(e2 / x.numel(), rel=1e-4)
+    else:
+        rows_q, rows_x = q[:2].double(), x[:2].double()
+        e2, r2 = (rows_q - rows_x).square().sum().item(), rows_x.square().sum().item()
+        assert site["source"] == "tensors (sampled rows)"
+        assert site["sqnr_db"] == pytest.approx(10 * math.log10(r2 / e2), rel=1e-6)

@@ -123,8 +123,13 @@ def summarize(index: int, fields: dict, tensor: torch.Tensor | None, config: Ana
     s = RecordSummary(index, fields, m, signed=sparse(signed), binade=sparse(binade), rel=sparse(rel),
                       sampled=sampled)
     copy = fields.get("copy", "hp")
-    if copy == "quantized" and partner is not None:
+    whole = manifest_error(stats, math.prod(fields.get("shape") or [0])) if copy == "quantized" and sampled else None
+    if whole is not None:  # sampled rows stored: the capture-time statistics measured every row
+        s.qerr = whole
+    elif copy == "quantized" and partner is not None:
         s.qerr = operand_error(x, partner, fields, partner_summary)
+        if sampled:
+            s.qerr["source"] = "tensors (sampled rows)"
     elif copy == "quantized":
         s.qerr = manifest_error(stats, numel)
     if copy != "quantized" and fields.get("role") in OPERAND_ROLES and config.sample_blocks and x.numel():
