@@ -541,3 +541,28 @@ def test_quantization_error_of_a_sampled_copy(tmp_path, what):
         e2, r2 = (rows_q - rows_x).square().sum().item(), rows_x.square().sum().item()
         assert site["source"] == "tensors (sampled rows)"
         assert site["sqnr_db"] == pytest.approx(10 * math.log10(r2 / e2), rel=1e-6)
+
+
+def test_flush_counts_where_mx_block_scales_clamp_at_2_pow_minus_127(tmp_path):
+    """Blocks whose amax lies below 2**(emax - 127) have their E8M0 scale clamped (FORMATS.md) and flush more than
+    the floor rule's block-relative bins say: the count is a lower bound then, with the upper bound beside it, and
+    the reference quantizer's count lies between; a tensor without such elements stays exact."""
+    from fxquant.formats.tensor_quant import TensorQuant
+
+    g = torch.Generator().manual_seed(0)
+    tiny = torch.randn(8, 64, generator=g) * 2.0 ** -122 * 2.0 ** -(torch.arange(64) % 32).float()
+    write_tensors(tmp_path / "tiny", [tiny])
+    write_tensors(tmp_path / "normal", [torch.randn(8, 64, generator=g)])
+    for name in ("tiny", "normal"):
+        analysis.report([tmp_path / name], tmp_path / f"r_{name}", plots=True, **FAST)
+    rows = {r["format"]: r for r in _json(tmp_path / "r_tiny/overflow/summary.json")["summary"]}
+    for fmt in ("mxfp8_e4m3", "mxfp4_e2m1"):
+        true = int(((tiny != 0) & (TensorQuant.from_spec(fmt).quantize(tiny, -1) == 0)).sum())
+        r = rows[fmt]
+        assert r["flushed"] <= true <= r["flushed_at_most"] and r["flushed"] < true, (fmt, r, true)
+        assert "flushed is a lower bound" in r["method"]
+    normal = {r["format"]: r for r in _json(tmp_path / "r_normal/overflow/summary.json")["summary"]}
+    assert normal["mxfp8_e4m3"]["method"] == "floor block scale, exact" and "flushed_at_most" not in normal["mxfp8_e4m3"]
+    page = _json(tmp_path / "r_tiny/distributions/mxfp8_e4m3/summary.json")["counts"]["flushed"]
+    assert page.startswith("lower bound: ")
+    assert _json(tmp_path / "r_normal/distributions/mxfp8_e4m3/summary.json")["counts"]["flushed"] == "exact"

@@ -7,6 +7,7 @@ counters per format, and one small row per quantized operand for the per-site er
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -67,11 +68,20 @@ def counts_exact(name: str) -> tuple[bool, bool]:
     return bins.edge_index(sat_t) is not None, bins.edge_index(flush_t) is not None
 
 
+def clamp_threshold(emax: int) -> float:
+    """2**(emax - 127): an MX block whose amax is below it has its E8M0 scale clamped at 2**-127 (FORMATS.md), a
+    larger scale than the floor rule's 2**(floor(log2 amax) - emax), which the block-relative bins assume."""
+    return math.ldexp(1.0, emax - 127)
+
+
 def flow_counts(s: RecordSummary, name: str) -> np.ndarray | None:
-    """[numel, nonzero, flushed, saturated, nonfinite_blocks] of one record for one format (floor scale for
-    MX); flushed and saturated are upper bounds where ``counts_exact`` says so. For block formats, the
+    """[numel, nonzero, flushed, saturated, nonfinite_blocks, below_clamp] of one record for one format (floor
+    scale for MX); flushed and saturated are upper bounds where ``counts_exact`` says so. For block formats, the
     elements of blocks holding a NaN or an Inf (NaN after quantization) count in numel and nonfinite_blocks
-    only; element formats have no blocks (0)."""
+    only; element formats have no blocks (0). below_clamp (MX): the non-zero elements under ``clamp_threshold``,
+    the only ones a block with a clamped scale can hold; such elements flush where the counts assume they do not,
+    so the true flushed count lies in [flushed, flushed + below_clamp] (exact when below_clamp is 0). NVFP4's
+    sampled counts have the first five fields."""
     if name == "nvfp4":
         return None if s.nvfp4 is None else s.nvfp4.astype(np.int64)
     if s.signed is None:
@@ -84,11 +94,14 @@ def flow_counts(s: RecordSummary, name: str) -> np.ndarray | None:
         rel = dense(s.rel, bins.NREL)
         mag = bins.element_domain(rel, emax)
         nonfinite_blocks = int(rel[bins.REL_NONFINITE])
+    below = 0
+    if emax is not None:  # |x| < 2**(emax - 127): magnitude bins up to the one below that edge
+        below = int(bins.magnitude(signed)[1:bins.edge_index(clamp_threshold(emax))].sum())
     numel = int(mag.sum())
     nonzero = numel - int(mag[0]) - int(mag[bins.NAN_FIRST:].sum())
     sat, _ = bins.count_above(mag, sat_t)
     fl, _ = bins.count_at_most(mag, flush_t)
-    return np.array([numel + nonfinite_blocks, nonzero, fl, sat, nonfinite_blocks], dtype=np.int64)
+    return np.array([numel + nonfinite_blocks, nonzero, fl, sat, nonfinite_blocks, below], dtype=np.int64)
 
 
 class Aggregator:

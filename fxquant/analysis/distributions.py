@@ -246,14 +246,25 @@ def format_page(agg: Aggregator, name: str, scope: Scope, out: Outputs) -> dict:
     quant["overall"] = bins.quantiles(whole.signed, agg.config.quantiles)
     sat_t, flush_t, _ = format_thresholds(name)
     sat_exact, flush_exact = counts_exact(name)
+    below = _below_clamp(agg, name, scope)
+    flushed = ("exact" if flush_exact else "upper bound (threshold inside a bin)") if not below else (
+        f"lower bound: {below} element(s) lie where a block's E8M0 scale may be clamped at 2^-127")
     info.update({"max_normal": sat_t, "flush_threshold": flush_t, "quantiles": quant,
                  "counts": {"saturated": "exact" if sat_exact else "upper bound (max normal inside a bin)",
-                            "flushed": "exact" if flush_exact else "upper bound (threshold inside a bin)"}})
+                            "flushed": flushed}})
     if isinstance(formats.get(name).element, HiF8):
         info["mantissa_regions"] = [{"lo": lo, "hi": hi, "mantissa_bits": m}
                                     for lo, hi, m in mantissa_regions(formats.get(name).element)]
     out.json(f"{d}/summary.json", info, sec, scope.title(f"{name}: per-layer statistics and quantiles"))
     return info
+
+
+def _below_clamp(agg: Aggregator, name: str, scope: Scope) -> int:
+    """The scope's elements below ``aggregate.clamp_threshold`` of MX format ``name`` (``flow_counts``' last field):
+    where non-zero, its flushed counts are lower bounds."""
+    si, ci = FLOW_KEY.index("scheme"), FLOW_KEY.index("copy")
+    return sum(int(per[name][5]) for key, per in agg.flows.items()
+               if (key[si], key[ci]) == (scope.scheme, scope.copy) and name in per and len(per[name]) > 5)
 
 
 def _layer_rank(agg: Aggregator, out: Outputs, name: str, scope: Scope, d: str, sec: str) -> None:
@@ -273,7 +284,9 @@ def _layer_rank(agg: Aggregator, out: Outputs, name: str, scope: Scope, d: str, 
                              title=f"{name}: layer x rank, {scope.tensors}")
     sat_exact, flush_exact = counts_exact(name)
     bound = " (upper bound)"
-    for ax, col, label in ((axes[0], 2, "flushed to zero (% of non-zero)" + ("" if flush_exact else bound)),
+    flush_bound = " (lower bound)" if any(len(c) > 5 and c[5] for c in cells.values()) else (
+        "" if flush_exact else bound)
+    for ax, col, label in ((axes[0], 2, "flushed to zero (% of non-zero)" + flush_bound),
                            (axes[1], 3, "saturated (% of elements)" + ("" if sat_exact else bound))):
         data = np.full((len(layers), len(ranks)), np.nan)
         for (l, r), c in cells.items():

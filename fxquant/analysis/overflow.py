@@ -5,7 +5,9 @@ format's scaling exceeds its max normal; *flushed* = non-zero elements that roun
 most half the smallest subnormal). Element formats are taken unscaled; MX formats after their OCP
 ``floor`` block scale; both are read exactly off the fixed-bin histograms (a value exactly at HiF8's
 2**-23 tie counts as flushed), except where a threshold is no bin edge (MXINT8's 127/64, fp16's 65504):
-there the count is an upper bound, the threshold's bin counted whole, and ``method`` says so. NVFP4 comes
+there the count is an upper bound, the threshold's bin counted whole, and ``method`` says so; and except for MX
+blocks whose amax lies below 2**(emax - 127), whose E8M0 scale is clamped at 2**-127: where a tensor has
+elements in that range, the flushed count is a lower bound (``flushed_at_most`` adds them). NVFP4 comes
 from the sampled blocks (its block scales are not powers of two): marked ``sampled``. In block formats a
 block holding a NaN or an Inf quantizes to NaN: its elements are counted apart (``nonfinite_blocks``), in
 ``numel`` but not in ``nonzero``, flushed or saturated.
@@ -20,14 +22,14 @@ from collections import defaultdict
 import numpy as np
 from tabulate import tabulate
 
-from fxquant.analysis.aggregate import FLOW_KEY, Aggregator, counts_exact, format_thresholds
+from fxquant.analysis.aggregate import FLOW_KEY, Aggregator, clamp_threshold, counts_exact, format_thresholds
 from fxquant.analysis import svg
 from fxquant.analysis.outputs import Outputs, fmt_num, scheme_label, slug, sort_key
 
 SECTION = "Over/underflow across formats"
 
 
-def _method(name: str) -> str:
+def _method(name: str, c: np.ndarray) -> str:
     if name == "nvfp4":
         return "sampled blocks"
     sat_t, flush_t, emax = format_thresholds(name)
@@ -35,6 +37,9 @@ def _method(name: str) -> str:
     base = "floor block scale" if emax is not None else "unscaled"
     bounds = [f"{what} is an upper bound ({t:.10g} lies inside a histogram bin, counted whole)"
               for what, t, exact in (("saturated", sat_t, sat_exact), ("flushed", flush_t, flush_exact)) if not exact]
+    if emax is not None and len(c) > 5 and c[5]:
+        bounds.append(f"flushed is a lower bound, at most {int(c[5])} more ({int(c[5])} element(s) below "
+                      f"{clamp_threshold(emax):.3g}, where a block's E8M0 scale may be clamped at 2^-127)")
     return f"{base}, {'; '.join(bounds) if bounds else 'exact'}"
 
 
@@ -75,7 +80,8 @@ def write(agg: Aggregator, out: Outputs, plots: bool = True) -> dict:
         fl, sat = _pct(c)
         rows.append({"format": name, "numel": int(c[0]), "nonzero": int(c[1]), "flushed": int(c[2]),
                      "flushed_pct": fl, "saturated": int(c[3]), "saturated_pct": sat,
-                     "nonfinite_blocks": _nonfinite_blocks(name, c), "method": _method(name)})
+                     "nonfinite_blocks": _nonfinite_blocks(name, c), "method": _method(name, c),
+                     **({"flushed_at_most": int(c[2] + c[5])} if len(c) > 5 and c[5] else {})})
     detail = []
     by = ("scheme", "layer", "direction", "role")
     for key, per in sorted(rollup(agg, copy, by).items(), key=lambda kv: tuple(sort_key(v) for v in kv[0])):

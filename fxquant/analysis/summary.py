@@ -264,7 +264,7 @@ def _clip_stats(q: torch.Tensor, x: torch.Tensor, fields: dict, hp: "RecordSumma
         not is_mx or (o.scale_mode is ScaleMode.FLOOR and d == q.dim() - 1 and x.shape[-1] == q.shape[-1]))
     if exact and hp is not None:
         c = flow_counts(hp, tq.format)
-        if c is not None:
+        if c is not None and (len(c) < 6 or c[5] == 0):  # else blocks may have clamped scales: the reference below
             return {"saturated_pct": 100.0 * c[3] / c[0] if c[0] else 0.0,
                     "flushed_pct": 100.0 * c[2] / c[1] if c[1] else 0.0, "clip_source": "histogram"}
     from fxquant.capture import stats as capture_stats
