@@ -28,7 +28,10 @@ SEQ, BATCH, HIDDEN = 32, 2, 64
 CAPTURE_SPEC = """
 sections:
   - layers: {kinds: [fc1], indices: [1]}
-    points: [{component: linear, roles: [input, grad_output]}]
+    points: [{component: linear, roles: [input, grad_output, weight]}]
+  - name: fc2_input
+    layers: {kinds: [fc2], indices: [1]}
+    points: [{component: linear, roles: [input]}]
 """
 
 
@@ -180,13 +183,25 @@ def test_tp2_and_pp2_match_one_process(tmp_path):
     for tag in ("tp1pp1", "tp2pp1", "tp1pp2"):
         cs = capture.open(tmp_path / f"capture-{tag}")
         records[tag] = cs
-        assert {(r.layer, r.role) for r in cs} == {(1, "input"), (1, "grad_output")}, tag
-    (pp_rec,) = records["tp1pp2"].query(role="input")
-    (ref_rec,) = records["tp1pp1"].query(role="input")
+        assert {(r.layer, r.kind, r.role) for r in cs} == {
+            (1, "fc1", "input"), (1, "fc1", "grad_output"), (1, "fc1", "weight"), (1, "fc2", "input")}, tag
+    # shard_dim under TP = 2 only: column-parallel fc1 splits its weight's rows and its output (so its output
+    # gradient) along the last dim, its input is whole; row-parallel fc2 splits its input along the last dim
+    for tag in ("tp1pp1", "tp1pp2"):
+        assert {r.fields["shard_dim"] for r in records[tag]} == {None}, tag
+    tp2 = records["tp2pp1"]
+    assert {(r.kind, r.role, r.fields["shard_dim"]) for r in tp2} == {
+        ("fc1", "input", None), ("fc1", "grad_output", 2), ("fc1", "weight", 0), ("fc2", "input", 2)}
+    shards = sorted(tp2.query(kind="fc2", role="input"), key=lambda r: r.tp_rank)
+    whole = torch.cat([tp2.load(r) for r in shards], dim=shards[0].fields["shard_dim"])
+    torch.testing.assert_close(whole, records["tp1pp1"].load(records["tp1pp1"].query(kind="fc2", role="input")[0]),
+                               rtol=1e-5, atol=1e-6)
+    (pp_rec,) = records["tp1pp2"].query(role="input", kind="fc1")
+    (ref_rec,) = records["tp1pp1"].query(role="input", kind="fc1")
     assert (pp_rec.module, pp_rec.pp_rank, ref_rec.module) == (
         "decoder.layers.0.mlp.linear_fc1", 1, "decoder.layers.1.mlp.linear_fc1")
     torch.testing.assert_close(records["tp1pp2"].load(pp_rec), records["tp1pp1"].load(ref_rec), rtol=1e-5, atol=1e-6)
-    assert len(records["tp2pp1"].query(role="input")) == 2  # one record per TP rank
+    assert len(records["tp2pp1"].query(role="input", kind="fc1")) == 2  # one record per TP rank
 
 
 if __name__ == "__main__":

@@ -198,9 +198,10 @@ class CaptureSession:
         x = x.detach()
         try:
             with _shared_copies() as shared:  # one private copy of x (and of reference) for every work of this call
+                tp = self.config.rank.tp_size
                 for work, taps in plan:
-                    if not self._emit(work, [(_tap_fields(tap), section) for tap, section in taps], x, reference,
-                                      shared):
+                    if not self._emit(work, [(_tap_fields(tap, x.dim(), tp), section) for tap, section in taps], x,
+                                      reference, shared):
                         return
         except Exception as exc:  # noqa: BLE001 - the op's own tensor work: stops capture per on_error, as the writer's
             self._op_failed(exc, tap_text)
@@ -443,14 +444,16 @@ def _shared_copies() -> Iterator[dict]:
             lease.release()
 
 
-def _tap_fields(tap: Tap) -> dict:
-    """The manifest fields a tap determines (the rest come from the session and the tensor)."""
+def _tap_fields(tap: Tap, ndim: int = 0, tp_size: int = 1) -> dict:
+    """The manifest fields a tap determines (the rest come from the session and the tensor): ``shard_dim`` only
+    under tensor parallelism (``tp_size`` > 1), counted from the front of the ``ndim``-dim tensor."""
+    shard = tap.shard_dim if tp_size > 1 and tap.shard_dim is not None and -ndim <= tap.shard_dim < ndim else None
     return {
         "format": None if tap.qspec is None else tap.qspec.split(":", 1)[0], "qspec": tap.qspec,
         "component": tap.component.value, "module": tap.module, "kind": None if tap.kind is None else tap.kind.value,
         "layer": tap.layer, "role": tap.role.value, "copy": tap.copy.value,
         "gemm": None if tap.gemm is None else tap.gemm.value, "phase": tap.phase.value,
-        "direction": tap.direction.value, "shard_dim": tap.shard_dim, "blocked_dim": tap.dim,
+        "direction": tap.direction.value, "shard_dim": None if shard is None else shard % ndim, "blocked_dim": tap.dim,
     }
 
 

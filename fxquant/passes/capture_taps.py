@@ -247,7 +247,7 @@ def _site_taps(meta: SiteMeta, op: OpKind, spec: CaptureSpec, report: TapReport,
                                   f"{what}: not materialised at a {meta.op.value} site"))
             continue
         base = dict(component=component, role=role, module=site.module_path, sections=tuple(secs), kind=kind,
-                    layer=site.layer, placement=spec.placement_digest())
+                    layer=site.layer, placement=spec.placement_digest(), shard_dim=_tp_split(meta, kind, role))
         if copy is Copy.HP:
             out.append((Tap(**base), where))
             continue
@@ -265,6 +265,24 @@ def _site_taps(meta: SiteMeta, op: OpKind, spec: CaptureSpec, report: TapReport,
                 continue
             out.append((Tap(**base, copy=Copy.QUANTIZED, gemm=gemm, qspec=tq.spec(), dim=dim), where))
     return out
+
+
+# Megatron's tensor-parallel linears by kind: column-parallel (qkv, fc1, the output layer) split the weight's output
+# rows and their output's last dim; row-parallel (proj, fc2) the weight's input columns and their input's last dim
+# (their output is all-reduced, whole). Negative: from the end, resolved against the captured tensor's rank.
+_COLUMN_PARALLEL = {Role.WEIGHT: 0, Role.GRAD_WEIGHT: 0, Role.OUTPUT: -1, Role.GRAD_OUTPUT: -1}
+_ROW_PARALLEL = {Role.WEIGHT: 1, Role.GRAD_WEIGHT: 1, Role.INPUT: -1, Role.GRAD_INPUT: -1}
+_TP_SPLITS = {ModuleKind.QKV: _COLUMN_PARALLEL, ModuleKind.FC1: _COLUMN_PARALLEL, ModuleKind.LM_HEAD: _COLUMN_PARALLEL,
+              ModuleKind.PROJ: _ROW_PARALLEL, ModuleKind.FC2: _ROW_PARALLEL}
+
+
+def _tp_split(meta: SiteMeta, kind: ModuleKind | None, role: Role) -> int | None:
+    """The dim along which tensor parallelism splits this tensor of a Megatron linear site (None: not split, or not
+    a Megatron linear; MoE experts, which expert parallelism splits instead, are left out). The runtime records it
+    only when the rank's ``tp_size`` > 1."""
+    if meta.op is not OpKind.MEGATRON_LINEAR or ".experts." in f".{meta.site.module_path}.":
+        return None
+    return _TP_SPLITS.get(kind, {}).get(role)
 
 
 KEPT_HIGH = "kept in high precision by the scheme (no quantized copy)"
