@@ -270,3 +270,20 @@ def test_compile_on_gpu_runs_the_kernel_and_inductor_equals_eager(monkeypatch):
         assert sdpa_notes(model) == ["flash"]
     for a, b in zip(outs["inductor"], outs["eager"]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_no_keys_is_no_flash_site_and_gives_sdpa_zeros():
+    """Lk = 0: SDPA gives zeros; the kernel's normaliser would be 0 (NaN), so the site is left to the math path."""
+    import torch.nn.functional as F
+
+    import fxquant
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 0, 8), torch.randn(1, 2, 0, 8)
+    assert "key length 0" in fs.unsupported_reason(q, k, v)
+    model = fxquant.compile(Attention(), "FA_mxfp8_e4m3", backend="aot_eager", attention="flash")
+    out = model(q, k, v)
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v)) and not out.any()

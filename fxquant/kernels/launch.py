@@ -80,11 +80,13 @@ def _check_device(x: torch.Tensor) -> None:
         return
     if x.device.type == "cpu" and INTERPRETED:
         return
-    mode = "the Triton interpreter (TRITON_INTERPRET=1, CPU tensors)" if INTERPRETED else "CUDA tensors"
-    raise ValueError(
-        f"x is on device {x.device}; the Triton kernels were built for {mode}. "
-        "Set TRITON_INTERPRET=1 before fxquant.kernels launches anything to run them on CPU."
-    )
+    if INTERPRETED:
+        hint = ("they run CPU tensors only (move x to the CPU, or start the process without TRITON_INTERPRET for "
+                "CUDA tensors)")
+    else:
+        hint = "they run CUDA tensors only (set TRITON_INTERPRET=1 before fxquant.kernels is first imported to run them on CPU)"
+    mode = "the Triton interpreter (TRITON_INTERPRET=1)" if INTERPRETED else "the GPU"
+    raise ValueError(f"x is on device {x.device}; the Triton kernels were built for {mode}: {hint}")
 
 
 def _canonical(x: torch.Tensor, dim: int) -> torch.Tensor:

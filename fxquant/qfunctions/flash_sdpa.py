@@ -101,6 +101,8 @@ def unsupported_reason(query: object, key: object, value: object, attn_mask: obj
     if not query.shape[0] == key.shape[0] == value.shape[0] or key.shape[2] != value.shape[2]:
         return (f"batch sizes {query.shape[0]}/{key.shape[0]}/{value.shape[0]} or key/value lengths "
                 f"{key.shape[2]}/{value.shape[2]} differ (the kernel broadcasts no dim)")
+    if isinstance(key.shape[2], int) and key.shape[2] == 0:
+        return "key length 0 (no key for any row: SDPA gives zeros, the kernel's normaliser would be 0)"
     hq, hk = query.shape[1], key.shape[1]
     if hk != value.shape[1] or hk == 0 or hq % hk or (hq != hk and not enable_gqa):
         return f"query heads {hq}, key/value heads {hk}/{value.shape[1]} (enable_gqa={enable_gqa})"
