@@ -136,6 +136,10 @@ def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", varia
         raise ValueError(f"--nproc {nproc} must be a positive multiple of tp*pp = {tp}*{pp} (default: {tp * pp})")
     mcfg.check_parallel(tp, pp)
     check_host_layout(mcfg, tp, 1, device or run_device())
+    if scheme != "bf16":
+        for line in mcfg.tp_block_splits(tp):
+            logger.warning("%s at --tp %d: %s; block formats quantize these operands in other blocks than one "
+                           "process does (docs/megatron.md)", mcfg.name, tp, line)
     if backend is CompileBackend.NONE and (scheme != "bf16" or capture is not None):
         raise ValueError(f"--backend none runs the model uncompiled: only --scheme bf16 without capture, got "
                          f"scheme {scheme!r}" + (" with capture" if capture is not None else "") +

@@ -787,3 +787,23 @@ def test_save_interval_sets_the_config_and_is_checked():
                             save_interval=5).run.train.save_interval == 5
     with pytest.raises(ValueError, match=r"--save-interval -1: must be an integer >= 0"):
         launcher.resolve(model="llama32-1b", dataset="mock", scheme="bf16", save_interval=-1)
+
+
+def test_tensor_parallel_shards_that_split_mx_blocks_are_named(caplog):
+    """The tiny llama31-8b's FFN of 224 is 112 per rank at TP 2: fc2's reduction dim ends in a short block and a
+    fc1 dgrad block spans gate and up rows; llama32-1b's shards are multiples of 32. The launcher warns for a
+    quantized scheme only."""
+    import logging
+
+    from experiments import catalog, launcher
+
+    assert catalog.TINY["llama32-1b"].tp_block_splits(2) == [] and catalog.TINY["llama31-8b"].tp_block_splits(1) == []
+    splits = catalog.TINY["llama31-8b"].tp_block_splits(2)
+    assert splits == ["linear_fc2 fprop (its input columns): 112 per rank, not a multiple of 32",
+                      "linear_fc1 dgrad: a block spans the end of the gate rows and the start of the up rows (112 of "
+                      "each per rank)"]
+    with caplog.at_level(logging.WARNING, logger="experiments.launcher"):
+        launcher.resolve(model="llama31-8b", dataset="mock", scheme="bf16", tp=2)
+        assert caplog.records == []
+        launcher.resolve(model="llama31-8b", dataset="mock", scheme="FA_linear_mxfp8", tp=2)
+    assert [r.getMessage().split(": ", 1)[1].split("; block")[0] for r in caplog.records] == splits

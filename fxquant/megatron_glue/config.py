@@ -178,6 +178,32 @@ class ModelConfig:
         if self.moe is not None and self.moe.num_experts % ep:
             raise ValueError(f"ep={ep} does not divide num_experts={self.moe.num_experts} of model {self.name!r}")
 
+    def tp_block_splits(self, tp: int, block: int = 32) -> list[str]:
+        """The decoder layers' GEMM reduction dims that tensor parallelism shards to a length per rank that is no multiple of
+        `block` (one per line, empty when none, or tp 1): there a rank's last block is short and the blocks of
+        the other ranks start elsewhere than one process's, so block formats quantize those operands
+        differently; for a SwiGLU fc1 (rows [gate; up] per rank) a block along its output rows in the dgrad
+        holds gate and up values under one scale."""
+        if tp <= 1:
+            return []
+        out = []
+        gated = self.activation is Activation.SWIGLU
+        ffn_rows = self.ffn_hidden_size * (2 if gated else 1)
+        attention = self.num_attention_heads * self.head_dim
+        dims = [("linear_fc1 dgrad (its output rows" + (", [gate; up] per rank)" if gated else ")"),
+                 ffn_rows // tp),
+                ("linear_fc2 fprop (its input columns)", self.ffn_hidden_size // tp)]
+        if self.mla is None:
+            dims += [("linear_qkv dgrad (its output rows)", (attention + 2 * self.query_groups * self.head_dim) // tp),
+                     ("linear_proj fprop (its input columns)", attention // tp)]
+        for what, per_rank in dims:
+            if per_rank % block:
+                out.append(f"{what}: {per_rank} per rank, not a multiple of {block}")
+        if gated and (self.ffn_hidden_size // tp) % block:
+            out.append(f"linear_fc1 dgrad: a block spans the end of the gate rows and the start of the up rows "
+                       f"({self.ffn_hidden_size // tp} of each per rank)")
+        return out
+
     def num_parameters(self) -> int:
         """Parameter count (embeddings included once when tied), for reports and sanity checks."""
         h, v = self.hidden_size, self.vocab_size
