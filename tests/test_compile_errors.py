@@ -368,3 +368,26 @@ def test_kernels_triton_without_the_kernels_is_refused_under_every_backend(backe
     model = torch.nn.Sequential(torch.nn.Linear(32, 32))
     with pytest.raises(ValueError, match="kernels='triton' needs the Triton kernels registered for 'cpu'"):
         fxquant.compile(model, "linear_mxfp8", backend=backend, kernels="triton")(torch.randn(4, 32))
+
+
+def test_nvfp4_block_2d_on_activations_is_refused_naming_the_site():
+    """block_2d tiles 2-D tensors (weights): a rule giving it to every operand of a linear with a 3-D input, or to
+    attention, is refused at compile time naming the site and operands (it failed at the first call with the
+    format's own message, no site named); a 2-D input takes it."""
+    from fxquant.schemes import Scheme
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    tiled = Scheme.from_yaml_text("rules:\n  - linear: {format: nvfp4, block_2d: true}\n")
+    model = fxquant.compile(torch.nn.Sequential(torch.nn.Linear(32, 32)), tiled, backend="aot_eager")
+    with pytest.raises(Exception, match=r"site '0': fprop operand x is 3-D \(input shape \(2, 4, 32\)\).*block_2d"):
+        model(torch.randn(2, 4, 32))
+    torch._dynamo.reset()
+    flat = fxquant.compile(torch.nn.Sequential(torch.nn.Linear(32, 32)), tiled, backend="aot_eager")
+    flat(torch.randn(16, 32)).sum().backward()
+    attention = Scheme.from_yaml_text("rules:\n  - attention: {format: nvfp4, block_2d: true}\n")
+    q = torch.randn(1, 2, 16, 16)
+    with pytest.raises(Exception, match=r"site '<root>' \(attention\): operands qk.forward.a, .* have block_2d"):
+        fxquant.compile(Attention(), attention, backend="aot_eager")(q, q, q)

@@ -9,10 +9,13 @@ naming the site, its source line and the dtypes allowed, raised before the graph
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import fx
 
 from fxquant.formats.base import SUPPORTED_DTYPES
+from fxquant.formats.tensor_quant import TensorQuant
 from fxquant.passes.sites import META_KEY, FoundSites, Match, OpKind, SiteMeta, Status, example_value, stack_line
 from fxquant.schemes.model import LinearQuant
 from fxquant.schemes.scheme import Scheme
@@ -26,10 +29,24 @@ def resolve_sites(found: FoundSites, scheme: Scheme) -> list[SiteMeta]:
             check_operand_dtypes(m)
         if isinstance(config, LinearQuant):
             check_blockable_linear(m, config)
+        elif config is not None and _tiled(config):
+            raise ValueError(
+                f"site {m.site.module_path or '<root>'!r} (attention): operands {', '.join(_tiled(config))} have block_2d, which "
+                "takes 2-D tensors (16x16 tiles of a weight); attention's operands have three or four dims")
         meta = SiteMeta(m.site, m.op, m.node.name, config, Status.HIGH_PRECISION, stack_line=stack_line(m.node))
         m.node.meta[META_KEY] = meta
         metas.append(meta)
     return metas
+
+
+def _tiled(config: object, path: str = "") -> list[str]:
+    """Dotted paths of the operands of a resolved config whose format has ``block_2d``."""
+    if isinstance(config, TensorQuant):
+        return [path] if config.options.block_2d else []
+    if not dataclasses.is_dataclass(config):
+        return []
+    return [p for f in dataclasses.fields(config)
+            for p in _tiled(getattr(config, f.name), f"{path}.{f.name}" if path else f.name)]
 
 
 def check_operand_dtypes(m: Match) -> None:
@@ -55,12 +72,22 @@ def _static_len(value: object, dim: int) -> int | None:
 
 
 def check_blockable_linear(m: Match, lq: LinearQuant) -> None:
-    """Raise ValueError when a block format of ``lq`` would block the weight's K or N of length 0."""
+    """Raise ValueError when a block format of ``lq`` would block the weight's K or N of length 0, or an activation
+    operand of more than two dims would take NVFP4's 2-D tiles (``block_2d``)."""
     weight = _weight_node(m)
     w = example_value(weight)
     lengths = {"K": _static_len(w, 1), "N": _static_len(w, 0)}
     operands = (("fprop", "x", lq.fprop.a, "K"), ("fprop", "w", lq.fprop.b, "K"), ("dgrad", "dy", lq.dgrad.a, "N"),
                 ("dgrad", "w", lq.dgrad.b, "N"))
+    x = example_value(m.node.args[0]) if m.op is OpKind.LINEAR and m.node.args else None
+    activations = (("fprop", "x", lq.fprop.a), ("dgrad", "dy", lq.dgrad.a), ("wgrad", "dy", lq.wgrad.a),
+                   ("wgrad", "x", lq.wgrad.b))
+    for gemm, operand, tq in activations:  # dy has x's rank
+        if tq is not None and tq.options.block_2d and isinstance(x, torch.Tensor) and x.dim() != 2:
+            raise ValueError(
+                f"site {m.site.module_path!r}: {gemm} operand {operand} is {x.dim()}-D (input shape {tuple(x.shape)}), "
+                f"and its format {tq.spec()!r} has block_2d, which takes 2-D tensors (16x16 tiles of a weight): set "
+                f"block_2d on the weight operands only (fprop.w, dgrad.w)")
     for gemm, operand, tq, axis in operands:
         if tq is not None and tq.fmt.block_size is not None and lengths[axis] == 0:
             raise ValueError(
