@@ -54,6 +54,20 @@ def test_unquantized_equals_torch_sdpa(mask: str) -> None:
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("mask", ["bool", "additive"])
+def test_attn_mask_and_is_causal_both_apply(mask: str) -> None:
+    """Both given: the mask and the causal mask apply (torch's CPU SDPA does so; its math backend refuses), as
+    one combined mask given to SDPA."""
+    qt, kt, vt, do = inputs()
+    m = MASKS[mask]["attn_mask"]
+    causal = torch.ones(LQ, LK, dtype=torch.bool).tril()
+    combined = m & causal if mask == "bool" else m + torch.zeros(LQ, LK).masked_fill(~causal, float("-inf"))
+    ours = run(quantized_sdpa, qt, kt, vt, do, aq=AttentionQuant(), attn_mask=m, is_causal=True, enable_gqa=True)
+    ref = run(F.scaled_dot_product_attention, qt, kt, vt, do, attn_mask=combined, enable_gqa=True)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
 def test_fully_masked_rows_give_zero_like_sdpa() -> None:
     qt, kt, vt, do = inputs()
     mask = torch.ones(LQ, LK, dtype=torch.bool)
@@ -180,8 +194,6 @@ def test_argument_errors() -> None:
     aq = AttentionQuant()
     with pytest.raises(ValueError, match="enable_gqa=True"):
         quantized_sdpa(qt, kt, vt, aq=aq)
-    with pytest.raises(ValueError, match="not both"):
-        quantized_sdpa(qt, kt, vt, attn_mask=MASKS["bool"]["attn_mask"], is_causal=True, enable_gqa=True, aq=aq)
     with pytest.raises(ValueError, match="dropout_p=1.5"):
         quantized_sdpa(qt, kt, vt, dropout_p=1.5, enable_gqa=True, aq=aq)
     with pytest.raises(TypeError, match="aq must be"):

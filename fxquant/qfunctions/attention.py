@@ -57,8 +57,6 @@ def _check(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa, aq) -> None:
         raise ValueError(f"quantized_sdpa: key and value need the same length, got {k.shape[-2]} and {v.shape[-2]}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"quantized_sdpa: dropout_p={dropout_p!r} must lie in [0, 1)")
-    if is_causal and attn_mask is not None:
-        raise ValueError("quantized_sdpa: pass either attn_mask or is_causal=True, not both (as F.scaled_dot_product_attention)")
     lead = _check_broadcast(q, k, v, enable_gqa)
     if isinstance(attn_mask, torch.Tensor):  # as torch, the mask broadcasts to the scores, never the other way
         scores = torch.Size((*lead, q.shape[-2], k.shape[-2]))
@@ -157,14 +155,14 @@ def quantized_attention(
                          gemm_dtype=torch.promote_types(query.dtype, torch.float32)) * scale_
     if scores_tap is not None:  # capture (fxquant.passes.capture_taps): the scores, before the mask
         torch.ops.fxquant.capture(s, scores_tap)
-    if is_causal:
-        causal = torch.ones(lq, lk, dtype=torch.bool, device=s.device).tril()
-        s = s.masked_fill(~causal, float("-inf"))
-    elif attn_mask is not None:
+    if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             s = s.masked_fill(~attn_mask, float("-inf"))
         else:
             s = s + attn_mask.float()
+    if is_causal:  # with an attn_mask too, both apply (torch's CPU SDPA combines them; its math backend refuses)
+        causal = torch.ones(lq, lk, dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~causal, float("-inf"))
     p = _softmax_f32(s).to(query.dtype)
     if dropout_p > 0.0:
         keep = torch.empty_like(p).bernoulli_(1.0 - dropout_p)
