@@ -179,15 +179,31 @@ def test_specificity_order_and_ties() -> None:
 
 
 def test_root_output_is_the_lm_head_and_nested_output_is_not() -> None:
-    """torchtitan / Meta Llama name the LM head ``output`` at the root; BERT's ``layer.N.output.dense`` is an FFN."""
+    """torchtitan / Meta Llama name the LM head ``output`` at the root; BERT's ``layer.N.output.dense`` is its FC2."""
     assert site_kind_for("output") is SiteKind.LM_HEAD
-    for path in ("bert.encoder.layer.0.output.dense", "encoder.layer.3.output", "model.output", "output.dense"):
+    assert site_kind_for("bert.encoder.layer.0.output.dense") is SiteKind.FC2
+    for path in ("encoder.layer.3.output", "model.output", "output.dense"):
         assert site_kind_for(path) is SiteKind.LINEAR, path
     preset = schemes.get("linear_mxfp8")
     assert preset.linear_for(Site.from_path("output", num_layers=2)) is None  # presets never quantize the LM head
     assert preset.linear_for(Site.from_path("bert.encoder.layer.0.output.dense", num_layers=2)) is not None
     head = Scheme("head", rules=(Rule(Selector(kinds=(SiteKind.LM_HEAD,)), linear=lin(M8)),))
     assert head.linear_for(Site.from_path("output")) == lin(M8)
+
+
+def test_bert_vit_and_neox_names_have_their_kinds() -> None:
+    """BERT-style encoders (BERT, RoBERTa, ViT) name q/k/v ``query``/``key``/``value`` and their other linears
+    ``dense`` under a telling parent; they were all kind ``linear``, so kind selectors (and capture specs such as
+    ``predecessor``) missed them."""
+    bert = "bert.encoder.layer.2"
+    for path, kind in ((f"{bert}.attention.self.query", SiteKind.QKV), (f"{bert}.attention.self.value", SiteKind.QKV),
+                       ("vit.encoder.layer.0.attention.attention.key", SiteKind.QKV),
+                       (f"{bert}.attention.output.dense", SiteKind.PROJ), (f"{bert}.intermediate.dense", SiteKind.FC1),
+                       (f"{bert}.output.dense", SiteKind.FC2), ("gpt_neox.layers.1.attention.dense", SiteKind.PROJ),
+                       ("transformer.h.0.self_attention.dense", SiteKind.PROJ),
+                       ("bert.pooler.dense", SiteKind.LINEAR), ("cls.predictions.transform.dense", SiteKind.LINEAR),
+                       ("model.self.query", SiteKind.LINEAR)):
+        assert site_kind_for(path) is kind, path
 
 
 def test_t5_paths_number_their_block_and_name_their_kinds() -> None:

@@ -139,7 +139,8 @@ def site_kind_for(module_path: str) -> SiteKind:
     """Guess a linear site's kind from its module path; ``LINEAR`` when the name is not a known one.
 
     GPT-2's ``c_proj`` is the attention projection under ``attn`` and FC2 under ``mlp``; ``output`` is the
-    LM head at the model's root only; T5's names are read with their parent's (``_KIND_BY_PARENT``).
+    LM head at the model's root only; T5's names are read with their parent's (``_KIND_BY_PARENT``), BERT's and
+    GPT-NeoX's ``dense`` / ``query`` with their parent's and grandparent's (``_bert_kind``).
     """
     parts = module_path.split(".")
     last = parts[-1] if parts else ""
@@ -150,7 +151,31 @@ def site_kind_for(module_path: str) -> SiteKind:
         return by_parent[last]
     if last == "c_proj":
         return SiteKind.PROJ if len(parts) > 1 and parts[-2] in _ATTN_PARENTS else SiteKind.FC2
-    return _KIND_BY_NAME.get(last, SiteKind.LINEAR)
+    bert = _bert_kind(parts)
+    return bert if bert is not None else _KIND_BY_NAME.get(last, SiteKind.LINEAR)
+
+
+def _bert_kind(parts: list[str]) -> SiteKind | None:
+    """BERT's (RoBERTa's, ViT's) names: ``attention.self.query`` (ViT: ``attention.attention.query``),
+    ``attention.output.dense`` (the projection), ``intermediate.dense`` (FC1), ``layer.N.output.dense`` (FC2); and
+    GPT-NeoX's / Falcon's ``attention.dense`` / ``self_attention.dense`` (the projection)."""
+    if len(parts) < 2:
+        return None
+    last, parent = parts[-1], parts[-2]
+    grand = parts[-3] if len(parts) > 2 else None
+    if last in ("query", "key", "value") and parent in ("self", "attention") and grand == "attention":
+        return SiteKind.QKV
+    if last != "dense":
+        return None
+    if parent in _ATTN_PARENTS:
+        return SiteKind.PROJ
+    if parent == "intermediate":
+        return SiteKind.FC1
+    if parent == "output" and grand == "attention":
+        return SiteKind.PROJ
+    if parent == "output" and grand is not None and grand.isdigit():
+        return SiteKind.FC2
+    return None
 
 
 # -- what one site resolves to ----------------------------------------------------------------------------
