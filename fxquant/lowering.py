@@ -192,10 +192,14 @@ class LowerQuantize(CustomGraphPass):
         if self.inner is not None:
             self.inner(graph)
         traced: dict[tuple, torch.fx.GraphModule] = {}
+        expanded = False
         for node in list(graph.nodes):
             if (node.op == "call_function" and node.target is torch.ops.fxquant.quantize.default
                     and lowers_exactly(node.args[1], node.args[0].meta["val"].device.type)):
                 _expand(graph, node, traced)
+                expanded = True
+        if expanded:
+            _merge_duplicates(graph)
 
     def uuid(self) -> object:
         from fxquant.passes.cache_key import sources_hash
@@ -204,6 +208,42 @@ class LowerQuantize(CustomGraphPass):
             return f"fxquant.LowerQuantize:{sources_hash()}"
         inner = self.inner.uuid() if isinstance(self.inner, CustomGraphPass) else None
         return None if inner is None else f"fxquant.LowerQuantize:{sources_hash()}:{inner!r}"
+
+
+def _frozen(value: object) -> object:
+    """A hashable stand-in for a node argument (nodes, numbers, dtypes as they are; containers as tuples)."""
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, *(_frozen(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", *((k, _frozen(v)) for k, v in sorted(value.items())))
+    if isinstance(value, slice):
+        return ("slice", _frozen(value.start), _frozen(value.stop), _frozen(value.step))
+    try:
+        hash(value)
+    except TypeError:
+        return ("repr", type(value).__name__, repr(value))
+    return (type(value).__name__, value)
+
+
+def _merge_duplicates(graph: torch.fx.Graph) -> None:
+    """Common-subexpression elimination of the graph's deterministic, functional ATen calls after the quantizes were
+    expanded. AOT autograd's CSE ran before, on one node per quantize, so two quantizes of one tensor (two formats,
+    or one format blocked alike for two GEMMs) arrive as two copies of the same block-amax reduction; Inductor's
+    C++ code generation fuses such twins of a bf16/fp16 reduction along a non-last dim into one kernel that
+    declares the converted accumulator twice and does not compile. Merged, the reduction also runs once. Random
+    ops (``nondeterministic_seeded``) and mutating ones are left alone."""
+    seen: dict[tuple, torch.fx.Node] = {}
+    for node in list(graph.nodes):
+        target = node.target
+        if (node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable
+                or torch.Tag.nondeterministic_seeded in target.tags):
+            continue
+        key = (target, _frozen(node.args), _frozen(node.kwargs))
+        if key in seen:
+            node.replace_all_uses_with(seen[key])
+            graph.erase_node(node)
+        else:
+            seen[key] = node
 
 
 def _expand(graph: torch.fx.Graph, node: torch.fx.Node, traced: dict) -> None:

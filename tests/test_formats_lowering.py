@@ -106,6 +106,19 @@ def test_defaults_and_sr_in_half_precision_inputs(dtype):
         _check(DEFAULT_SPECS, fn(data), data)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_several_block_formats_of_one_half_precision_tensor_along_a_non_last_dim(dtype):
+    """Two MX quantizes of one bf16/fp16 tensor blocked along dim 0 (a weight's two formats, an input's wgrad for two
+    linears) expand to twin block-amax reductions; merged after the expansion (Inductor's C++ code generation
+    fused the twins into a kernel declaring their accumulator twice, which did not compile)."""
+    specs = [TensorQuant("mxfp8_e4m3").spec(), TensorQuant("mxfp4_e2m1").spec(),
+             TensorQuant("mxfp8_e4m3", scale_mode="rceil").spec()]
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(64, 100, generator=g) * torch.pow(2.0, torch.empty(64, 100).uniform_(-6, 6, generator=g))).to(dtype)
+    torch._dynamo.reset()
+    _check(specs, _lowered(specs, dim=0)(x), x, dim=0)
+
+
 @pytest.mark.parametrize("dim", [0, 1])
 def test_other_dims_with_partial_blocks(dim):
     """Blocks along a non-last dim of a 3-D tensor, its length (37) not a multiple of the block."""
