@@ -31,7 +31,7 @@ sections:
     points: [{component: linear, roles: [input, grad_output, weight]}]
   - name: fc2_input
     layers: {kinds: [fc2], indices: [1]}
-    points: [{component: linear, roles: [input]}]
+    points: [{component: linear, roles: [input], copies: [hp, quantized]}]
 """
 
 
@@ -185,16 +185,20 @@ def test_tp2_and_pp2_match_one_process(tmp_path):
         records[tag] = cs
         assert {(r.layer, r.kind, r.role) for r in cs} == {
             (1, "fc1", "input"), (1, "fc1", "grad_output"), (1, "fc1", "weight"), (1, "fc2", "input")}, tag
+        assert {r.gemm for r in cs.query(kind="fc2", copy="quantized")} == {"fprop", "wgrad"}, tag
     # shard_dim under TP = 2 only: column-parallel fc1 splits its weight's rows and its output (so its output
     # gradient) along the last dim, its input is whole; row-parallel fc2 splits its input along the last dim
     for tag in ("tp1pp1", "tp1pp2"):
         assert {r.fields["shard_dim"] for r in records[tag]} == {None}, tag
     tp2 = records["tp2pp1"]
-    assert {(r.kind, r.role, r.fields["shard_dim"]) for r in tp2} == {
-        ("fc1", "input", None), ("fc1", "grad_output", 2), ("fc1", "weight", 0), ("fc2", "input", 2)}
-    shards = sorted(tp2.query(kind="fc2", role="input"), key=lambda r: r.tp_rank)
+    assert {(r.kind, r.role, r.copy, r.fields["shard_dim"]) for r in tp2} == {
+        ("fc1", "input", "hp", None), ("fc1", "grad_output", "hp", 2), ("fc1", "weight", "hp", 0),
+        ("fc2", "input", "hp", 2), ("fc2", "input", "quantized", 1)}  # a quantized copy is the GEMM's 2-D view
+    assert all(len(r.shape) == 2 for r in tp2.query(kind="fc2", copy="quantized"))
+    shards = sorted(tp2.query(kind="fc2", role="input", copy="hp"), key=lambda r: r.tp_rank)
     whole = torch.cat([tp2.load(r) for r in shards], dim=shards[0].fields["shard_dim"])
-    torch.testing.assert_close(whole, records["tp1pp1"].load(records["tp1pp1"].query(kind="fc2", role="input")[0]),
+    torch.testing.assert_close(whole, records["tp1pp1"].load(records["tp1pp1"].query(kind="fc2", role="input",
+                                                                                      copy="hp")[0]),
                                rtol=1e-5, atol=1e-6)
     (pp_rec,) = records["tp1pp2"].query(role="input", kind="fc1")
     (ref_rec,) = records["tp1pp1"].query(role="input", kind="fc1")

@@ -200,7 +200,8 @@ class CaptureSession:
             with _shared_copies() as shared:  # one private copy of x (and of reference) for every work of this call
                 tp = self.config.rank.tp_size
                 for work, taps in plan:
-                    if not self._emit(work, [(_tap_fields(tap, x.dim(), tp), section) for tap, section in taps], x,
+                    ndim = len(work.shape(x))  # the recorded shape's (a re-quantized copy's: the GEMM's 2-D view)
+                    if not self._emit(work, [(_tap_fields(tap, ndim, tp), section) for tap, section in taps], x,
                                       reference, shared):
                         return
         except Exception as exc:  # noqa: BLE001 - the op's own tensor work: stops capture per on_error, as the writer's
