@@ -387,6 +387,11 @@ def test_nvfp4_block_2d_on_activations_is_refused_naming_the_site():
     torch._dynamo.reset()
     flat = fxquant.compile(torch.nn.Sequential(torch.nn.Linear(32, 32)), tiled, backend="aot_eager")
     flat(torch.randn(16, 32)).sum().backward()
+    backward = Scheme.from_yaml_text("rules:\n  - linear: {format: nvfp4, dgrad: {block_2d: true}, wgrad: {block_2d: "
+                                     "true}}\n")  # dgrad and wgrad take 2-D views of a 3-D input's operands
+    torch._dynamo.reset()
+    fxquant.compile(torch.nn.Sequential(torch.nn.Linear(32, 32)), backward, backend="aot_eager")(
+        torch.randn(2, 4, 32)).sum().backward()
     attention = Scheme.from_yaml_text("rules:\n  - attention: {format: nvfp4, block_2d: true}\n")
     q = torch.randn(1, 2, 16, 16)
     with pytest.raises(Exception, match=r"site '<root>' \(attention\): operands qk.forward.a, .* have block_2d"):

@@ -72,22 +72,20 @@ def _static_len(value: object, dim: int) -> int | None:
 
 
 def check_blockable_linear(m: Match, lq: LinearQuant) -> None:
-    """Raise ValueError when a block format of ``lq`` would block the weight's K or N of length 0, or an activation
-    operand of more than two dims would take NVFP4's 2-D tiles (``block_2d``)."""
+    """Raise ValueError when a block format of ``lq`` would block the weight's K or N of length 0, or fprop's input of
+    more than two dims would take NVFP4's 2-D tiles (``block_2d``)."""
     weight = _weight_node(m)
     w = example_value(weight)
     lengths = {"K": _static_len(w, 1), "N": _static_len(w, 0)}
     operands = (("fprop", "x", lq.fprop.a, "K"), ("fprop", "w", lq.fprop.b, "K"), ("dgrad", "dy", lq.dgrad.a, "N"),
                 ("dgrad", "w", lq.dgrad.b, "N"))
-    x = example_value(m.node.args[0]) if m.op is OpKind.LINEAR and m.node.args else None
-    activations = (("fprop", "x", lq.fprop.a), ("dgrad", "dy", lq.dgrad.a), ("wgrad", "dy", lq.wgrad.a),
-                   ("wgrad", "x", lq.wgrad.b))
-    for gemm, operand, tq in activations:  # dy has x's rank
-        if tq is not None and tq.options.block_2d and isinstance(x, torch.Tensor) and x.dim() != 2:
-            raise ValueError(
-                f"site {m.site.module_path!r}: {gemm} operand {operand} is {x.dim()}-D (input shape {tuple(x.shape)}), "
-                f"and its format {tq.spec()!r} has block_2d, which takes 2-D tensors (16x16 tiles of a weight): set "
-                f"block_2d on the weight operands only (fprop.w, dgrad.w)")
+    # fprop quantizes x as given; dgrad's and wgrad's activation operands are the 2-D [M, K] / [M, N] views
+    x, tq = (example_value(m.node.args[0]) if m.op is OpKind.LINEAR and m.node.args else None), lq.fprop.a
+    if tq is not None and tq.options.block_2d and isinstance(x, torch.Tensor) and x.dim() != 2:
+        raise ValueError(
+            f"site {m.site.module_path!r}: fprop operand x is {x.dim()}-D (input shape {tuple(x.shape)}), and its "
+            f"format {tq.spec()!r} has block_2d, which takes 2-D tensors (16x16 tiles of a weight): set block_2d on "
+            f"the weight operands (fprop.w, dgrad.w) or the backward GEMMs' operands, which are 2-D views")
     for gemm, operand, tq, axis in operands:
         if tq is not None and tq.fmt.block_size is not None and lengths[axis] == 0:
             raise ValueError(
