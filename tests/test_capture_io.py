@@ -159,7 +159,7 @@ def test_any_writer_failure_is_reported_counted_and_never_hangs(tmp_path, monkey
     problems = cs.verify()  # the set is consistent, and verify says that it is incomplete
     assert cs.committed and len(cs) == 1 and len(problems) == 1
     assert "ended on an error" in problems[0] and "injected writer failure" in problems[0]
-    assert f"{summary['dropped']} record(s) not written" in problems[0]
+    assert f"({summary['dropped']} queued record(s) not written" in problems[0]
 
 
 def test_one_tensor_for_several_works_survives_a_writer_that_is_done_with_the_first(tmp_path, monkeypatch):
@@ -697,7 +697,7 @@ def test_a_failing_capture_keeps_what_was_prepared_before_it(tmp_path):
     assert "no_such_format" in s.summary["error"]
     cs = capture.open(tmp_path)
     assert len(cs) == 4 and all(torch.equal(cs.load(r), x) for r, x in zip(cs, sent))
-    assert [p.split(":")[0] for p in cs.verify()] == ["rank-00000"]  # only: ended on an error, 1 record not written
+    assert [p.split(":")[0] for p in cs.verify()] == ["rank-00000"]  # only: ended on an error, 1 queued record lost
 
 
 @pytest.mark.parametrize("what", ["full", "both"])
@@ -793,3 +793,36 @@ def test_a_failing_capture_after_the_files_budget_is_still_reported(tmp_path, po
         s.close()
     assert s.summary["clean"] is False and "no_such_format" in s.summary["error"]
     assert s.summary["records"] == 1
+
+
+def test_verify_reports_a_failure_of_the_ops_own_work_and_keeps_earlier_sessions_errors(tmp_path, monkeypatch):
+    """A failure of the capture call's own tensor work (sampling; on CUDA the queued re-quantization) stops capture
+    like a writer failure and leaves the session unclean (it committed clean); a later session appending to the
+    directory keeps the earlier session's error in its marker (it erased it)."""
+    from fxquant.capture import prepare
+
+    text = "sections: [{name: rows, points: [{component: linear, roles: [input]}], what: full, sampling: {first_rows: 2}}]"
+    spec = capture.load_spec("rows", text=text)
+    real, calls = prepare.Work.sample, []
+
+    def failing(self, x):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("simulated: out of memory")
+        return real(self, x)
+
+    monkeypatch.setattr(prepare.Work, "sample", failing)
+    with capture.start(spec, tmp_path, scheme="s") as session:
+        for i in range(3):
+            session.set_iteration(i)
+            torch.ops.fxquant.capture(torch.randn(4, 16), tap())
+    assert session.summary["clean"] is False and "simulated: out of memory" in session.summary["error"]
+    (problem,) = capture.open(tmp_path).verify()
+    assert "its capture session ended on an error" in problem and "simulated: out of memory" in problem
+    monkeypatch.setattr(prepare.Work, "sample", real)
+    with capture.start(spec, tmp_path, scheme="s") as session:
+        session.set_iteration(5)
+        torch.ops.fxquant.capture(torch.randn(4, 16), tap())
+    assert session.summary["clean"] is True and len(session.summary["earlier_errors"]) == 1
+    (problem,) = capture.open(tmp_path).verify()
+    assert "an earlier capture session in it ended on an error (1 of 1" in problem and "out of memory" in problem

@@ -354,6 +354,22 @@ def resume_point(directory: Path) -> tuple[int, int]:
     return max(shards, default=0), max(seq, top) + 1
 
 
+def session_errors(marker: Path) -> list[dict]:
+    """The sessions that ended on an error according to a ``COMMITTED`` marker: its own (``clean`` false) and the
+    earlier ones it carries (``earlier_errors``), each ``{"error", "dropped", "closed"}``; [] for an unreadable one."""
+    try:
+        committed = json.loads(Path(marker).read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(committed, dict):
+        return []
+    out = [e for e in committed.get("earlier_errors") or [] if isinstance(e, dict)]
+    if committed.get("clean") is False:
+        out.append({"error": committed.get("error") or committed.get("stop_reason"),
+                    "dropped": committed.get("dropped", 0), "closed": committed.get("closed")})
+    return out
+
+
 def count_records(path: Path) -> int:
     """The records of a manifest file (lines that parse as records; 0 for no file): what ``COMMITTED`` records as
     ``manifest_records`` at close, for ``verify`` to compare with later."""

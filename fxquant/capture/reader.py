@@ -368,9 +368,14 @@ def _commit_problems(name: str, meta: dict) -> list[str]:
     added since; markers of earlier versions hold no count), a ``seq`` on several records."""
     out = []
     committed = meta.get("committed") or {}
+    for i, e in enumerate(committed.get("earlier_errors") or []):
+        if isinstance(e, dict):
+            out.append(f"{name}: an earlier capture session in it ended on an error ({i + 1} of "
+                       f"{len(committed['earlier_errors'])}; {e.get('dropped', 0)} queued record(s) not written, "
+                       f"nothing captured after it): {e.get('error')}")
     if committed.get("clean") is False:
-        out.append(f"{name}: its capture session ended on an error, {committed.get('dropped', 0)} record(s) not "
-                   f"written: {committed.get('error') or committed.get('stop_reason')}")
+        out.append(f"{name}: its capture session ended on an error ({committed.get('dropped', 0)} queued record(s) "
+                   f"not written, nothing captured after it): {committed.get('error') or committed.get('stop_reason')}")
     counted, have = committed.get("manifest_records"), meta.get("records")
     if isinstance(counted, int) and isinstance(have, int) and counted != have:
         out.append(f"{name}/{layout.MANIFEST}: {have} record(s), {counted} when its session committed (lines "

@@ -128,8 +128,10 @@ class CaptureSession:
 
     def _open(self, spec: CaptureSpec, config: SessionConfig) -> None:
         shards_before, seq_before = layout.resume_point(self.dir)  # an earlier session's shards and keys stay
+        self._earlier_errors = []  # earlier sessions' errors in this directory, kept in this one's marker
         if (self.dir / layout.COMMITTED).exists():  # an earlier session's: this one appends, uncommitted until close
             log.info("capture: %s holds an earlier session's records; appending (uncommitted until close)", self.dir)
+            self._earlier_errors = layout.session_errors(self.dir / layout.COMMITTED)
             (self.dir / layout.COMMITTED).unlink()
             fsync_dir(self.dir)
         info = {"format_version": layout.FORMAT_VERSION, "run_id": config.run_id, "scheme": config.scheme,
@@ -149,6 +151,7 @@ class CaptureSession:
         self._first_seq = seq_before  # budget.tensors counts the records from this seq on
         self._placement = spec.placement_digest()  # what the taps of graphs compiled with this spec carry
         self.stop_reason: str | None = None
+        self._error: str | None = None  # the first failure of the op's own tensor work or the writer (``_failed``)
         self._warned: set[tuple[str, str]] = set()
         self._raised = False
         self._closed = False
@@ -381,6 +384,8 @@ class CaptureSession:
         """Capture stops; under ``on_error: abort`` (once) the session closes and the training thread gets a
         CaptureError."""
         abort = self.spec.on_error is ErrorPolicy.ABORT and not self._raised
+        if self._error is None:
+            self._error = reason
         self._stop(reason, aborting=abort)
         if abort:
             self._raised = True
@@ -407,7 +412,10 @@ class CaptureSession:
                 self._stop(st.error_reason or st.budget_reason)
             self.summary = {"run_id": self.config.run_id, "records": st.records, "shards": st.shards,
                             "bytes": st.bytes, "dropped": st.dropped, "stop_reason": self.stop_reason,
-                            "error": st.error_reason, "closed": time.time(), "clean": st.error is None}
+                            "error": st.error_reason or self._error, "closed": time.time(),
+                            "clean": st.error is None and self._error is None}
+            if self._earlier_errors:
+                self.summary["earlier_errors"] = self._earlier_errors
             try:  # every session's records in this rank's manifest, for verify to compare with later
                 self.summary["manifest_records"] = layout.count_records(self.dir / layout.MANIFEST)
             except OSError as exc:
