@@ -802,6 +802,12 @@ def test_tensor_parallel_shards_that_split_mx_blocks_are_named(caplog):
     assert splits == ["linear_fc2 fprop (its input columns): 112 per rank, not a multiple of 32",
                       "linear_fc1 dgrad: a block spans the end of the gate rows and the start of the up rows (112 of "
                       "each per rank)"]
+    # MoE experts are split by expert tensor parallelism (Megatron's default: the TP size): tiny DeepSeek's expert
+    # FFN of 32 is 16 per rank; its dense layer's 256 and its MLA projections are multiples of 32 per rank
+    assert catalog.TINY["deepseek2_lite"].tp_block_splits(2) == [
+        "experts' linear_fc2 fprop (its input columns): 16 per rank, not a multiple of 32",
+        "experts' linear_fc1 dgrad: a block spans the end of the gate rows and the start of the up rows (16 of each "
+        "per rank)"]
     with caplog.at_level(logging.WARNING, logger="experiments.launcher"):
         launcher.resolve(model="llama31-8b", dataset="mock", scheme="bf16", tp=2)
         assert caplog.records == []

@@ -188,20 +188,34 @@ class ModelConfig:
             return []
         out = []
         gated = self.activation is Activation.SWIGLU
-        ffn_rows = self.ffn_hidden_size * (2 if gated else 1)
-        attention = self.num_attention_heads * self.head_dim
-        dims = [("linear_fc1 dgrad (its output rows" + (", [gate; up] per rank)" if gated else ")"),
-                 ffn_rows // tp),
-                ("linear_fc2 fprop (its input columns)", self.ffn_hidden_size // tp)]
+        ffns = []  # (which MLP, its FFN width): the dense one, and under MoE (expert TP = TP) the experts' ones
+        if self.moe is None or self.moe.first_k_dense:
+            ffns.append(("", self.ffn_hidden_size))
+        if self.moe is not None:
+            ffns.append(("experts' ", self.moe.expert_ffn_hidden_size))
+            if self.moe.shared_expert_ffn_hidden_size:
+                ffns.append(("shared experts' ", self.moe.shared_expert_ffn_hidden_size))
+        dims = []
+        for who, ffn in ffns:
+            dims += [(f"{who}linear_fc1 dgrad (its output rows" + (", [gate; up] per rank)" if gated else ")"),
+                      ffn * (2 if gated else 1) // tp),
+                     (f"{who}linear_fc2 fprop (its input columns)", ffn // tp)]
         if self.mla is None:
+            attention = self.num_attention_heads * self.head_dim
             dims += [("linear_qkv dgrad (its output rows)", (attention + 2 * self.query_groups * self.head_dim) // tp),
                      ("linear_proj fprop (its input columns)", attention // tp)]
+        else:
+            m, heads = self.mla, self.num_attention_heads
+            dims += [("linear_q(_up)_proj dgrad (its output rows)", heads * (m.qk_head_dim + m.qk_pos_emb_head_dim) // tp),
+                     ("linear_kv_up_proj dgrad (its output rows)", heads * (m.qk_head_dim + m.v_head_dim) // tp),
+                     ("linear_proj fprop (its input columns)", heads * m.v_head_dim // tp)]
         for what, per_rank in dims:
             if per_rank % block:
                 out.append(f"{what}: {per_rank} per rank, not a multiple of {block}")
-        if gated and (self.ffn_hidden_size // tp) % block:
-            out.append(f"linear_fc1 dgrad: a block spans the end of the gate rows and the start of the up rows "
-                       f"({self.ffn_hidden_size // tp} of each per rank)")
+        for who, ffn in ffns:
+            if gated and (ffn // tp) % block:
+                out.append(f"{who}linear_fc1 dgrad: a block spans the end of the gate rows and the start of the up "
+                           f"rows ({ffn // tp} of each per rank)")
         return out
 
     def num_parameters(self) -> int:
