@@ -77,14 +77,20 @@ def quantize_traceable(x: torch.Tensor, qspec: str, dim: int, seed: int | None =
     from fxquant.ops import parse_qspec
 
     tq = parse_qspec(qspec)
-    # Under dynamic shapes Dynamo may pass the int arguments as SymInts: specialise them (a guard), since the
-    # block layout and the random stream depend on their values.
+    # Under dynamic shapes Dynamo may pass the int arguments as SymInts. The blocked dim is specialised (a guard:
+    # the block layout depends on it); a seed is not (a seed that changes every call, such as the step number,
+    # would recompile every call and fall back to eager at Dynamo's recompile limit): a SymInt seed enters the
+    # graph as a 0-dim int64 tensor, which the uniforms' hash takes as it takes an int (its low 64 bits).
     dim = int(dim)
-    seed = None if seed is None else int(seed)
     check_tensor(x, dim)
     seed_: int | torch.Tensor = 0
     if tq.options.rounding is Rounding.SR:
-        seed_ = seed if seed is not None else torch.randint(0, SEED_HIGH, (), dtype=torch.int64, device=x.device)
+        if seed is None:
+            seed_ = torch.randint(0, SEED_HIGH, (), dtype=torch.int64, device=x.device)
+        elif isinstance(seed, torch.SymInt):
+            seed_ = torch.full((), seed, dtype=torch.int64, device=x.device)
+        else:
+            seed_ = int(seed)
     return tq.fmt.quantize_traceable(x, dim, tq.options, seed_)
 
 

@@ -497,3 +497,19 @@ def test_cuda_fdiv_is_float32_division():
     for c in DIVISORS:
         assert_bitwise_equal(compiled(a.cuda(), c).cpu(), a / torch.tensor(c, dtype=torch.float32), f"by {c}:")
     assert_bitwise_equal(compiled(a.cuda(), b.cuda()).cpu(), a / b, "tensor divisor:")
+
+
+def test_a_seed_that_changes_every_call_does_not_recompile_every_call():
+    """An explicit SR seed per call (the step number) entered the graph as a guarded constant: each new seed
+    recompiled, and after Dynamo's recompile limit (8) calls ran eagerly. A changing seed is a SymInt after the
+    second compile, passed into the graph as an int64 tensor: the uniforms equal the reference's, negative too."""
+    from torch._dynamo.utils import counters
+
+    spec = TensorQuant("mxfp8_e4m3", rounding="sr").spec()
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(9))
+    torch._dynamo.reset()
+    counters.clear()
+    fn = torch.compile(lambda t, s: torch.ops.fxquant.quantize(t, spec, -1, s), backend=lowering.inductor_backend)
+    for seed in (0, 1, 2, 3, -5, 2**40 + 7):
+        assert_bitwise_equal(fn(x, seed), TensorQuant.from_spec(spec).quantize(x, -1, seed=seed), f"seed={seed}:")
+    assert counters["stats"]["unique_graphs"] <= 2
