@@ -198,14 +198,13 @@ class LowerQuantize(CustomGraphPass):
         if self.inner is not None:
             self.inner(graph)
         traced: dict[tuple, torch.fx.GraphModule] = {}
-        expanded = False
+        created: set[torch.fx.Node] = set()
         for node in list(graph.nodes):
             if (node.op == "call_function" and node.target is torch.ops.fxquant.quantize.default
                     and lowers_exactly(node.args[1], node.args[0].meta["val"].device.type)):
-                _expand(graph, node, traced)
-                expanded = True
-        if expanded:
-            _merge_duplicates(graph)
+                created |= _expand(graph, node, traced)
+        if created:
+            _merge_duplicates(graph, created)
 
     def uuid(self) -> object:
         from fxquant.passes.cache_key import sources_hash
@@ -231,18 +230,22 @@ def _frozen(value: object) -> object:
     return (type(value).__name__, value)
 
 
-def _merge_duplicates(graph: torch.fx.Graph) -> None:
-    """Common-subexpression elimination of the graph's deterministic, functional ATen calls after the quantizes were
-    expanded. AOT autograd's CSE ran before, on one node per quantize, so two quantizes of one tensor (two formats,
-    or one format blocked alike for two GEMMs) arrive as two copies of the same block-amax reduction; Inductor's
-    C++ code generation fuses such twins of a bf16/fp16 reduction along a non-last dim into one kernel that
-    declares the converted accumulator twice and does not compile. Merged, the reduction also runs once. Random
-    ops (``nondeterministic_seeded``) and mutating ones are left alone."""
+def _merge_duplicates(graph: torch.fx.Graph, created: set[torch.fx.Node]) -> None:
+    """Common-subexpression elimination among the nodes the quantizes' expansion ``created``. AOT autograd's CSE ran
+    before, on one node per quantize, so two quantizes of one tensor (two formats, or one format blocked alike for two
+    GEMMs) arrive as two copies of the same block-amax reduction; Inductor's C++ code generation fuses such twins of
+    a bf16/fp16 reduction along a non-last dim into one kernel that declares the converted accumulator twice and does
+    not compile. Merged, the reduction also runs once. Only deterministic functional calls with a tensor argument
+    merge: random ops (``nondeterministic_seeded``), mutating ones and factories (an ``empty`` buffer must stay its
+    own) are left alone, as is everything the expansion did not create."""
     seen: dict[tuple, torch.fx.Node] = {}
     for node in list(graph.nodes):
         target = node.target
-        if (node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable
-                or torch.Tag.nondeterministic_seeded in target.tags):
+        if (node not in created or node.op != "call_function" or not isinstance(target, torch._ops.OpOverload)
+                or target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags
+                or not any(isinstance(a, torch.fx.Node) for a in node.args)
+                or target.overloadpacket in (torch.ops.aten.empty, torch.ops.aten.empty_like,
+                                             torch.ops.aten.empty_strided, torch.ops.aten.new_empty)):
             continue
         key = (target, _frozen(node.args), _frozen(node.kwargs))
         if key in seen:
@@ -252,7 +255,7 @@ def _merge_duplicates(graph: torch.fx.Graph) -> None:
             seen[key] = node
 
 
-def _expand(graph: torch.fx.Graph, node: torch.fx.Node, traced: dict) -> None:
+def _expand(graph: torch.fx.Graph, node: torch.fx.Node, traced: dict) -> set[torch.fx.Node]:
     """Replace one quantize node by ``quantize_traceable``'s ops: traced once per (spec, dim, seed, input
     metadata) in the graph's fake mode, then copied, each copy's ``val`` recomputed on its own inputs."""
     from torch._inductor.pattern_matcher import fwd_only
@@ -285,6 +288,7 @@ def _expand(graph: torch.fx.Graph, node: torch.fx.Node, traced: dict) -> None:
                 env[n] = new
     node.replace_all_uses_with(result)
     graph.erase_node(node)
+    return {n for n in env.values() if n is not x}
 
 
 def inductor_config_patches() -> dict[str, object]:
