@@ -513,3 +513,27 @@ def test_a_seed_that_changes_every_call_does_not_recompile_every_call():
     for seed in (0, 1, 2, 3, -5, 2**40 + 7):
         assert_bitwise_equal(fn(x, seed), TensorQuant.from_spec(spec).quantize(x, -1, seed=seed), f"seed={seed}:")
     assert counters["stats"]["unique_graphs"] <= 2
+
+
+def test_merging_duplicates_leaves_the_graphs_own_calls_alone():
+    """The merge of the expansion's twin reductions touches nothing else: two equal results the model returns
+    separately stay two tensors, and so do the weight gradients of two linears fed the same input (a merge over
+    the whole graph returned one shared tensor for each pair)."""
+    import fxquant
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+
+        def forward(self, x):
+            h = x * 2
+            return self.a(x) + self.b(x), h.sum(0), h.sum(0)
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Model()
+    y, s1, s2 = fxquant.compile(model, "linear_mxfp8", backend="inductor")(torch.randn(8, 32))
+    assert s1.data_ptr() != s2.data_ptr() and torch.equal(s1, s2)
+    ga, gb = torch.autograd.grad(y.sum(), [model.a.weight, model.b.weight])
+    assert ga.data_ptr() != gb.data_ptr()
