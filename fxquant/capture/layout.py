@@ -42,6 +42,7 @@ from fxquant._fileio import fsync_dir, write_atomic
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.jsonl"
+ERRORS = "errors.jsonl"  # one line per capture session that ended on an error (``append_error``)
 SUPERSEDED = "superseded.jsonl"  # records of iterations a resumed run redid (``supersede_from``): not read as data
 COMMITTED = "COMMITTED"
 RUN_INFO = "run.json"
@@ -354,20 +355,20 @@ def resume_point(directory: Path) -> tuple[int, int]:
     return max(shards, default=0), max(seq, top) + 1
 
 
-def session_errors(marker: Path) -> list[dict]:
-    """The sessions that ended on an error according to a ``COMMITTED`` marker: its own (``clean`` false) and the
-    earlier ones it carries (``earlier_errors``), each ``{"error", "dropped", "closed"}``; [] for an unreadable one."""
-    try:
-        committed = json.loads(Path(marker).read_text())
-    except (OSError, ValueError):
+def append_error(directory: Path, entry: dict) -> None:
+    """Record that a capture session in the rank directory ended on an error (``ERRORS``, one JSON line each,
+    fsync'ed before the session's ``COMMITTED`` marker): it stays there through later sessions appending to the
+    directory, crashed ones included, for ``verify`` to report."""
+    append_lines(Path(directory) / ERRORS, [entry])
+
+
+def session_errors(directory: Path) -> list[dict]:
+    """The entries ``append_error`` wrote in the rank directory, in order (lines that are no record skipped)."""
+    path = Path(directory) / ERRORS
+    if not path.is_file():
         return []
-    if not isinstance(committed, dict):
-        return []
-    out = [e for e in committed.get("earlier_errors") or [] if isinstance(e, dict)]
-    if committed.get("clean") is False:
-        out.append({"error": committed.get("error") or committed.get("stop_reason"),
-                    "dropped": committed.get("dropped", 0), "closed": committed.get("closed")})
-    return out
+    records = (manifest_record(line) for line in path.read_bytes().split(b"\n") if line.strip())
+    return [r for r in records if isinstance(r, dict)]
 
 
 def count_records(path: Path) -> int:

@@ -15,6 +15,7 @@ import collections
 import json
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -222,7 +223,8 @@ class CaptureSet:
             self.meta[d.name] = {"run": info, "committed": committed, "torn_lines": len(skipped["torn"]),
                                  "torn_at": skipped["torn"], "bad_lines": skipped["bad"],
                                  "records": len(recs) + skipped["corrupt"],
-                                 "repeated_seqs": sorted((q, n) for q, n in seqs.items() if n > 1 and q is not None)}
+                                 "repeated_seqs": sorted((q, n) for q, n in seqs.items() if n > 1 and q is not None),
+                                 "errors": layout.session_errors(d)}
             self._records.extend(Record(r, d) for r in recs)
         self.problems = [f"{name} (all its records): {why}" for name, why in self.unreadable.items()]
         for name, m in self.meta.items():
@@ -363,17 +365,19 @@ class CaptureSet:
 
 
 def _commit_problems(name: str, meta: dict) -> list[str]:
-    """What a rank's manifest and COMMITTED marker say is missing or wrong: a session that ended on a capture error
-    (records dropped), a manifest holding another number of records than the marker counted at close (lines lost or
+    """What a rank's manifest, ``errors.jsonl`` and COMMITTED marker say is missing or wrong: every session that ended
+    on a capture error (records dropped), a manifest holding another number of records than the marker counted at close (lines lost or
     added since; markers of earlier versions hold no count), a ``seq`` on several records."""
     out = []
     committed = meta.get("committed") or {}
-    for i, e in enumerate(committed.get("earlier_errors") or []):
-        if isinstance(e, dict):
-            out.append(f"{name}: an earlier capture session in it ended on an error ({i + 1} of "
-                       f"{len(committed['earlier_errors'])}; {e.get('dropped', 0)} queued record(s) not written, "
-                       f"nothing captured after it): {e.get('error')}")
-    if committed.get("clean") is False:
+    errors = meta.get("errors") or []
+    for e in errors:  # every session of the directory that ended on an error, this one's included
+        closed = e.get("closed")
+        when = (time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(closed)) if isinstance(closed, (int, float))
+                else "at an unknown time")
+        out.append(f"{name}: a capture session (run {e.get('run_id')}, closed {when}) ended on an error "
+                   f"({e.get('dropped', 0)} queued record(s) not written, nothing captured after it): {e.get('error')}")
+    if committed.get("clean") is False and not errors:  # a set written before errors.jsonl
         out.append(f"{name}: its capture session ended on an error ({committed.get('dropped', 0)} queued record(s) "
                    f"not written, nothing captured after it): {committed.get('error') or committed.get('stop_reason')}")
     counted, have = committed.get("manifest_records"), meta.get("records")

@@ -128,10 +128,8 @@ class CaptureSession:
 
     def _open(self, spec: CaptureSpec, config: SessionConfig) -> None:
         shards_before, seq_before = layout.resume_point(self.dir)  # an earlier session's shards and keys stay
-        self._earlier_errors = []  # earlier sessions' errors in this directory, kept in this one's marker
         if (self.dir / layout.COMMITTED).exists():  # an earlier session's: this one appends, uncommitted until close
             log.info("capture: %s holds an earlier session's records; appending (uncommitted until close)", self.dir)
-            self._earlier_errors = layout.session_errors(self.dir / layout.COMMITTED)
             (self.dir / layout.COMMITTED).unlink()
             fsync_dir(self.dir)
         info = {"format_version": layout.FORMAT_VERSION, "run_id": config.run_id, "scheme": config.scheme,
@@ -414,8 +412,12 @@ class CaptureSession:
                             "bytes": st.bytes, "dropped": st.dropped, "stop_reason": self.stop_reason,
                             "error": st.error_reason or self._error, "closed": time.time(),
                             "clean": st.error is None and self._error is None}
-            if self._earlier_errors:
-                self.summary["earlier_errors"] = self._earlier_errors
+            if not self.summary["clean"]:  # kept apart from the marker, which a later appending session replaces
+                try:
+                    layout.append_error(self.dir, {"run_id": self.config.run_id, "error": self.summary["error"],
+                                                   "dropped": st.dropped, "closed": self.summary["closed"]})
+                except OSError as exc:
+                    log.error("could not record the capture error in %s: %s", self.dir / layout.ERRORS, exc)
             try:  # every session's records in this rank's manifest, for verify to compare with later
                 self.summary["manifest_records"] = layout.count_records(self.dir / layout.MANIFEST)
             except OSError as exc:
