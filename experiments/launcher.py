@@ -81,6 +81,30 @@ def resolve_scheme(scheme: str) -> tuple[str, str | None]:
     return name, path.read_text(encoding="utf-8")
 
 
+def linear_block_sizes(scheme: str, scheme_yaml: str | None) -> list[int]:
+    """The block sizes of the block formats (MX 32, NVFP4 16) the scheme's rules give linear operands, sorted;
+    [] for a scheme without one (bf16, HiF8, FP8)."""
+    import dataclasses
+
+    from fxquant import schemes
+    from fxquant.formats.tensor_quant import TensorQuant
+
+    sch = schemes.Scheme.from_yaml_text(scheme_yaml) if scheme_yaml is not None else schemes.get(scheme)
+    sizes: set[int] = set()
+
+    def walk(obj: object) -> None:
+        if isinstance(obj, TensorQuant):
+            if obj.fmt.block_size:
+                sizes.add(obj.fmt.block_size)
+        elif dataclasses.is_dataclass(obj):
+            for f in dataclasses.fields(obj):
+                walk(getattr(obj, f.name))
+
+    for rule in sch.rules:
+        walk(rule.linear)
+    return sorted(sizes)
+
+
 def run_device() -> str:
     """The device the training processes will use (they run on this machine): cuda when available."""
     import torch
@@ -136,10 +160,10 @@ def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", varia
         raise ValueError(f"--nproc {nproc} must be a positive multiple of tp*pp = {tp}*{pp} (default: {tp * pp})")
     mcfg.check_parallel(tp, pp)
     check_host_layout(mcfg, tp, 1, device or run_device())
-    if scheme != "bf16":
-        for line in mcfg.tp_block_splits(tp):
-            logger.warning("%s at --tp %d: %s; block formats quantize these operands in other blocks than one "
-                           "process does (docs/megatron.md)", mcfg.name, tp, line)
+    for block in linear_block_sizes(scheme, scheme_yaml) if tp > 1 else ():
+        for line in mcfg.tp_block_splits(tp, block):
+            logger.warning("%s at --tp %d: %s; the scheme's %d-element blocks quantize these operands in other "
+                           "blocks than one process does (docs/megatron.md)", mcfg.name, tp, line, block)
     if backend is CompileBackend.NONE and (scheme != "bf16" or capture is not None):
         raise ValueError(f"--backend none runs the model uncompiled: only --scheme bf16 without capture, got "
                          f"scheme {scheme!r}" + (" with capture" if capture is not None else "") +

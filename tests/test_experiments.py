@@ -808,8 +808,10 @@ def test_tensor_parallel_shards_that_split_mx_blocks_are_named(caplog):
         "experts' linear_fc2 fprop (its input columns): 16 per rank, not a multiple of 32",
         "experts' linear_fc1 dgrad: a block spans the end of the gate rows and the start of the up rows (16 of each "
         "per rank)"]
+    assert catalog.TINY["llama31-8b"].tp_block_splits(2, 16) == []  # 112 per rank: seven NVFP4 blocks
     with caplog.at_level(logging.WARNING, logger="experiments.launcher"):
-        launcher.resolve(model="llama31-8b", dataset="mock", scheme="bf16", tp=2)
+        for scheme in ("bf16", "FA_linear_hifp8", "linear_nvfp4"):  # no blocks, or blocks of 16 that fit
+            launcher.resolve(model="llama31-8b", dataset="mock", scheme=scheme, tp=2)
         assert caplog.records == []
         launcher.resolve(model="llama31-8b", dataset="mock", scheme="FA_linear_mxfp8", tp=2)
-    assert [r.getMessage().split(": ", 1)[1].split("; block")[0] for r in caplog.records] == splits
+    assert [r.getMessage().split(": ", 1)[1].split("; the scheme's 32-element")[0] for r in caplog.records] == splits
