@@ -93,3 +93,22 @@ def test_megatron_local_attention_counts_match(single_process):
         megatron_step_again(compiled)
     assert (count.expected_forward, count.expected_backward) == (2 * 4, 2 * 8)  # QK and PV: 4 fwd, 8 bwd per layer
     assert count.ok
+
+
+def test_megatron_linears_refuse_block_2d_on_their_3d_activations_naming_the_site(single_process):
+    """Megatron's linears quantize their [S, B, H] input (fprop) and its gradient (dgrad) as they come: NVFP4's 2-D
+    tiles there are refused at compile time naming the site (the first call failed with the format's message); on
+    the weights they run."""
+    from fxquant.schemes import Scheme
+
+    for yaml, names in (("{format: nvfp4, block_2d: true}", "fprop.x and dgrad.dy have"),
+                        ("{format: nvfp4, dgrad: {block_2d: true}}", "dgrad.dy has")):
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=rf"site 'decoder.layers.0.self_attention.linear_qkv' \(a Megatron "
+                                            rf"linear\): {names} block_2d"):
+            megatron_step("sdpa", Scheme.from_yaml_text(f"rules:\n  - linear: {yaml}\n"), "aot_eager")
+    torch._dynamo.reset()
+    weights = Scheme.from_yaml_text("rules:\n  - linear: {format: nvfp4, fprop: {w: {block_2d: true}}, dgrad: {w: "
+                                    "{block_2d: true}}}\n")
+    loss, _, _ = megatron_step("sdpa", weights, "aot_eager")
+    assert torch.isfinite(loss)

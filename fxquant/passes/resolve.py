@@ -79,13 +79,22 @@ def check_blockable_linear(m: Match, lq: LinearQuant) -> None:
     lengths = {"K": _static_len(w, 1), "N": _static_len(w, 0)}
     operands = (("fprop", "x", lq.fprop.a, "K"), ("fprop", "w", lq.fprop.b, "K"), ("dgrad", "dy", lq.dgrad.a, "N"),
                 ("dgrad", "w", lq.dgrad.b, "N"))
-    # fprop quantizes x as given; dgrad's and wgrad's activation operands are the 2-D [M, K] / [M, N] views
+    # quantized_linear quantizes fprop's x as given and the backward's activation operands as 2-D [M, K] / [M, N]
+    # views; Megatron's linears quantize fprop's x and dgrad's dy as they come, [S, B, H]
     x, tq = (example_value(m.node.args[0]) if m.op is OpKind.LINEAR and m.node.args else None), lq.fprop.a
     if tq is not None and tq.options.block_2d and isinstance(x, torch.Tensor) and x.dim() != 2:
         raise ValueError(
             f"site {m.site.module_path!r}: fprop operand x is {x.dim()}-D (input shape {tuple(x.shape)}), and its "
             f"format {tq.spec()!r} has block_2d, which takes 2-D tensors (16x16 tiles of a weight): set block_2d on "
             f"the weight operands (fprop.w, dgrad.w) or the backward GEMMs' operands, which are 2-D views")
+    if m.op is OpKind.MEGATRON_LINEAR:
+        tiled = [name for name, t in (("fprop.x", lq.fprop.a), ("dgrad.dy", lq.dgrad.a))
+                 if t is not None and t.options.block_2d]
+        if tiled:
+            raise ValueError(
+                f"site {m.site.module_path!r} (a Megatron linear): {' and '.join(tiled)} {'have' if len(tiled) > 1 else 'has'} block_2d, which takes "
+                f"2-D tensors (16x16 tiles of a weight); Megatron's linears quantize their [S, B, H] input and its "
+                f"gradient as they come: set block_2d on the weight operands (fprop.w, dgrad.w) or wgrad's")
     for gemm, operand, tq, axis in operands:
         if tq is not None and tq.fmt.block_size is not None and lengths[axis] == 0:
             raise ValueError(
