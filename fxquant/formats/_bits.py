@@ -217,7 +217,8 @@ def _mix32(h):
 
 def seed_key(seed: int | torch.Tensor) -> int | torch.Tensor:
     """The per-call hash key derived from a seed: a Python int (any; its low 64 bits count), or a 0-dim int64
-    tensor holding a non-negative value (a seed drawn inside a compiled graph; no host sync). The low word is
+    tensor (a seed drawn inside a compiled graph, or a SymInt seed passed into one; no host sync), whose 64 bits
+    count alike, a negative one's as its two's complement. The low word is
     hashed before the high word joins it, so seeds that differ only by swapping or moving bits between the two
     words give different keys."""
     return _mix32(_mix32(seed & MASK32) ^ ((seed >> 32) & MASK32))
