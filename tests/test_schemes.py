@@ -201,6 +201,9 @@ def test_bert_vit_and_neox_names_have_their_kinds() -> None:
                        (f"{bert}.attention.output.dense", SiteKind.PROJ), (f"{bert}.intermediate.dense", SiteKind.FC1),
                        (f"{bert}.output.dense", SiteKind.FC2), ("gpt_neox.layers.1.attention.dense", SiteKind.PROJ),
                        ("transformer.h.0.self_attention.dense", SiteKind.PROJ),
+                       ("gpt_neox.layers.1.attention.query_key_value", SiteKind.QKV),
+                       ("gpt_neox.layers.1.mlp.dense_h_to_4h", SiteKind.FC1),
+                       ("gpt_neox.layers.1.mlp.dense_4h_to_h", SiteKind.FC2),
                        ("bert.pooler.dense", SiteKind.LINEAR), ("cls.predictions.transform.dense", SiteKind.LINEAR),
                        ("model.self.query", SiteKind.LINEAR)):
         assert site_kind_for(path) is kind, path

@@ -103,13 +103,14 @@ def parse_kind(kind: object) -> SiteKind:
     return parse_enum(SiteKind, kind, "kind")
 
 
-# Last path component -> kind, for Megatron-core, Hugging Face (Llama, Mistral, Qwen, GPT-2, InternLM2's wqkv,
-# MPT's Wqkv) and nanoGPT names.
+# Last path component -> kind, for Megatron-core, Hugging Face (Llama, Mistral, Qwen, GPT-2, GPT-NeoX / Falcon /
+# BLOOM, InternLM2's wqkv, MPT's Wqkv) and nanoGPT names.
 _KIND_BY_NAME = {
     "linear_qkv": SiteKind.QKV, "q_proj": SiteKind.QKV, "k_proj": SiteKind.QKV, "v_proj": SiteKind.QKV,
     "qkv_proj": SiteKind.QKV, "qkv": SiteKind.QKV, "wq": SiteKind.QKV, "wk": SiteKind.QKV, "wv": SiteKind.QKV,
     "wqkv": SiteKind.QKV, "Wqkv": SiteKind.QKV,
-    "c_attn": SiteKind.QKV, "linear_q": SiteKind.QKV, "linear_kv": SiteKind.QKV,
+    "c_attn": SiteKind.QKV, "linear_q": SiteKind.QKV, "linear_kv": SiteKind.QKV, "query_key_value": SiteKind.QKV,
+    "dense_h_to_4h": SiteKind.FC1, "dense_4h_to_h": SiteKind.FC2,  # GPT-NeoX, Falcon, BLOOM
     "linear_q_proj": SiteKind.QKV, "linear_kv_down_proj": SiteKind.QKV, "linear_kv_up_proj": SiteKind.QKV,
     "linear_q_down_proj": SiteKind.QKV, "linear_q_up_proj": SiteKind.QKV,
     "linear_proj": SiteKind.PROJ, "o_proj": SiteKind.PROJ, "out_proj": SiteKind.PROJ, "wo": SiteKind.PROJ,
