@@ -21,7 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     ls.add_argument("--where", action="append", default=[], metavar="FIELD=VALUE", help=f"keep {WHERE_HELP}")
     ls.add_argument("--json", action="store_true", help="print the selected records as JSON lines instead of tables")
     ls.set_defaults(func=run_ls)
-    v = verbs.add_parser("verify", help="check every checksum; report partial, missing or unreferenced shards")
+    v = verbs.add_parser("verify", help="check every tensor's checksum, dtype and shape and every manifest line's crc; "
+                         "report partial, missing or unreferenced shards, lost or repeated records, and sessions "
+                         "that ended on an error (docs/capture.md)")
     v.add_argument("dir", help="a capture directory")
     v.set_defaults(func=run_verify)
     e = verbs.add_parser("export-pt", help="write the predecessor's .pt files (torch.load(weights_only=True))")
