@@ -364,7 +364,12 @@ def append_error(directory: Path, entry: dict) -> None:
 
 def session_errors(directory: Path) -> list[dict]:
     """The entries ``append_error`` wrote in the rank directory, in order (lines that are no record skipped)."""
-    path = Path(directory) / ERRORS
+    return _json_lines(Path(directory) / ERRORS)
+
+
+def _json_lines(path: Path) -> list[dict]:
+    """The records of an append-only JSON-lines file of the rank directory (torn or non-record lines skipped; []
+    for no file)."""
     if not path.is_file():
         return []
     records = (manifest_record(line) for line in path.read_bytes().split(b"\n") if line.strip())
@@ -410,11 +415,7 @@ def _int(value: object, default: int) -> int:
 
 def superseded_records(directory: Path) -> list[dict]:
     """The records ``supersede_from`` moved out of the rank directory's manifest (torn or non-record lines skipped)."""
-    path = Path(directory) / SUPERSEDED
-    if not path.is_file():
-        return []
-    records = (manifest_record(line) for line in path.read_bytes().split(b"\n") if line.strip())
-    return [r for r in records if isinstance(r, dict)]
+    return _json_lines(Path(directory) / SUPERSEDED)
 
 
 def _recount(directory: Path) -> None:
