@@ -84,25 +84,13 @@ def resolve_scheme(scheme: str) -> tuple[str, str | None]:
 def linear_block_sizes(scheme: str, scheme_yaml: str | None) -> list[int]:
     """The block sizes of the block formats (MX 32, NVFP4 16) the scheme's rules give linear operands, sorted;
     [] for a scheme without one (bf16, HiF8, FP8)."""
-    import dataclasses
-
     from fxquant import schemes
-    from fxquant.formats.tensor_quant import TensorQuant
+    from fxquant.schemes.model import linear_operands
 
     sch = schemes.Scheme.from_yaml_text(scheme_yaml) if scheme_yaml is not None else schemes.get(scheme)
-    sizes: set[int] = set()
-
-    def walk(obj: object) -> None:
-        if isinstance(obj, TensorQuant):
-            if obj.fmt.block_size:
-                sizes.add(obj.fmt.block_size)
-        elif dataclasses.is_dataclass(obj):
-            for f in dataclasses.fields(obj):
-                walk(getattr(obj, f.name))
-
-    for rule in sch.rules:
-        walk(rule.linear)
-    return sorted(sizes)
+    return sorted({tq.fmt.block_size for rule in sch.rules if rule.linear is not None
+                   for ops in linear_operands(rule.linear).values() for tq in ops.values()
+                   if tq is not None and tq.fmt.block_size})
 
 
 def run_device() -> str:

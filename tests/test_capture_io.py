@@ -819,7 +819,7 @@ def test_verify_reports_a_failure_of_the_ops_own_work_and_keeps_earlier_sessions
             torch.ops.fxquant.capture(torch.randn(4, 16), tap())
     assert session.summary["clean"] is False and "simulated: out of memory" in session.summary["error"]
     (problem,) = capture.open(tmp_path).verify()
-    assert "a capture session (run" in problem and "ended on an error" in problem and "out of memory" in problem
+    assert "the capture of run" in problem and "ended on an error" in problem and "out of memory" in problem
     monkeypatch.setattr(prepare.Work, "sample", real)
     code = ("import os, sys, torch\nfrom fxquant import capture\nfrom tests.capture_helpers import tap\n"
             f"s = capture.start(capture.load_spec('rows', text={text!r}), sys.argv[1], scheme='s')\n"

@@ -394,5 +394,5 @@ def test_nvfp4_block_2d_on_activations_is_refused_naming_the_site():
         torch.randn(2, 4, 32)).sum().backward()
     attention = Scheme.from_yaml_text("rules:\n  - attention: {format: nvfp4, block_2d: true}\n")
     q = torch.randn(1, 2, 16, 16)
-    with pytest.raises(Exception, match=r"site '<root>' \(attention\): operands qk.forward.a, .* have block_2d"):
+    with pytest.raises(Exception, match=r"site '<root>' \(attention\): operands qk.q, qk.k, .* have block_2d"):
         fxquant.compile(Attention(), attention, backend="aot_eager")(q, q, q)

@@ -379,10 +379,7 @@ def _json_lines(path: Path) -> list[dict]:
 def count_records(path: Path) -> int:
     """The records of a manifest file (lines that parse as records; 0 for no file): what ``COMMITTED`` records as
     ``manifest_records`` at close, for ``verify`` to compare with later."""
-    path = Path(path)
-    if not path.is_file():
-        return 0
-    return sum(isinstance(manifest_record(line), dict) for line in path.read_bytes().split(b"\n") if line.strip())
+    return len(_json_lines(Path(path)))
 
 
 def mend_tail(path: Path) -> bytes:

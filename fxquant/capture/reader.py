@@ -375,7 +375,7 @@ def _commit_problems(name: str, meta: dict) -> list[str]:
         closed = e.get("closed")
         when = (time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(closed)) if isinstance(closed, (int, float))
                 else "at an unknown time")
-        out.append(f"{name}: a capture session (run {e.get('run_id')}, closed {when}) ended on an error "
+        out.append(f"{name}: the capture of run {e.get('run_id')} that closed {when} ended on an error "
                    f"({e.get('dropped', 0)} queued record(s) not written, nothing captured after it): {e.get('error')}")
     if committed.get("clean") is False and not errors:  # a set written before errors.jsonl
         out.append(f"{name}: its capture session ended on an error ({committed.get('dropped', 0)} queued record(s) "

@@ -9,15 +9,12 @@ naming the site, its source line and the dtypes allowed, raised before the graph
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import fx
 
 from fxquant.formats.base import SUPPORTED_DTYPES
-from fxquant.formats.tensor_quant import TensorQuant
 from fxquant.passes.sites import META_KEY, FoundSites, Match, OpKind, SiteMeta, Status, example_value, stack_line
-from fxquant.schemes.model import LinearQuant
+from fxquant.schemes.model import AttentionQuant, LinearQuant, attention_operands
 from fxquant.schemes.scheme import Scheme
 
 
@@ -29,24 +26,23 @@ def resolve_sites(found: FoundSites, scheme: Scheme) -> list[SiteMeta]:
             check_operand_dtypes(m)
         if isinstance(config, LinearQuant):
             check_blockable_linear(m, config)
-        elif config is not None and _tiled(config):
-            raise ValueError(
-                f"site {m.site.module_path or '<root>'!r} (attention): operands {', '.join(_tiled(config))} have block_2d, which "
-                "takes 2-D tensors (16x16 tiles of a weight); attention's operands have three or four dims")
+        elif isinstance(config, AttentionQuant):
+            check_untiled_attention(m, config)
         meta = SiteMeta(m.site, m.op, m.node.name, config, Status.HIGH_PRECISION, stack_line=stack_line(m.node))
         m.node.meta[META_KEY] = meta
         metas.append(meta)
     return metas
 
 
-def _tiled(config: object, path: str = "") -> list[str]:
-    """Dotted paths of the operands of a resolved config whose format has ``block_2d``."""
-    if isinstance(config, TensorQuant):
-        return [path] if config.options.block_2d else []
-    if not dataclasses.is_dataclass(config):
-        return []
-    return [p for f in dataclasses.fields(config)
-            for p in _tiled(getattr(config, f.name), f"{path}.{f.name}" if path else f.name)]
+def check_untiled_attention(m: Match, aq: AttentionQuant) -> None:
+    """Raise ValueError when an operand of ``aq`` has NVFP4's 2-D tiles (``block_2d``): attention's operands have three
+    or four dims."""
+    tiled = [f"{gemm}.{name}" for gemm, ops in attention_operands(aq).items() for name, tq in ops.items()
+             if tq is not None and tq.options.block_2d]
+    if tiled:
+        raise ValueError(
+            f"site {m.site.module_path or '<root>'!r} (attention): operands {', '.join(tiled)} have block_2d, which "
+            "takes 2-D tensors (16x16 tiles of a weight); attention's operands have three or four dims")
 
 
 def check_operand_dtypes(m: Match) -> None:

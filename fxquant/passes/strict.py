@@ -163,7 +163,7 @@ def selected(scheme: Scheme, site: Site) -> bool:
 
 
 def coverage(expected: list[Site], scheme: Scheme, seen: list[SiteMeta], graph_breaks: list[str],
-             traced: frozenset[str] | set[str] = frozenset()) -> list[str]:
+             traced: frozenset[str]) -> list[str]:
     """Selected modules of the model that no compiled graph rewrote nor refused (a refused site, status
     ``failed``, was reported with its reason when its graph compiled): one whose code a graph traced (``traced``:
     the module paths of the compiled graphs' nodes) holds an op that was not recognised; one no graph traced ran
