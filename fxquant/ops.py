@@ -4,7 +4,8 @@
     Fake-quantize ``x`` along ``dim`` per ``qspec`` (a ``TensorQuant.spec()`` string). The default
     implementation is the pure-torch reference (any device); ``fxquant.kernels`` registers the Triton
     implementation for CUDA when Triton is importable. ``seed=None`` with stochastic rounding draws a
-    seed from torch's default generator when the op runs (not when it is traced). Its autograd is the
+    seed from torch's default generator when the op runs (not when it is traced); the schema's int is an int64
+    (``quantize_tensor`` passes a larger seed as the int64 of its low 64 bits). Its autograd is the
     straight-through estimator: the gradient passes unchanged. The output is always contiguous.
 ``fxquant::quantize_reference(...)``
     The same, always with the reference (any device, Triton registered or not). Compiled graphs reach it
@@ -56,9 +57,13 @@ quantize_reference.register_fake(_quantize_fake)
 
 
 def quantize_tensor(x: torch.Tensor, tq: TensorQuant | None, dim: int = -1, seed: int | None = None) -> torch.Tensor:
-    """Quantize through the custom op (dispatching to Triton on CUDA); ``tq=None`` returns ``x``."""
+    """Quantize through the custom op (dispatching to Triton on CUDA); ``tq=None`` returns ``x``. ``seed`` is any
+    int, as ``TensorQuant.quantize`` takes it (its low 64 bits count): passed to the op, whose schema holds an
+    int64, as the signed int64 of the same 64 bits."""
     if tq is None:
         return x
+    if seed is not None and not -(1 << 63) <= seed < (1 << 63):
+        seed = ((seed + (1 << 63)) & ((1 << 64) - 1)) - (1 << 63)
     return torch.ops.fxquant.quantize(x, tq.spec(), dim, seed)
 
 

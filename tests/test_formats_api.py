@@ -224,6 +224,21 @@ def test_quantize_op_matches_reference_and_passes_opcheck():
         torch.library.opcheck(torch.ops.fxquant.quantize.default, (x.t(), spec, 0, 3))
 
 
+@pytest.mark.parametrize("seed", [2**63, 2**64 - 1, 2**64 + 5, 3 * 2**70 + 11, -(2**63) - 1])
+def test_quantize_op_takes_every_seed_the_reference_takes(seed: int) -> None:
+    """A seed outside int64 (the op schema's int) gives the reference's bits: the same low 64 bits, passed as
+    the signed int64 (the dispatcher refused it); equal to the in-range seed of those bits."""
+    from fxquant import ops
+
+    x = torch.randn(5, 70)
+    tq = TensorQuant.from_spec("mxfp8_e4m3:rounding=sr")
+    want = tq.quantize(x, 1, seed=seed)
+    assert_bitwise_equal(ops.quantize_tensor(x, tq, 1, seed), want)
+    low = seed & (2**64 - 1)
+    assert_bitwise_equal(ops.quantize_tensor(x, tq, 1, low - 2**64 if low >= 2**63 else low), want)
+    assert not torch.equal(want, tq.quantize(x, 1, seed=seed + 1))
+
+
 def test_cli_formats_table(capsys):
     assert cli_main(["formats"]) == 0
     out = capsys.readouterr().out

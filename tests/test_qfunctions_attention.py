@@ -319,3 +319,38 @@ def test_compiled_equals_eager_bitwise(backend: str) -> None:
     compiled = grads(torch.compile(block, backend=backend, fullgraph=True))
     for i, (a, b) in enumerate(zip(eager, compiled)):
         assert torch.equal(a, b), (backend, i, (a - b).abs().max())
+
+
+@pytest.mark.parametrize("mask, error", [
+    (torch.ones(4, dtype=torch.bool), ValueError),  # 1-D: torch needs [.., Lq, Lk]
+    (torch.zeros(4), ValueError),
+    (torch.ones(4, 4, dtype=torch.int64), TypeError),  # neither bool, float32 nor the query's dtype
+    (torch.ones(4, 4, dtype=torch.uint8), TypeError),
+    (torch.zeros(4, 4, dtype=torch.float16), TypeError),
+    (torch.zeros(4, 4, dtype=torch.float64), TypeError),
+])
+def test_a_mask_torch_refuses_by_rank_or_dtype_is_refused(mask: torch.Tensor, error: type) -> None:
+    """As torch's SDPA: a mask needs [.., Lq, Lk] and is bool, float32 or the query's dtype (an int64 mask of
+    ones was added as +1 to every score, a 1-D one broadcast over the queries)."""
+    q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
+    with pytest.raises((RuntimeError, IndexError)):
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    with pytest.raises(error, match="attn_mask"):
+        quantized_sdpa(q, k, v, attn_mask=mask, aq=AttentionQuant())
+
+
+def test_a_float32_mask_of_bf16_inputs_is_taken_as_torch_does() -> None:
+    q, k, v = (torch.randn(1, 2, 4, 8).to(torch.bfloat16) for _ in range(3))
+    mask = torch.randn(4, 4)
+    torch.testing.assert_close(quantized_sdpa(q, k, v, attn_mask=mask, aq=AttentionQuant()),
+                               F.scaled_dot_product_attention(q, k, v, attn_mask=mask), rtol=0.02, atol=0.02)
+
+
+def test_dropout_of_one_drops_every_weight_as_torch() -> None:
+    """dropout_p = 1 (torch takes it): output and gradients zero, not NaN (keep / 0) nor refused."""
+    qt, kt, vt, do = inputs()
+    for fn, kw in ((quantized_sdpa, {"aq": AttentionQuant()}), (quantized_sdpa, {"aq": schemes.get(
+            "FA_mxfp8").attention_for(ATT_SITE)}), (F.scaled_dot_product_attention, {})):
+        o, dq, dk, dv = run(fn, qt, kt, vt, do, dropout_p=1.0, enable_gqa=True, **kw)
+        for t in (o, dq, dk, dv):
+            assert torch.equal(t, torch.zeros_like(t)), fn

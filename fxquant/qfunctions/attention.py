@@ -16,7 +16,8 @@ The reference, step by step (q [.., Hq, Lq, d], k [.., Hk, Lk, d], v [.., Hk, Lk
     P = softmax(S') in float32, rows that are masked everywhere give 0 (as ``aten._safe_softmax``), cast back
         to the input dtype
     dropout: keep = torch.empty_like(P).bernoulli_(1 - dropout_p) drawn once in the forward from torch's
-        default generator; P = P * keep / (1 - dropout_p); autograd reuses the same mask in the backward
+        default generator; P = P * keep / (1 - dropout_p) (dropout_p = 1: P * 0, as torch's dropout); autograd
+        reuses the same mask in the backward
     O = quantized_matmul(P, v, aq.pv)
 
 Scores and softmax are float32 whatever the input dtype (stable: torch subtracts the row max), so bf16 and fp16
@@ -55,10 +56,16 @@ def _check(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa, aq) -> None:
         raise ValueError(f"quantized_sdpa: query and key need the same last dim, got {q.shape[-1]} and {k.shape[-1]}")
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(f"quantized_sdpa: key and value need the same length, got {k.shape[-2]} and {v.shape[-2]}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"quantized_sdpa: dropout_p={dropout_p!r} must lie in [0, 1)")
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"quantized_sdpa: dropout_p={dropout_p!r} must lie in [0, 1]")
     lead = _check_broadcast(q, k, v, enable_gqa)
     if isinstance(attn_mask, torch.Tensor):  # as torch, the mask broadcasts to the scores, never the other way
+        if attn_mask.dtype not in (torch.bool, torch.float32, q.dtype):  # torch's SDPA refuses the others
+            raise TypeError(f"quantized_sdpa: attn_mask must be bool, float32 or the query's dtype ({q.dtype}), got "
+                            f"{attn_mask.dtype} (F.scaled_dot_product_attention refuses it too)")
+        if attn_mask.dim() < 2:
+            raise ValueError(f"quantized_sdpa: attn_mask needs at least 2 dims [.., Lq, Lk], got shape "
+                             f"{tuple(attn_mask.shape)} (F.scaled_dot_product_attention refuses it too)")
         scores = torch.Size((*lead, q.shape[-2], k.shape[-2]))
         try:
             fits = torch.broadcast_shapes(attn_mask.shape, scores) == scores
@@ -164,7 +171,9 @@ def quantized_attention(
         causal = torch.ones(lq, lk, dtype=torch.bool, device=s.device).tril()
         s = s.masked_fill(~causal, float("-inf"))
     p = _softmax_f32(s).to(query.dtype)
-    if dropout_p > 0.0:
+    if dropout_p == 1.0:  # torch's dropout: every weight dropped, input * 0
+        p = p * 0.0
+    elif dropout_p > 0.0:
         keep = torch.empty_like(p).bernoulli_(1.0 - dropout_p)
         p = p * keep / (1.0 - dropout_p)
     return quantized_matmul(p, value, aq.pv), p
