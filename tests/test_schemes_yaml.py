@@ -109,6 +109,7 @@ def test_every_problem_reported_at_once_with_line_and_path(tmp_path: Path) -> No
         (f"{f}:10: rules[2].attention: unknown key 'pvv' (did you mean 'pv'?)",),
         (f"{f}:11: rules[3]: a rule must configure 'linear', 'attention' or both",),
         (f"{f}:14: rules[4].linear:", "rounding='ner'", "did you mean 'rne'"),
+        (f"{f}:13: rules[4].attention: kinds ['qkv'] select no attention site: this part could never apply",),
     ]
     for parts in expected:
         assert any(all(p in line for p in parts) for line in problems), (parts, text)
@@ -119,6 +120,80 @@ def test_every_problem_reported_at_once_with_line_and_path(tmp_path: Path) -> No
 def test_rule_that_can_never_apply_is_an_error() -> None:
     with pytest.raises(SchemeError, match=r"<string>:2: rules\[0\]: kinds \['qkv'\] are linear sites but the rule configures only attention"):
         Scheme.from_yaml_text("- match: {kinds: [qkv]}\n  attention: mxfp8\n".join(["rules:\n", ""]))
+
+
+def _linear(value: str) -> LinearQuant:
+    return Scheme.from_yaml_text(f"rules:\n  - linear: {value}\n").rules[0].linear
+
+
+def _attention(value: str) -> AttentionQuant:
+    return Scheme.from_yaml_text(f"rules:\n  - attention: {value}\n").rules[0].attention
+
+
+def test_a_part_of_a_rule_its_kinds_never_reach_is_an_error() -> None:
+    """kinds [qkv] with linear and attention: the attention part could never apply (it was kept silently and
+    the attention stayed in high precision); the Python API refuses the same rule."""
+    with pytest.raises(SchemeError, match=r"<string>:4: rules\[0\]\.attention: kinds \['qkv'\] select no attention "
+                                          r"site: this part could never apply"):
+        Scheme.from_yaml_text("rules:\n  - match: {kinds: [qkv]}\n    linear: mxfp8\n    attention: hifp8\n")
+    with pytest.raises(SchemeError, match=r"rules\[0\]\.linear: kinds \['attention'\] select no linear site"):
+        Scheme.from_yaml_text("rules:\n  - match: {kinds: [attention]}\n    linear: mxfp8\n    attention: hifp8\n")
+    both = Scheme.from_yaml_text("rules:\n  - match: {kinds: [qkv, attention]}\n    linear: mxfp8\n    attention: hifp8\n")
+    assert both.rules[0].linear is not None and both.rules[0].attention is not None
+    lq, aq = _linear("mxfp8"), _attention("hifp8")
+    with pytest.raises(ValueError, match="its attention part could never apply"):
+        Rule(Selector(kinds=("qkv",)), lq, aq)
+
+
+@pytest.mark.parametrize(("kwargs", "error", "needle"), [
+    ({"priority": 1.5}, TypeError, "Rule.priority must be an int"),
+    ({"priority": "high"}, TypeError, "Rule.priority must be an int"),
+    ({"priority": True}, TypeError, "Rule.priority must be an int"),
+])
+def test_the_python_api_refuses_what_the_yaml_refuses(kwargs: dict, error: type, needle: str) -> None:
+    """A Rule / Scheme / Selector the YAML could not hold is refused when built (its to_yaml() did not load, and a
+    string priority failed at the first site resolved)."""
+    lq = _linear("mxfp8")
+    with pytest.raises(error, match=needle):
+        Rule(linear=lq, **kwargs)
+    with pytest.raises(TypeError, match="Scheme.description must be a str"):
+        Scheme("s", None, (Rule(linear=lq),))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="Scheme.name must be a non-empty str"):
+        Scheme("  ", "d", (Rule(linear=lq),))
+    with pytest.raises(ValueError, match="an empty regex selects nothing"):
+        Selector(modules=" ")
+
+
+def test_merge_keys_share_settings_and_keys_beside_them_override() -> None:
+    """``<<: *anchor`` (YAML's merge key) crashed with PyYAML's ConstructorError (not a SchemeError: a traceback
+    from `fxquant schemes FILE`); its keys now count as written, and keys written beside it override them."""
+    s = Scheme.from_yaml_text(
+        "rules:\n"
+        "  - linear: &base {format: mxfp8, rounding: sr}\n"
+        "  - match: {kinds: [fc1]}\n"
+        "    linear: {<<: *base, rounding: rne}\n"
+        "  - match: {kinds: [fc2]}\n"
+        "    linear: {<<: [{scale_mode: even}, *base]}\n")
+    assert s.rules[0].linear == _linear("{format: mxfp8, rounding: sr}")
+    assert s.rules[1].linear == _linear("{format: mxfp8, rounding: rne}") == _linear("mxfp8")
+    assert s.rules[2].linear == _linear("{format: mxfp8, rounding: sr, scale_mode: even}")
+    with pytest.raises(SchemeError, match=r"<string>:3: rules\[1\]\.linear\.format: duplicate key 'format'"):
+        Scheme.from_yaml_text("rules:\n  - linear: &b {format: mxfp8}\n  - linear: {<<: *b, format: hifp8, format: fp8}\n")
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ("name: !foo bar\nrules: []\n", "<string>:1: name: unreadable value: could not determine a constructor for the tag '!foo'"),
+    ("rules:\n  - linear: !!binary xyz\n", "<string>:2: rules[0].linear: unreadable value: failed to decode base64"),
+    ("rules:\n  - linear: {<<: 5, format: mxfp8}\n", "<string>:2: rules[0].linear.<<: expected a mapping or list of mappings"),
+    ("rules:\n  - linear: !!set {a: null}\n", "<string>:2: rules[0].linear: tag 'tag:yaml.org,2002:set' is not part of a scheme"),
+    ("rules: !!omap [{a: 1}]\n", "<string>:1: rules: tag 'tag:yaml.org,2002:omap' is not part of a scheme"),
+])
+def test_yaml_beyond_plain_data_is_a_scheme_error(text: str, needle: str) -> None:
+    """Custom tags, bad !!binary, a merge key on a scalar: a SchemeError naming line and path (PyYAML's own
+    ConstructorError escaped, naming '<unicode string>'), also from `fxquant schemes FILE` (exit 2)."""
+    with pytest.raises(SchemeError) as info:
+        Scheme.from_yaml_text(text)
+    assert needle in str(info.value)
 
 
 @pytest.mark.parametrize(
@@ -299,7 +374,8 @@ def rule_st(draw) -> Rule:
     sel = draw(selector_st)
     comps = {k.component.value for k in sel.kinds}
     configured = {"linear": lin is not None, "attention": att is not None}
-    assume(not comps or any(configured[c] for c in comps))  # else Rule() rejects it: it could never apply
+    # else Rule() rejects it: it, or one of its parts, could never apply
+    assume(not comps or (any(configured[c] for c in comps) and all(c in comps for c in configured if configured[c])))
     return Rule(sel, lin, att, draw(st.integers(-2, 2)))
 
 

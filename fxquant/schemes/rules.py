@@ -111,6 +111,8 @@ class Selector:
         if self.modules is not None:
             if not isinstance(self.modules, str):
                 raise TypeError(f"Selector.modules must be a regular expression string or None, got {self.modules!r}")
+            if not self.modules.strip():
+                raise ValueError("Selector.modules: an empty regex selects nothing; leave it None to select every site")
             try:
                 re.compile(self.modules)
             except re.error as exc:
@@ -194,12 +196,18 @@ class Rule:
             raise TypeError(f"Rule.linear must be a LinearQuant or None, got {type(self.linear).__name__}")
         if self.attention is not None and not isinstance(self.attention, AttentionQuant):
             raise TypeError(f"Rule.attention must be an AttentionQuant or None, got {type(self.attention).__name__}")
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise TypeError(f"Rule.priority must be an int, got {self.priority!r}")
         kinds = self.selector.kinds
         if kinds and not any(self.configures(k.component) for k in kinds):
             raise ValueError(
                 f"a rule selecting kinds {[k.value for k in kinds]} must configure "
                 f"{' or '.join(sorted({k.component.value for k in kinds}))}: otherwise it could never apply"
             )
+        dead = unreachable_components(kinds, [c for c in Component if self.configures(c)])
+        if dead:
+            raise ValueError(f"a rule selecting kinds {[k.value for k in kinds]} selects no {' or '.join(dead)} "
+                             f"site: its {' and '.join(dead)} part could never apply")
 
     def configures(self, component: Component) -> bool:
         return (self.linear if component is Component.LINEAR else self.attention) is not None
@@ -208,6 +216,15 @@ class Rule:
         if not self.configures(site.kind.component) or not self.selector.matches(site):
             return False
         return site.kind not in EXPLICIT_ONLY_KINDS or self.selector.names_explicitly(site)
+
+
+def unreachable_components(kinds: tuple[SiteKind, ...], configured: list[Component]) -> list[str]:
+    """The configured components (``linear``, ``attention``) none of ``kinds`` belongs to, when some other
+    configured one is reachable (a rule configuring none reachable is refused as a whole); () selects all."""
+    reach = {k.component for k in kinds}
+    if not kinds or not reach & set(configured):
+        return []
+    return [c.value for c in configured if c not in reach]
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,10 @@ class Scheme:
     source: str | None = field(default=None, compare=False)  # the YAML file it was read from, if any
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
+        if not isinstance(self.name, str) or not self.name.strip():
             raise ValueError(f"Scheme.name must be a non-empty str, got {self.name!r}")
+        if not isinstance(self.description, str):
+            raise TypeError(f"Scheme.description must be a str, got {self.description!r}")
         object.__setattr__(self, "rules", tuple(self.rules))
         for i, r in enumerate(self.rules):
             if not isinstance(r, Rule):

@@ -30,6 +30,7 @@ from fxquant.schemes.model import (
     ATTENTION_GEMMS,
     LINEAR_GEMMS,
     AttentionQuant,
+    Component,
     LinearQuant,
     SiteKind,
     attention_from_operands,
@@ -37,7 +38,7 @@ from fxquant.schemes.model import (
     linear_from_operands,
     linear_operands,
 )
-from fxquant.schemes.rules import LayerSpan, Rule, Selector
+from fxquant.schemes.rules import LayerSpan, Rule, Selector, unreachable_components
 from fxquant.schemes.scheme import Scheme
 
 TOP_KEYS = ("name", "description", "rules")
@@ -64,11 +65,50 @@ class SchemeError(ValueError):
         super().__init__(f"{n} problem{'s' * (n != 1)} in scheme {source}:\n  " + "\n  ".join(problems))
 
 
+_MAP_TAG, _SEQ_TAG = "tag:yaml.org,2002:map", "tag:yaml.org,2002:seq"
+
+
 class _Parser:
     def __init__(self, source: str) -> None:
         self.source = source
         self.problems: list[str] = []
         self._constructor = SafeConstructor()
+        self._merged: dict[int, int] = {}  # id(mapping node) -> how many of its pairs came from merge keys ('<<')
+
+    def readable(self, node: yaml.Node, path: str, seen: set[int] | None = None) -> None:
+        """Report every value plain YAML data cannot hold (a custom tag, a bad ``!!binary``, a merge key whose
+        value is no mapping) and flatten merge keys (``<<: *anchor``: the anchor's keys, which keys written
+        beside it override), before the scheme is read."""
+        seen = set() if seen is None else seen
+        if id(node) in seen:  # an alias: checked where its anchor is
+            return
+        seen.add(id(node))
+        if isinstance(node, yaml.ScalarNode):
+            try:
+                self._constructor.construct_object(node, deep=True)
+            except yaml.YAMLError as exc:
+                self.error(node, path, f"unreadable value: {getattr(exc, 'problem', None) or exc}")
+            return
+        default = _MAP_TAG if isinstance(node, yaml.MappingNode) else _SEQ_TAG
+        if node.tag != default:
+            self.error(node, path, f"tag {node.tag!r} is not part of a scheme (plain mappings, lists and values)")
+            return
+        if isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                self.readable(item, f"{path}[{i}]", seen)
+            return
+        explicit = sum(k.tag != "tag:yaml.org,2002:merge" for k, _ in node.value)
+        try:
+            self._constructor.flatten_mapping(node)
+        except yaml.YAMLError as exc:
+            self.error(node, f"{path}.<<", f"{getattr(exc, 'problem', None) or exc} (a merge key takes a mapping "
+                                           f"or a list of mappings, e.g. '<<: *anchor')")
+            return
+        self._merged[id(node)] = len(node.value) - explicit
+        for k, v in node.value:
+            self.readable(k, path, seen)
+            key = k.value if isinstance(k, yaml.ScalarNode) else "?"
+            self.readable(v, f"{path}.{key}" if path != "(top)" else str(key), seen)
 
     def error(self, node: yaml.Node, path: str, msg: str) -> None:
         self.problems.append(f"{self.source}:{node.start_mark.line + 1}: {path}: {msg}")
@@ -85,14 +125,18 @@ class _Parser:
             self.error(node, path, f"expected a mapping with keys {list(allowed)}, got {self._kind(node)}")
             return None
         out: dict[str, tuple[yaml.Node, yaml.Node]] = {}
-        for k, v in node.value:
+        written: set[str] = set()
+        merged = self._merged.get(id(node), 0)  # the first pairs, from merge keys: later ones override them
+        for i, (k, v) in enumerate(node.value):
             key = self.value(k)
             if not isinstance(key, str) or key not in allowed:
                 self.error(k, path, f"unknown key {key!r}{did_you_mean(str(key), allowed)}; allowed: {', '.join(allowed)}")
-            elif key in out:
+            elif i >= merged and key in written:
                 self.error(k, f"{path}.{key}", f"duplicate key {key!r} (first at line {out[key][0].start_mark.line + 1})")
             else:
                 out[key] = (k, v)
+                if i >= merged:
+                    written.add(key)
         return out
 
     @staticmethod
@@ -169,6 +213,9 @@ class _Parser:
                     f"kinds {[k.value for k in selector.kinds]} are {'/'.join(sorted(comps))} sites but the rule "
                     f"configures only {'/'.join(sorted(given))}: it could never apply",
                 )
+            for part in unreachable_components(selector.kinds, [c for c in Component if c.value in m]):
+                self.error(m[part][0], f"{path}.{part}", f"kinds {[k.value for k in selector.kinds]} select no "
+                                                         f"{part} site: this part could never apply")
         if len(self.problems) > n_before or selector is None:
             return None
         return Rule(selector, linear, attention, priority, where=self.where(node))
@@ -358,6 +405,10 @@ def load_text(text: str, source: str = "<string>", default_name: str | None = No
         line = f"{mark.line + 1}" if mark is not None else "?"
         raise SchemeError(source, [f"{source}:{line}: invalid YAML: {getattr(exc, 'problem', None) or exc}"]) from None
     parser = _Parser(source)
+    if root is not None:
+        parser.readable(root, "(top)")
+        if parser.problems:
+            raise SchemeError(source, parser.problems)
     scheme = parser.scheme(root, default_name or Path(source).stem or "scheme")
     if parser.problems:
         raise SchemeError(source, parser.problems)
