@@ -1,16 +1,17 @@
 """Loss-curve comparison of runs against the bf16 run of the same model and dataset."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 
 def read_losses(metrics: Path, key: str = "loss") -> list[float]:
-    """The `key` values of a metrics JSONL in iteration order (records without `key` are skipped)."""
+    """The `key` values of a metrics JSONL in iteration order (records without `key`, and lines that are not JSON,
+    as the torn last line of a cell killed at its timeout, are skipped)."""
+    from fxquant.analysis.loss_curves import metric_records
+
     if not metrics.is_file():
         return []
-    records = (json.loads(line) for line in metrics.read_text().splitlines() if line.strip())
-    return [r[key] for r in records if key in r]
+    return [r[key] for r in metric_records(metrics) if key in r]
 
 
 def reference_run(record: dict, records: list[dict]) -> Path | None:

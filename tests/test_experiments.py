@@ -627,6 +627,31 @@ def test_an_interrupted_matrix_summarises_the_cells_run(tmp_path, capsys, monkey
     assert err.count("\n") == 1 and "experiments matrix: interrupted by SIGINT: its training job was stopped (log " in err
 
 
+def test_a_cell_killed_mid_line_leaves_the_sweep_going(tmp_path, capsys, monkeypatch, caplog):
+    """A cell killed at its timeout while writing a metrics line (torn last line) is summarised with the losses
+    before it, and the sweep goes on (json.loads' error aborted the matrix: exit 2, no summary, cells skipped)."""
+    import experiments.__main__ as cli
+    from experiments.launcher import Outcome
+
+    monkeypatch.delenv("CUSTOM_QUANT_TYPE", raising=False)
+
+    def supervise(launch, timeout, **kwargs):
+        run_dir = Path(launch.run.output_dir)
+        run_dir.mkdir(parents=True)
+        (run_dir / "metrics.jsonl").write_text('{"iteration": 1, "loss": 5.0}\n{"iteration": 2, "loss": 4.9}\n{"iter')
+        return Outcome("timeout", -9, 5.0, run_dir / "train.log")
+
+    monkeypatch.setattr(cli, "supervise", supervise)
+    out = tmp_path / "runs"
+    with caplog.at_level("WARNING"):
+        status = cli.main(["matrix", "--models", "llama32-1b", "--schemes", "bf16", "FA_mxfp8", "--out", str(out)])
+    assert status == 1  # cells timed out
+    runs = json.loads((out / "matrix_summary.json").read_text())["runs"]
+    assert [(r["run"], r["status"]) for r in runs] == [("llama32-1b/mock/bf16", "timeout"),
+                                                       ("llama32-1b/mock/FA_mxfp8", "timeout")]
+    assert "line(s) are not JSON and were skipped" in caplog.text
+
+
 def test_written_since_names_only_files_that_hold_something(tmp_path):
     """The console names metrics.jsonl only when it holds something (a fresh run that failed before its first
     iteration leaves it empty)."""

@@ -75,12 +75,11 @@ def _setup(cfg: dict) -> str | None:
     return f"{model['name']}/{dataset}"
 
 
-def load_run(path: str | Path, label: str | None = None) -> Run:
-    f = metrics_file(path)
-    if not f.is_file():
-        raise FileNotFoundError(f"no metrics JSONL at {f} (pass a metrics.jsonl file or a run directory)")
+def metric_records(f: Path) -> list[dict]:
+    """The JSON objects of a metrics JSON-lines file in order; lines that are not JSON (the torn last line of a
+    run killed while writing) are skipped with a warning."""
     records, bad = [], 0
-    for i, line in enumerate(f.read_text().splitlines()):
+    for line in f.read_text().splitlines():
         if not line.strip():
             continue
         try:
@@ -88,10 +87,18 @@ def load_run(path: str | Path, label: str | None = None) -> Run:
         except json.JSONDecodeError:
             bad += 1
             continue
-        if isinstance(r, dict) and "iteration" in r and "loss" in r:
+        if isinstance(r, dict):
             records.append(r)
     if bad:
         log.warning("%s: %d line(s) are not JSON and were skipped", f, bad)
+    return records
+
+
+def load_run(path: str | Path, label: str | None = None) -> Run:
+    f = metrics_file(path)
+    if not f.is_file():
+        raise FileNotFoundError(f"no metrics JSONL at {f} (pass a metrics.jsonl file or a run directory)")
+    records = [r for r in metric_records(f) if "iteration" in r and "loss" in r]
     cfg = _run_config(f)
     if label is None:
         label = cfg.get("scheme") or f.parent.name
