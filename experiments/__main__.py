@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import os
 import sys
 import time
@@ -18,24 +17,13 @@ from fxquant.analysis import outputs
 from fxquant.capture import compat
 from fxquant.cli import HelpFormatter, quiet_broken_pipe
 from fxquant.cli.collect_plan import collection_for
-from fxquant.cli.options import positive_int
+from fxquant.cli.options import positive_int, positive_seconds
 from fxquant.megatron_glue.config import AttentionKind
 from fxquant.lowering import Kernels
 from fxquant.megatron_glue.run_config import DEFAULT_CAPTURE_SUBDIR, CompileBackend, capture_from_args
 
 
 CUSTOM_QUANT_TYPE = "CUSTOM_QUANT_TYPE"  # the predecessor's environment variable naming a run's quant type
-
-
-def positive_seconds(text: str) -> float:
-    """argparse ``type=`` of --timeout: a finite number of seconds > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds > 0") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"{text}: must be a finite number of seconds > 0")
-    return value
 
 
 def _common(p: argparse.ArgumentParser) -> None:

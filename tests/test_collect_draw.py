@@ -309,3 +309,89 @@ def test_collect_tp_defaults_nproc_and_draw_visualize_dry_run_writes_nothing(tmp
     assert main(["draw", "visualize", "--tensor-dir", str(tmp_path / "logs"), "--output-dir", str(tmp_path / "o"),
                  "--dry-run"]) == 0
     assert "[draw visualize] fxquant report" in capsys.readouterr().out and not (tmp_path / "o").exists()
+
+
+def test_collect_and_draw_command_line_mistakes(tmp_path, capsys):
+    """A scheme named twice by --quant-types (one run directory: the second replaced the first's captures), a quant
+    type given as positional and option with different values (the positional was dropped), a quant type or
+    --legacy given to draw visualize (ignored), --timeout 0 (refused by experiments with its own usage) and
+    --collect-micro-batches 0 in quick mode (became 1) are refused by collect / draw themselves; `--mode quick
+    hifp8` takes hifp8 as the quant type (it was refused as a MODE)."""
+    from fxquant.cli import main
+
+    common = ["--tensor-save-dir", str(tmp_path / "logs"), "--out", str(tmp_path / "runs"), "--dry-run"]
+    for argv, message in [
+        (["batch", "--quant-types", "mxfp8", "FA_linear_mxfp8"],
+         "--quant-types name a scheme more than once: 'mxfp8' and 'FA_linear_mxfp8' are both FA_linear_mxfp8"),
+        (["single", "mxfp4", "--quant-type", "hifp8"], "quant type given twice: 'mxfp4' and --quant-type 'hifp8'"),
+        (["hifp8"], "MODE 'hifp8': choose from single, batch, quick (a quant type goes after MODE"),
+    ]:
+        assert main(["collect", *argv, *common]) == 2, argv
+        assert message in capsys.readouterr().err, argv
+    for argv, message in [
+        (["collect", "single", "mxfp8", "--timeout", "0"], "fxquant collect: error: argument --timeout: 0: must be a "
+                                                           "finite number of seconds > 0"),
+        (["collect", "quick", "--collect-micro-batches", "0"], "argument --collect-micro-batches/--control-micro-"
+                                                               "batches: 0: must be >= 1"),
+    ]:
+        with pytest.raises(SystemExit) as exit_:
+            main([*argv, *common])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and message in err and "experiments" not in err, argv
+    assert main(["collect", "--mode", "quick", "hifp8", *common]) == 0
+    assert _dry_config(capsys.readouterr().out)["scheme"] == "FA_linear_hifp8"
+    for extra, given in ((["hifp8"], "quant type 'hifp8'"), (["--legacy"], "--legacy")):
+        assert main(["draw", "visualize", *extra, "--tensor-dir", str(tmp_path), "--dry-run"]) == 2
+        assert f"fxquant draw: error: {given} chooses what to collect" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_interrupted_collect_records_the_collections_that_finished(tmp_path, capsys, monkeypatch):
+    """Interrupted (experiments exits 130), collect appends the runs done so far to the summary, the interrupted one
+    marked, and exits as interrupted (nothing was recorded: `draw visualize` lost the finished runs)."""
+    import experiments.__main__ as experiments_cli
+    from fxquant.cli import main
+    from tests.analysis_helpers import write_tensors
+
+    logs = tmp_path / "logs"
+    real = []
+
+    def run(argv):
+        if "--dry-run" in argv:
+            return 0
+        scheme = argv[argv.index("--scheme") + 1]
+        if real:
+            raise SystemExit(130)
+        real.append(scheme)
+        write_tensors(logs / scheme, [torch.randn(4, 32)], scheme=scheme)
+        return 0
+
+    monkeypatch.setattr(experiments_cli, "main", run)
+    with pytest.raises(SystemExit) as exit_:
+        main(["collect", "batch", "--quant-types", "bf16", "hifp8", "--tensor-save-dir", str(logs),
+              "--out", str(tmp_path / "runs")])
+    assert exit_.value.code == 130
+    (collection,) = _collections(logs)
+    assert [(r["scheme"], r["status"]) for r in collection["runs"]] == [("bf16", "ok"), ("FA_linear_hifp8", "interrupted")]
+    assert collection["runs"][0]["records"] == 1
+
+
+def test_draw_visualize_compares_legacy_collections_with_legacy_bf16(tmp_path, capsys):
+    """After `collect batch --legacy` the reference run is legacy_bf16 (the default bf16 matched nothing: every
+    relative loss error was null, and the warning named a --reference draw did not have)."""
+    from fxquant.cli import main
+    from tests.analysis_helpers import write_tensors
+
+    logs, runs = tmp_path / "logs", []
+    for scheme in ("legacy_bf16", "legacy_FA_linear_mxfp8"):
+        write_tensors(logs / scheme, [torch.randn(4, 32)], scheme=scheme)
+        run_dir = tmp_path / "runs" / scheme
+        run_dir.mkdir(parents=True)
+        (run_dir / "metrics.jsonl").write_text('{"iteration": 1, "loss": 5.0}\n')
+        runs.append({"scheme": scheme, "status": "ok", "run_dir": str(run_dir)})
+    (logs / "collection_summary.json").write_text(json.dumps({"collections": [{"mode": "batch", "runs": runs}]}))
+    common = ["draw", "visualize", "--tensor-dir", str(logs), "--output-dir", str(tmp_path / "o"), "--dry-run"]
+    assert main(common) == 0
+    assert capsys.readouterr().out.rstrip().endswith("--reference legacy_bf16")
+    assert main([*common, "--reference", "legacy_FA_linear_mxfp8"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("--reference legacy_FA_linear_mxfp8")

@@ -141,3 +141,21 @@ def test_export_pt_keeps_a_sampled_records_sample_section_and_statistics(tmp_pat
     predecessor_file(tmp_path / "logs" / "hifp8", 1, torch.ones(2, 3), "linear", 0, "forward", "pre", "input")
     (rec,) = capture.open(tmp_path / "logs")  # a predecessor's file has none of them
     assert (rec.sample, rec.section, rec.stats, rec.shape) == (None, None, None, [2, 3])
+
+
+def test_a_second_export_into_the_same_out_is_refused_or_replaces(tmp_path, capsys):
+    """Exporting into an OUT/<quant_type>/ that holds an earlier export wrote the records again under other counters
+    (read back twice: 14 records of a 12-record set): refused, naming the directory; --replace deletes the earlier
+    files first. `capture ls` of a file says so (it said the path did not exist)."""
+    write_set(tmp_path / "cap", ranks=1, layers=2, what="full")
+    n = len(capture.open(tmp_path / "cap"))
+    assert main(["capture", "export-pt", str(tmp_path / "cap"), str(tmp_path / "pt"), "--where", "role=input"]) == 0
+    capsys.readouterr()
+    assert main(["capture", "export-pt", str(tmp_path / "cap"), str(tmp_path / "pt")]) == 2
+    err = capsys.readouterr().err
+    assert "already holds" in err and "--replace" in err
+    assert main(["capture", "export-pt", str(tmp_path / "cap"), str(tmp_path / "pt"), "--replace"]) == 0
+    assert len(PtCaptureSet(tmp_path / "pt")) == n
+    (tmp_path / "afile").write_text("x")
+    assert main(["capture", "ls", str(tmp_path / "afile")]) == 2
+    assert "is a file, not a directory" in capsys.readouterr().err

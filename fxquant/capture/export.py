@@ -62,17 +62,30 @@ def payload(rec: Record, t: torch.Tensor) -> dict:
 
 
 def export_pt(cs: CaptureSet, out_dir: str | Path, quant_type: str | None = None, *,
-              skipped: int | None = None) -> list[Path]:
+              skipped: int | None = None, replace: bool = False) -> list[Path]:
     """Write one ``.pt`` per stored tensor of ``cs``; returns the paths (atomic per file). Statistics-only records
     (``what: stats``) have no tensor to write: they are skipped, and counted at INFO (``skipped``: their count where
-    the caller has it, else ``statistics_only``)."""
+    the caller has it, else ``statistics_only``). A quant-type directory ``out_dir/<quant_type>/`` that already
+    holds ``.pt`` files (an earlier export: the same records again under other counters would be read twice) is
+    refused with FileExistsError, or with ``replace`` its ``.pt`` files are deleted first."""
     out = Path(out_dir)
     written = []
     skipped = statistics_only(cs) if skipped is None else skipped
     if skipped:
         log.info("export-pt: %d statistics-only record(s) skipped (what: stats: no tensor stored)", skipped)
+    name = lambda rec: sanitize(quant_type or rec.fields.get("scheme") or "unknown", 60)  # noqa: E731
+    for d in sorted({out / name(r) for r in cs if r.has_tensor}):
+        earlier = sorted(d.glob("*.pt")) if d.is_dir() else []
+        if earlier and not replace:
+            raise FileExistsError(f"{d} already holds {len(earlier)} .pt file(s) of an earlier export: exporting "
+                                  f"again would add the records a second time; choose another OUT or --replace "
+                                  f"(deletes them first)")
+        for f in earlier:
+            f.unlink()
+        if earlier:
+            log.info("export-pt: %d earlier .pt file(s) deleted from %s (replace)", len(earlier), d)
     for counter, rec in enumerate(r for r in cs if r.has_tensor):
-        qt = sanitize(quant_type or rec.fields.get("scheme") or "unknown", 60)
+        qt = name(rec)
         d = out / qt
         d.mkdir(parents=True, exist_ok=True)
         path = d / pt_name(rec, counter, qt)

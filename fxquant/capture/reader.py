@@ -202,7 +202,8 @@ class CaptureSet:
             self._records, self.meta = records, _meta or {}
             return
         if not self.root.is_dir():
-            raise CaptureReadError(f"capture directory {self.root} does not exist")
+            what = "is a file, not a directory" if self.root.exists() else "does not exist"
+            raise CaptureReadError(f"capture directory {self.root} {what}")
         dirs = sorted(p for p in self.root.iterdir() if p.is_dir() and p.name.startswith("rank-"))
         if not dirs:
             raise CaptureReadError(f"{self.root} holds no rank-NNNNN directories: not an fxquant capture set")

@@ -31,6 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("out", help="output directory (files go to OUT/{quant_type}/)")
     e.add_argument("--quant-type", default=None, help="quant type in names and directory (default: the run's scheme)")
     e.add_argument("--where", action="append", default=[], metavar="FIELD=VALUE", help=f"export only {WHERE_HELP}")
+    e.add_argument("--replace", action="store_true",
+                   help="delete the .pt files an earlier export left in OUT/{quant_type}/ first (default: refuse "
+                        "such a directory: the records would be there twice)")
     e.set_defaults(func=run_export)
 
 
@@ -103,6 +106,6 @@ def run_export(args: argparse.Namespace) -> int:
               "one; their statistics are in the manifest (fxquant capture ls --json)", file=sys.stderr)
     if _nothing(args, cs, "records with a stored tensor", len(cs) - skipped):
         return 1
-    paths = export_pt(cs, args.out, args.quant_type, skipped=skipped)
+    paths = export_pt(cs, args.out, args.quant_type, skipped=skipped, replace=args.replace)
     print(f"wrote {len(paths)} .pt files under {args.out}")
     return 0

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from fxquant.cli import collect_plan, collect_summary
 from fxquant.cli.collect_plan import MODES
-from fxquant.cli.options import positive_int
+from fxquant.cli.options import positive_int, positive_seconds
 
 DEFAULT_DIR = "./enhanced_tensor_logs"
 # (pattern, record field, value): the predecessor's file-name patterns, counted on manifest records
@@ -45,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def add_collection_arguments(p: argparse.ArgumentParser, modes: tuple[str, ...] = MODES) -> None:
-    p.add_argument("mode_arg", nargs="?", metavar="MODE", choices=modes, help=f"{' | '.join(modes)} (or --mode)")
+    p.add_argument("mode_arg", nargs="?", metavar="MODE", help=f"{' | '.join(modes)} (or --mode)")
     p.add_argument("quant_type_arg", nargs="?", metavar="QUANT_TYPE", help="quant type (or --quant-type)")
     p.add_argument("--mode", choices=modes, default=None, help=f"{' | '.join(modes)} (default {modes[0]})")
     default = "mxfp8 for single, hifp8 for quick" if "quick" in modes else "mxfp8"  # draw collects as `single`
@@ -63,8 +63,8 @@ def add_collection_arguments(p: argparse.ArgumentParser, modes: tuple[str, ...] 
                         "name N -> legacy_N (docs/schemes.md 'legacy presets'); default off")
     p.add_argument("--control-iter", type=positive_int, default=1, metavar="N",
                    help="iterations to collect, then stop (N >= 1; default 1)")
-    p.add_argument("--collect-micro-batches", "--control-micro-batches", dest="collect_micro_batches", type=int,
-                   default=None, metavar="M", help="micro-batches 0..M-1 of each iteration (default all; quick: 1)")
+    p.add_argument("--collect-micro-batches", "--control-micro-batches", dest="collect_micro_batches",
+                   type=positive_int, default=None, metavar="M", help="micro-batches 0..M-1 of each iteration (default all; quick: 1)")
     p.add_argument("--tensor-save-dir", "--tensor-dir", "--tensor-path", dest="tensor_dir", default=DEFAULT_DIR, metavar="DIR",
                    help=f"captures go to DIR/<scheme>/ (default {DEFAULT_DIR})")
     p.add_argument("--export-pt", default=None, metavar="OUT",
@@ -97,7 +97,8 @@ def add_collection_arguments(p: argparse.ArgumentParser, modes: tuple[str, ...] 
     p.add_argument("--attention", default="local", choices=["sdpa", "local"],
                    help="default local (unlike `experiments run`): Megatron's unfused attention materialises the "
                         "attention probabilities the predecessor captured")
-    p.add_argument("--timeout", type=float, default=3600.0, metavar="S", help="per run, seconds (default 3600)")
+    p.add_argument("--timeout", type=positive_seconds, default=3600.0, metavar="S",
+                   help="per run, seconds (default 3600)")
     p.add_argument("--dry-run", action="store_true", help="print the runs' commands and configurations only (default off)")
 
 
@@ -110,7 +111,7 @@ def run_argv(args: argparse.Namespace, mode: str, collection: collect_plan.Colle
             "--timeout", str(args.timeout), "--save-tensors", "--tensor-save-dir", str(args.tensor_dir)]
     control_iter, micro_batches = args.control_iter, args.collect_micro_batches
     if mode == "quick":
-        control_iter, micro_batches = 1, micro_batches or 1
+        control_iter, micro_batches = 1, 1 if micro_batches is None else micro_batches
         argv += ["--iters", "1", "--eval-interval", "0"]
     argv += ["--control-iter", str(control_iter)]
     if micro_batches is not None:
@@ -153,8 +154,6 @@ def count_patterns(root: Path) -> dict:
 
 
 def run_collect(args: argparse.Namespace) -> int:
-    from tabulate import tabulate
-
     from experiments.__main__ import main as experiments_main
 
     mode, planned, notes = collect_plan.plan(args, dict(os.environ))
@@ -171,11 +170,17 @@ def run_collect(args: argparse.Namespace) -> int:
     rows = []
     for c in planned:
         print(f"[collect {mode}] {c.scheme} -> {Path(args.tensor_dir) / c.scheme}", flush=True)
-        code = experiments_main(run_argv(args, mode, c))
-        row = {"scheme": c.scheme, "status": "ok" if code == 0 else f"failed (exit {code})",
-               "captures": str(Path(args.tensor_dir) / c.scheme), "run_dir": _run_dir(args, c.scheme)}
+        row = {"scheme": c.scheme, "captures": str(Path(args.tensor_dir) / c.scheme), "run_dir": _run_dir(args, c.scheme)}
         if c.scheme_arg != c.scheme:  # a scheme YAML: its text as collected, whatever the file becomes
             row["scheme_file"], row["scheme_text"] = c.scheme_arg, Path(c.scheme_arg).read_text()
+        try:
+            code = experiments_main(run_argv(args, mode, c))
+        except (SystemExit, KeyboardInterrupt):  # interrupted (experiments exits 128 + signal): keep what finished
+            if not args.dry_run:
+                rows.append({**row, "status": "interrupted"})
+                _summarise(args, mode, started, notes, rows)
+            raise
+        row["status"] = "ok" if code == 0 else f"failed (exit {code})"
         if code == 0 and not args.dry_run:
             try:
                 row.update(count_patterns(Path(row["captures"])))
@@ -184,11 +189,19 @@ def run_collect(args: argparse.Namespace) -> int:
             if args.export_pt is not None and row["status"] == "ok":
                 from fxquant.cli import main as fxquant_main
 
-                if fxquant_main(["capture", "export-pt", row["captures"], args.export_pt]) != 0:
+                # --replace: this collection's captures replaced the earlier ones of its scheme, so do its .pt files
+                if fxquant_main(["capture", "export-pt", row["captures"], args.export_pt, "--replace"]) != 0:
                     row["status"] = "export-pt failed"
         rows.append(row)
     if args.dry_run:
         return 0 if all(r["status"] == "ok" for r in rows) else 1
+    return _summarise(args, mode, started, notes, rows)
+
+
+def _summarise(args: argparse.Namespace, mode: str, started: str, notes: list[str], rows: list[dict]) -> int:
+    """Append the collection (its runs so far) to DIR/collection_summary.{json,txt} and print its table."""
+    from tabulate import tabulate
+
     cols = ["records", "tensors", *[n for n, _, _ in PATTERNS]]
     table = tabulate([[r["scheme"], r["status"], *[r.get(c, "") for c in cols],
                        f"{r['bytes'] / 1e6:.2f}" if "bytes" in r else ""] for r in rows],

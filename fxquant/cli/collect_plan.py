@@ -69,12 +69,27 @@ def collection_for(quant_type: str, legacy: bool = False) -> Collection:
                      f"or a scheme YAML path")
 
 
+def mode_and_quant_type(args: argparse.Namespace, modes: tuple[str, ...] = MODES) -> tuple[str, str | None]:
+    """MODE and QUANT_TYPE of a command line, each from its positional or its option (given both ways, they must
+    agree); with ``--mode``, a lone positional that is no mode is the quant type (``--mode quick hifp8``)."""
+    from fxquant.formats.options import did_you_mean
+
+    mode_arg, qt_arg = args.mode_arg, args.quant_type_arg
+    if mode_arg is not None and mode_arg not in modes:
+        if args.mode is None or qt_arg is not None:
+            raise ValueError(f"MODE {mode_arg!r}{did_you_mean(mode_arg, modes)}: choose from {', '.join(modes)} (a "
+                             f"quant type goes after MODE, e.g. `{modes[0]} {mode_arg}`, or with --quant-type)")
+        mode_arg, qt_arg = None, mode_arg
+    if args.mode and mode_arg and args.mode != mode_arg:
+        raise ValueError(f"mode given twice: {mode_arg!r} and --mode {args.mode!r}")
+    if args.quant_type and qt_arg and args.quant_type != qt_arg:
+        raise ValueError(f"quant type given twice: {qt_arg!r} and --quant-type {args.quant_type!r}")
+    return args.mode or mode_arg or modes[0], args.quant_type or qt_arg
+
+
 def plan(args: argparse.Namespace, env: dict) -> tuple[str, list[Collection], list[str]]:
     """(mode, collections, notes) of a command line; notes say where CUSTOM_QUANT_TYPE was not used."""
-    mode = args.mode or args.mode_arg or MODES[0]
-    if args.mode and args.mode_arg and args.mode != args.mode_arg:
-        raise ValueError(f"mode given twice: {args.mode_arg!r} and --mode {args.mode!r}")
-    qt = args.quant_type or args.quant_type_arg
+    mode, qt = mode_and_quant_type(args)
     env_qt = env.get(ENV_QUANT_TYPE) or None
     notes = []
     if mode == "batch":
@@ -84,7 +99,15 @@ def plan(args: argparse.Namespace, env: dict) -> tuple[str, list[Collection], li
         if env_qt is not None:
             notes.append(f"{ENV_QUANT_TYPE}={env_qt} not used: batch collects {' '.join(chosen)}"
                          + ("" if args.quant_types else " (choose with --quant-types)"))
-        return mode, [collection_for(q, args.legacy) for q in chosen], notes
+        collections = [collection_for(q, args.legacy) for q in chosen]
+        named = {}
+        for q, c in zip(chosen, collections):
+            named.setdefault(c.scheme, []).append(q)
+        twice = {scheme: qs for scheme, qs in named.items() if len(qs) > 1}
+        if twice:  # one run and capture directory each: the second would replace the first's captures
+            raise ValueError("--quant-types name a scheme more than once: " + "; ".join(
+                f"{' and '.join(map(repr, qs))} are both {scheme}" for scheme, qs in twice.items()) + "; each is collected once")
+        return mode, collections, notes
     if args.quant_types:
         raise ValueError(f"--quant-types is for batch mode; {mode} collects one --quant-type")
     if qt is None and env_qt is not None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from fxquant.capture import pt_reader
 from fxquant.capture.reader import is_capture_set
-from fxquant.cli import collect_cmd, collect_summary
+from fxquant.cli import collect_cmd, collect_plan, collect_summary
 
 MODES = ("visualize", "collect", "both")
 
@@ -29,6 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output-dir", default="./draw", metavar="DIR", help="report directory (default ./draw)")
     p.add_argument("-j", "--workers", type=int, default=1, metavar="N", help="report worker processes (default 1)")
     p.add_argument("--no-plots", action="store_true", help="report tables only (default: tables and plots)")
+    p.add_argument("--reference", default=None, metavar="LABEL",
+                   help="the run the others' losses are compared with (default bf16, or legacy_bf16 when the "
+                        "collections hold that and no bf16 run: `collect --legacy`)")
     p.set_defaults(func=run_draw)
 
 
@@ -55,11 +58,16 @@ def visualize(args: argparse.Namespace) -> int:
     root = Path(args.tensor_dir)
     sets = capture_sets(root)
     run_dirs = collect_summary.run_dirs(root)
+    collections = collect_summary.read(root)
     print(f"[draw visualize] {len(sets)} capture set(s) and {len(run_dirs)} training run(s) of "
-          f"{len(collect_summary.read(root))} collection(s) under {root}", flush=True)
+          f"{len(collections)} collection(s) under {root}", flush=True)
     argv = ["report", *map(str, sets), "-o", args.output_dir, "-j", str(args.workers)]
     for run_dir in run_dirs:
         argv += ["--metrics", run_dir]
+    if run_dirs:
+        schemes = {row.get("scheme") for c in collections for row in c.get("runs", []) if row.get("run_dir") in run_dirs}
+        reference = args.reference or ("legacy_bf16" if "legacy_bf16" in schemes and "bf16" not in schemes else "bf16")
+        argv += ["--reference", reference]
     if args.no_plots:
         argv.append("--no-plots")
     print(f"[draw visualize] fxquant {' '.join(argv)}", flush=True)
@@ -69,11 +77,13 @@ def visualize(args: argparse.Namespace) -> int:
 
 
 def run_draw(args: argparse.Namespace) -> int:
-    mode = args.mode or args.mode_arg or MODES[0]
-    if args.mode and args.mode_arg and args.mode != args.mode_arg:
-        raise ValueError(f"mode given twice: {args.mode_arg!r} and --mode {args.mode!r}")
+    mode, quant_type = collect_plan.mode_and_quant_type(args, MODES)
+    if mode == "visualize" and (quant_type is not None or args.legacy):
+        given = f"quant type {quant_type!r}" if quant_type is not None else "--legacy"
+        raise ValueError(f"{given} chooses what to collect; visualize reports on every capture set under "
+                         f"--tensor-dir: use `fxquant draw collect|both ...` to collect first")
     if mode in ("collect", "both"):
-        args.mode, args.mode_arg = "single", None
+        args.mode, args.mode_arg, args.quant_type, args.quant_type_arg = "single", None, quant_type, None
         code = collect_cmd.run_collect(args)
         if code != 0 or mode == "collect" or args.dry_run:
             return code

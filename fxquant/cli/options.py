@@ -1,9 +1,10 @@
 """Command-line pieces shared by several verbs: ``--where FIELD=V1,V2`` conditions and their help text, an
-integer >= 1 argparse type, the check that every capture DIR is a directory, and the error when the DIRs gave
+integer >= 1 and a positive-seconds argparse type, the check that every capture DIR is a directory, and the error when the DIRs gave
 nothing to work on."""
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 
@@ -39,6 +40,17 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 1") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value}: must be >= 1")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """argparse ``type=`` of --timeout: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds > 0") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{text}: must be a finite number of seconds > 0")
     return value
 
 
