@@ -111,6 +111,9 @@ def test_zero_dim_and_empty(name):
         enc = fmt.encode(e, dim)
         assert enc.codes.shape == shape
         assert fmt.decode(enc).shape == shape
+        if name == "nvfp4" and len(shape) == 2:  # 16x16 tiles of an empty matrix (encode raised IndexError)
+            assert fmt.quantize(e, dim, block_2d=True).shape == shape
+            assert fmt.decode(fmt.encode(e, dim, block_2d=True)).shape == shape
 
 
 @pytest.mark.parametrize("name", ALL)

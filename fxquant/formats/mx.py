@@ -53,6 +53,8 @@ def tile_amax(amax_b: torch.Tensor, rows_per_tile: int) -> torch.Tensor:
     the last rows uninitialised values when the rows were zero-padded to whole groups and the result sliced back
     (tests/test_formats_lowering.py checks the traced form against the reference at such shapes)."""
     rows, nblocks, _ = amax_b.shape
+    if amax_b.numel() == 0:  # no rows or no blocks: no tiles
+        return amax_b
     a = amax_b.squeeze(-1)
     full = rows - rows % rows_per_tile
     pieces = []
