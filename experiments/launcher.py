@@ -156,6 +156,9 @@ def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", varia
         raise ValueError(f"--backend none runs the model uncompiled: only --scheme bf16 without capture, got "
                          f"scheme {scheme!r}" + (" with capture" if capture is not None else "") +
                          "; use --backend aot_eager (the default), inductor or eager")
+    if backend is CompileBackend.NONE and parse_kernels(kernels) is not Kernels.AUTO:
+        raise ValueError(f"--kernels {parse_kernels(kernels).value} has no effect with --backend none (nothing is "
+                         f"compiled, so no quantize op runs); leave --kernels out")
     if isinstance(capture, str):
         capture = CaptureConfig(spec=capture)
     if capture is not None:  # paths made absolute: the training processes run in the repository
@@ -173,6 +176,9 @@ def resolve(*, model: str, dataset: str, scheme: str, config: str = "cpu", varia
                    save_interval=tcfg.save_interval if save_interval is None else save_interval,
                    precision=Precision(_pick("precision", precision, [p.value for p in Precision])),
                    nonfinite=NonFinitePolicy(_pick("--on-nonfinite policy", nonfinite, [p.value for p in NonFinitePolicy])))
+    if eval_iters is not None and not tcfg.eval_interval:
+        raise ValueError(f"--eval-iters {eval_iters} has no effect: the run does not evaluate (eval interval 0); "
+                         f"give --eval-interval N too, or leave --eval-iters out")
     dp = nproc // (tp * pp)
     if tcfg.global_batch_size % (tcfg.micro_batch_size * dp):
         raise ValueError(f"config {config!r}: global batch {tcfg.global_batch_size} is not divisible by "

@@ -9,7 +9,9 @@
 - `DataConfig` + `build_datasets(...)` build the train/valid splits through Megatron's
   `BlendedMegatronDatasetBuilder` (GPTDataset over indexed prefixes, or MockGPTDataset).
 - `PretrainingSampler` hands each data-parallel rank its micro-batches from a consumed-samples count,
-  so a resumed run reads exactly the batches an uninterrupted one would.
+  so a resumed run reads exactly the batches an uninterrupted one would, as long as the train split is built for
+  the same number of samples (Megatron's shuffle depends on it once the data is read for more than one epoch: a
+  resume with a larger --iters warns).
 """
 from __future__ import annotations
 
@@ -230,7 +232,10 @@ class PretrainingSampler:
 
 
 def batch_iterator(dataset, sampler: PretrainingSampler, num_workers: int = 0) -> Iterator[dict]:
-    """Batches (dicts of stacked tensors) from a Megatron dataset in the sampler's order."""
+    """Batches (dicts of stacked tensors) from a Megatron dataset in the sampler's order. The loader has a generator
+    of its own: without one, starting it draws its base seed from torch's global generator, which stochastic
+    rounding draws its seeds from, so a resumed run (its loader started after the restored RNG state) or a
+    validation would shift every later SR seed."""
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                         pin_memory=torch.cuda.is_available())
+                                         pin_memory=torch.cuda.is_available(), generator=torch.Generator())
     return iter(loader)

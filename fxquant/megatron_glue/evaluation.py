@@ -53,8 +53,11 @@ class Validator:
         losses: list[dict] = []
         was_training = model.training
         model.eval()
+        # the RNG as it was: a validation's stochastic-rounding seeds come from torch's generators, and training
+        # goes on with the state it would have had without the validation (the same losses bit for bit)
+        devices = [info.device] if info.device.type == "cuda" else []
         try:
-            with torch.no_grad():
+            with torch.no_grad(), torch.random.fork_rng(devices=devices):
                 for _ in range(t.eval_iters):
                     losses += forward_backward(forward_step_func=forward_step_func, data_iterator=batches,
                                                model=model, num_microbatches=self.num_microbatches,

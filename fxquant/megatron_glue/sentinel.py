@@ -81,6 +81,24 @@ class NonFiniteSentinel:
         self.first: dict | None = None
         self.count = 0
 
+    def resume(self, start_iteration: int, kept: list[dict]) -> None:
+        """Go on from a checkpoint at ``start_iteration``: the first event stays the one ``nonfinite.json`` holds
+        when it lies at or before the checkpoint, and the occurrences count on from the kept metrics records
+        (``kept``: the logging rank's; other ranks count from 0). A report of a later iteration, which this run
+        trains again, is removed."""
+        self.count = sum(1 for r in kept if r.get("nonfinite"))
+        try:
+            event = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return
+        except (json.JSONDecodeError, OSError, UnicodeDecodeError) as exc:
+            log.warning("%s: unreadable (%s): removed; the next non-finite iteration writes it again", self.path, exc)
+            event = None
+        if isinstance(event, dict) and isinstance(event.get("iteration"), int) and event["iteration"] <= start_iteration:
+            self.first = event
+        elif self.logging:
+            self.path.unlink(missing_ok=True)
+
     def check(self, iteration: int, loss: float, grad_norm: float, model: torch.nn.Module,
               capture_session=None) -> dict | None:
         """The event of ``iteration`` (1-based, as in the metrics) when its loss or grad norm is not finite;

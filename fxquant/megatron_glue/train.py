@@ -35,7 +35,7 @@ from fxquant.megatron_glue.host_moe_mla import MoEAuxLosses
 from fxquant.megatron_glue.model import build_gpt_model, causal_attention_mask, layer_offset
 from fxquant.megatron_glue.optim import HostOptimizer, MegatronOptimizerSetup, lr_scheduler
 from fxquant.megatron_glue.parallel import initialize_parallel
-from fxquant.megatron_glue.run_config import CompileBackend, RunConfig
+from fxquant.megatron_glue.run_config import CompileBackend, DataKind, RunConfig
 from fxquant.megatron_glue.schedule import forward_backward
 from fxquant.megatron_glue.sentinel import REPORT_FILE, NonFiniteSentinel
 from fxquant.megatron_glue.tokenizer import load_tokenizer
@@ -84,13 +84,13 @@ def _check_batch(run: RunConfig, dp: int) -> int:
 
 
 def _remove_earlier_outputs(run_dir: Path, start_iteration: int) -> None:
-    """A run starting at iteration 0 replaces an earlier run's outputs, not only its metrics: its TensorBoard
-    events, non-finite report and sites report go at once, so none stays beside this run's metrics when this run
-    ends without writing its own (--backend none writes no sites report; a run may fail or be killed). A resumed
-    run keeps them."""
+    """A run starting at iteration 0 replaces an earlier run's outputs: its metrics, TensorBoard events, non-finite
+    report and sites report go at once, beside this run's run_config.json, so none stays beside this run's
+    configuration when this run ends without writing its own (--backend none writes no sites report; a run may
+    fail before its first iteration or be killed). A resumed run keeps them."""
     if start_iteration:
         return
-    for stale in (run_dir / TENSORBOARD_DIR, run_dir / REPORT_FILE, run_dir / SITES_FILE):
+    for stale in (run_dir / METRICS_FILE, run_dir / TENSORBOARD_DIR, run_dir / REPORT_FILE, run_dir / SITES_FILE):
         if stale.exists():
             log.info("run starts at iteration 0: removing the earlier run's %s", stale)
             if stale.is_dir():
@@ -106,12 +106,20 @@ class _MetricsSink:
         self.path = run_dir / METRICS_FILE
         self.enabled = enabled
         self.writer = None
+        self.kept: list[dict] = []  # the records a resumed run keeps (logging rank)
         if not enabled:
             return
         kept = []
         if self.path.is_file():  # a resumed run: keep what led up to the checkpoint, drop the rest
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["iteration"] <= start_iteration]
+            for number, line in enumerate(self.path.read_text().splitlines(), 1):
+                try:
+                    record = json.loads(line) if line.strip() else None
+                except json.JSONDecodeError:  # the torn line of a run killed while writing: after the checkpoint
+                    log.warning("%s:%d: not JSON (a run killed while writing it?), dropped", self.path, number)
+                    continue
+                if isinstance(record, dict) and record.get("iteration", start_iteration + 1) <= start_iteration:
+                    kept.append(line)
+                    self.kept.append(record)
         self.path.write_text("".join(line + "\n" for line in kept))
         if tensorboard:  # RunConfig refused --tensorboard without the package
             from torch.utils.tensorboard import SummaryWriter
@@ -165,11 +173,18 @@ def train(run: RunConfig, progress: Callable[[dict], None] | None = None,
 
     ckpt_dir = run_dir / "checkpoints"
     settings = checkpoint.run_settings(run, bf16)
+    train_samples = t.train_iters * t.global_batch_size  # what the train split is built for (its shuffle depends on it)
     start, consumed = 0, 0
     if run.resume and checkpoint.latest_iteration(ckpt_dir) is not None:
-        start, consumed, _ = checkpoint.load(ckpt_dir, model=model, optimizer=optimizer, scheduler=scheduler,
-                                             settings=settings)
+        start, consumed, extra = checkpoint.load(ckpt_dir, model=model, optimizer=optimizer, scheduler=scheduler,
+                                                 settings=settings)
         log.info("resumed from %s at iteration %d", ckpt_dir, start)
+        built_for = extra.get("train_samples")
+        if run.data.kind is not DataKind.MOCK and built_for not in (None, train_samples) and info.is_logging_rank:
+            log.warning("the train split is built for %d samples, the checkpointed run's for %d: where the dataset is "
+                        "read for more than one epoch, Megatron's shuffle differs, and samples from iteration %d on "
+                        "come in another order than that run's (some read again, others not at all)", train_samples,
+                        built_for, start + 1)
         if start >= t.train_iters:
             raise ValueError(f"nothing to train: {ckpt_dir} holds a checkpoint at iteration {start}, and this run "
                              f"trains to {t.train_iters}; raise --iters to go on, or remove {ckpt_dir} to start "
@@ -191,7 +206,7 @@ def train(run: RunConfig, progress: Callable[[dict], None] | None = None,
         else:
             runnable = compiled
         train_ds, valid_ds = build_datasets(run.data, tokenizer, seq_length=t.seq_length,
-                                            train_samples=t.train_iters * t.global_batch_size,
+                                            train_samples=train_samples,
                                             valid_samples=t.eval_samples, seed=t.seed)
         validator = Validator(valid_ds, t, info, num_micro) if t.eval_interval else None
         sampler = PretrainingSampler(len(train_ds), consumed, t.micro_batch_size, info.dp_rank, info.dp_size)
@@ -216,6 +231,8 @@ def train(run: RunConfig, progress: Callable[[dict], None] | None = None,
 
         sink = _MetricsSink(run_dir, start, info.is_logging_rank, run.tensorboard)
         sentinel = NonFiniteSentinel(t.nonfinite, run_dir, info.is_logging_rank, info.rank)
+        if start:
+            sentinel.resume(start, sink.kept)
         result = TrainResult(run_dir=run_dir, iterations=start,
                              metrics_path=sink.path if info.is_logging_rank else None,
                              checkpoint_dir=ckpt_dir if start else None)  # resumed: the run's checkpoints are there
@@ -251,7 +268,8 @@ def train(run: RunConfig, progress: Callable[[dict], None] | None = None,
                 if t.save_interval and (result.iterations % t.save_interval == 0
                                         or result.iterations == t.train_iters):
                     checkpoint.save(ckpt_dir, result.iterations, model=model, optimizer=optimizer,
-                                    scheduler=scheduler, consumed_samples=consumed, settings=settings)
+                                    scheduler=scheduler, consumed_samples=consumed, settings=settings,
+                                    extra={"train_samples": train_samples})
                     result.checkpoint_dir = ckpt_dir
     except BaseException:  # error or interrupt: what was captured is drained and committed, then re-raised
         if capture is not None:
