@@ -282,3 +282,40 @@ def test_quantile_accuracy_statement_holds_for_normals_and_subnormals():
                 assert err <= abs(true) / 16
     assert worst_sub_rel > 1 / 16  # the 6.25 % bound does not reach subnormals, and the statement says so
     assert "6.25%" in QUANTILE_ACCURACY and "2**-130" in QUANTILE_ACCURACY and "subnormal" in QUANTILE_ACCURACY
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_finite_values_near_the_float32_max_are_finite_in_every_count(dtype):
+    """Finite values above 1.9375 * 2**127 share bit-bin 4080 with Inf: they were read as Inf (quantiles -inf/inf
+    with no Inf in the tensor) and left out of the saturated counts labelled exact (0 of 24 above 448)."""
+    big = torch.tensor([3.3e38, 3.38e38, -3.36e38, 1.0, 3.389e38, -(2.0**127) * 1.96] * 8).to(dtype)
+    assert torch.isfinite(big).all()  # bf16 too: its largest value is 3.3895e38
+    x = torch.cat([big, torch.tensor([math.inf, -math.inf, math.inf]).to(dtype)])
+    signed, _, _, m = tensor_counts(x, 0)
+    assert m.inf == 3 and signed[bins.INF_BIN] == 2 and signed[bins.NMAG + bins.INF_BIN] == 1
+    finite = x[torch.isfinite(x)].float()
+    top = finite.abs() > 1.875 * 2.0**127
+    assert signed[bins.TOP_BIN] == int((top & (finite > 0)).sum()) and signed[bins.NMAG + bins.TOP_BIN] == int(
+        (top & (finite < 0)).sum())
+    q = bins.quantiles(signed, (0.05, 0.5, 0.9))
+    assert -bins.FLT_MAX <= q["q0.05"] < -1.875 * 2.0**127 and 1.875 * 2.0**127 < q["q0.9"] <= bins.FLT_MAX
+    assert bins.quantiles(tensor_counts(torch.tensor([math.inf, 1.0]).to(dtype), 0)[0], (0.99,))["q0.99"] == math.inf
+    assert bins.count_above(bins.magnitude(signed), 448.0) == (int((finite.abs() > 448).sum()), True)
+    s = summarize(0, {"copy": "hp", "role": "output"}, big.reshape(1, -1), AnalysisConfig(("fp8_e4m3",), (), sample_blocks=0))
+    assert flow_counts(s, "fp8_e4m3").tolist()[3] == int((big.float().abs() > 448).sum())
+    assert bins.mag_bin_of(bins.FLT_MAX) == bins.TOP_BIN and bins.mag_bin_of(math.inf) == bins.INF_BIN
+
+
+def test_a_study_scaled_past_the_float32_range_reports_an_unbounded_error():
+    """A finite block near the float32 max: some scale rules and offsets scale it past float32 (err_sq inf), and
+    metrics raised 'math domain error' (log10 of 0), ending `fxquant report` and `mx-sweep` with a half-written
+    report; such a configuration's SQNR and PSNR are -inf, as what-if reports them."""
+    xb = mx_study.sample_blocks(torch.tensor([[3e38, 1.0] * 16]), 1, 64, 0)
+    sums = mx_study.study(xb, ("mxfp4_e2m1",), (0, 1))
+    rows = {(m, k): mx_study.metrics(f, m, k, "all", s, 3e38) for (f, m, k), s in sums.items()}
+    unbounded = [key for key, r in rows.items() if r.sqnr_db == -math.inf]
+    assert ("floor", 1) in unbounded and ("floor", 0) not in unbounded
+    assert all(rows[key].psnr_db == -math.inf and rows[key].cosine is None for key in unbounded)
+    assert math.isfinite(rows[("floor", 0)].sqnr_db)
+    best = mx_study.recommend(list(rows.values()))[("mxfp4_e2m1", "all")]
+    assert best.sqnr_db == max(r.sqnr_db for r in rows.values())

@@ -8,7 +8,9 @@ by addition across tensors, processes and runs:
   bits are ``j << 19``: 16 bins per binade (the exponent and the top 4 mantissa bits). Every power of
   two and every value with at most 4 mantissa bits (448, 57344, 6, 7.5, 28, 40960...) is a bin edge, so
   counts of ``|x| > max_normal`` and ``|x| <= threshold`` read off the histogram are exact. Bins from
-  4081 up hold NaNs; bin 4080 holds Inf and finite values above ``1.9375 * 2**127``.
+  4081 up hold NaNs; bin 4080 holds Inf only; bin 4079 ends at float32's largest value instead of at
+  ``1.9375 * 2**127`` (``U(4079)`` is 2**128 - 2**104): the finite values whose bits would put them in bin 4080
+  beside Inf are counted there (``fold_top_finite``), so they count as finite, saturated and in quantiles.
 * **signed bins** ``0..8193``: magnitude bin, plus 4097 for a set sign bit (so -0.0 is bin 4097).
 * **binade histogram**: the exponent field (``bits >> 23``, 0..255) of every element.
 * **block-relative bins**: an element's magnitude bin minus ``16 * E_b``, ``E_b`` the exponent field
@@ -34,14 +36,18 @@ from fxquant.kernels.host import (  # noqa: F401  (re-exported)
     NBINADE, NMAG, NREL, NSIGNED, REL_NONFINITE, REL_OFFSET, REL_ZERO, SUB)
 
 NAN_FIRST = 4081  # magnitude bins >= this are NaN
-INF_BIN = 4080  # Inf (and finite values above 1.9375 * 2**127)
+INF_BIN = 4080  # Inf
+TOP_BIN = INF_BIN - 1  # the last finite bin: (U(4078), float32 max]
+FLT_MAX = float(np.finfo(np.float32).max)
 BLOCK = 32  # MX block size (every MX format in fxquant.formats uses 32)
 
 
 def upper_edges() -> np.ndarray:
-    """U(j) for magnitude bins j = 0..4096 (float64; U(0) = 0)."""
+    """U(j) for magnitude bins j = 0..4096 (float64; U(0) = 0, U(TOP_BIN) = float32 max)."""
     bits = (np.arange(NMAG, dtype=np.int64) << 19).clip(max=0x7F800000).astype(np.uint32)
-    return bits.view(np.float32).astype(np.float64)
+    edges = bits.view(np.float32).astype(np.float64)
+    edges[TOP_BIN] = FLT_MAX
+    return edges
 
 
 _UPPER = upper_edges()
@@ -50,7 +56,18 @@ _UPPER = upper_edges()
 def mag_bin_of(value: float) -> int:
     """The magnitude bin holding ``|value|`` (a float32 value)."""
     a = int(np.array([abs(value)], dtype=np.float32).view(np.int32)[0])
-    return 0 if a == 0 else ((a - 1) >> 19) + 1
+    j = 0 if a == 0 else ((a - 1) >> 19) + 1
+    return TOP_BIN if j == INF_BIN and a < 0x7F800000 else j
+
+
+def fold_top_finite(signed: np.ndarray, top_finite_pos: int, top_finite_neg: int) -> np.ndarray:
+    """A signed histogram binned by bits alone (finite values above U(4079) = 1.9375 * 2**127 in bin 4080, beside
+    Inf) with those values moved into the last finite bin, as the module docstring defines the bins."""
+    for base, n in ((0, top_finite_pos), (NMAG, top_finite_neg)):
+        if n:
+            signed[base + INF_BIN] -= n
+            signed[base + TOP_BIN] += n
+    return signed
 
 
 def edge_index(value: float) -> int | None:

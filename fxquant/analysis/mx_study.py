@@ -187,10 +187,14 @@ def metrics(fmt: str, mode: str, k: int, group: str, s: np.ndarray, peak: float)
     n = int(v["n"])
     mse = v["err_sq"] / n if n else None
     sqnr = None
-    if v["ref_sq"] > 0:
-        sqnr = 10 * math.log10(v["ref_sq"] / v["err_sq"]) if v["err_sq"] > 0 else math.inf
-    psnr = 10 * math.log10(peak * peak / mse) if mse and peak > 0 else (math.inf if mse == 0 else None)
-    cos = v["dot"] / math.sqrt(v["ref_sq"] * v["q_sq"]) if v["ref_sq"] > 0 and v["q_sq"] > 0 else None
+    if not math.isfinite(v["err_sq"]) and n:  # values scaled past float32's range (finite inputs near its max):
+        sqnr = psnr = -math.inf                  # an unbounded error, as what-if reports it (log10 of 0 raised)
+        cos = None
+    else:
+        if v["ref_sq"] > 0:
+            sqnr = 10 * math.log10(v["ref_sq"] / v["err_sq"]) if v["err_sq"] > 0 else math.inf
+        psnr = 10 * math.log10(peak * peak / mse) if mse and peak > 0 else (math.inf if mse == 0 else None)
+        cos = v["dot"] / math.sqrt(v["ref_sq"] * v["q_sq"]) if v["ref_sq"] > 0 and v["q_sq"] > 0 else None
     return StudyRow(fmt, mode, k, group, n, mse, None if mse is None else math.sqrt(mse), sqnr, psnr, cos,
                     v["abs_err"] / n if n else None, v["max_err"],
                     math.sqrt(v["err_sq"] / v["ref_sq"]) if v["ref_sq"] > 0 else None,

@@ -150,6 +150,11 @@ def tensor_counts(x: torch.Tensor, dim: int) -> tuple[np.ndarray, np.ndarray, np
         signed, binade, m = bf16_patterns(c.patterns)
         return signed, binade, c.rel, m
     c = host.f32_counts(x)
+    top = int(c.signed[bins.INF_BIN] + c.signed[bins.NMAG + bins.INF_BIN])
+    if top > c.inf:  # finite values above 1.9375 * 2**127 share bin 4080 with Inf: counted in the last finite bin
+        pos_inf = int(torch.isposinf(x).sum())
+        bins.fold_top_finite(c.signed, int(c.signed[bins.INF_BIN]) - pos_inf,
+                             int(c.signed[bins.NMAG + bins.INF_BIN]) - (c.inf - pos_inf))
     zeros = int(c.signed[0] + c.signed[bins.NMAG])
     m = moments.Moments(n=x.numel(), nan=c.nan, inf=c.inf, zeros=zeros, tensors=1)
     if c.n_finite:
@@ -178,6 +183,8 @@ def bf16_patterns(patterns: np.ndarray) -> tuple[np.ndarray, np.ndarray, moments
     hm = hpos + hneg
     # magnitude bin of pattern p: 0 for p == 0, else ((p - 1) >> 3) + 1; exponent field: p >> 7
     signed = np.concatenate([_fold(hpos, 8, True), _fold(hneg, 8, True)])
+    # the finite patterns 0x7F79..0x7F7F fold into bin 4080 beside Inf (0x7F80): counted in the last finite bin
+    bins.fold_top_finite(signed, int(hpos[_FIN - 7:_FIN].sum()), int(hneg[_FIN - 7:_FIN].sum()))
     binade = _fold(hm, 128, False)
     nan, inf, zeros = int(hm[_FIN + 1:].sum()), int(hm[_FIN]), int(hm[0])
     hp, hn = hpos[:_FIN], hneg[:_FIN]
