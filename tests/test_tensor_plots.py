@@ -20,6 +20,11 @@ def test_peak_cells_keep_the_largest_magnitude_with_its_sign_and_nan():
     full, fr1, fc1 = peak_cells(m, 64)
     assert (fr1, fc1) == (1, 1) and torch.equal(torch.from_numpy(full).nan_to_num(123.0), m.nan_to_num(123.0))
     assert matrix_view(torch.ones(2, 3, 4, 5))[0].shape == (4, 5) and matrix_view(torch.ones(6))[0].shape == (1, 6)
+    # a NaN after an Inf in one cell still wins (both ranked as magnitude inf, the first was kept: the NaN hid)
+    row = torch.tensor([[math.inf, math.nan, 1.0, 0.0, -math.inf, 2.0, -3e38, 5.0]])
+    data, _, _ = peak_cells(row, 4)
+    assert math.isnan(data[0, 0]) and data[0, 1] == 1.0 and data[0, 2] == -math.inf and data[0, 3] == -3e38
+    assert peak_cells(torch.tensor([[1e30, -3e38]]), 1)[0][0, 0] == -3e38
 
 
 def _rects(text: str) -> list[str]:

@@ -152,3 +152,18 @@ def test_unreadable_tensors_are_named_and_not_counted(tmp_path, capsys):
     out = capsys.readouterr()
     assert out.out == "" and "fxquant what-if: error: none of the 18 selected high-precision tensor(s) could be " \
         "read" in out.err
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_tensors_get_the_formats_own_values(tmp_path, dtype):
+    """An fp16 tensor was quantized in fp16: bf16 of 65504 is 65536, which fp16 storage made Inf (reported 50 %
+    Inf, SQNR -inf); a bf16 tensor's NVFP4 values were rounded to bf16. The formats' values are float32's."""
+    noise = torch.randn(1, 32, generator=torch.Generator().manual_seed(0)) * 100
+    x = torch.cat([torch.tensor([[65504.0, 1.0, -65504.0, 3.0] * 8]), noise], 1).to(dtype)
+    write_tensors(tmp_path / "cap", [x])
+    res = {r["format"]: r for r in what_if(tmp_path / "cap", ["bf16", "nvfp4"], by=()).rows}
+    if dtype == torch.bfloat16:
+        assert res["bf16"]["sqnr_db"] == math.inf  # bf16 values are bf16's
+    for name in ("bf16", "nvfp4") if dtype == torch.float16 else ("nvfp4",):
+        sqnr, _, _ = _direct([x.float()], lambda t: formats.get(name).quantize(t, -1))
+        assert res[name]["inf_pct"] == 0 and res[name]["sqnr_db"] == pytest.approx(sqnr, rel=1e-12), name

@@ -145,19 +145,21 @@ def _pow10(k: int) -> str:
 
 
 def _log_ticks(lo: float, hi: float, most: int = 7) -> list[tuple[float, str]]:
+    """Powers of ten; where fewer than two lie in [lo, hi], 1-2-5 steps, then 1..9 steps (m * 10^k); for a range
+    narrower than that (hi / lo < about 1.5), linear ticks."""
     if not (lo > 0 and hi > 0 and math.isfinite(lo) and math.isfinite(hi)):
         return []
     a, b = math.floor(math.log10(lo) + 1e-9), math.ceil(math.log10(hi) - 1e-9)
-    if b - a < 1:  # less than a decade: 1-2-5 steps
-        out = []
-        for k in range(a - 1, b + 1):
-            for m in (1, 2, 5):
-                v = m * 10.0**k
-                if lo * (1 - 1e-9) <= v <= hi * (1 + 1e-9):
-                    out.append((v, f"{v:g}"))
-        return out
+    inside = lambda v: lo * (1 - 1e-9) <= v <= hi * (1 + 1e-9)  # noqa: E731
     every = max(1, math.ceil((b - a + 1) / most))
-    return [(10.0**k, _pow10(k)) for k in range(a, b + 1) if k % every == 0 and lo * (1 - 1e-9) <= 10.0**k <= hi * (1 + 1e-9)]
+    decades = [(10.0**k, _pow10(k)) for k in range(a, b + 1) if k % every == 0 and inside(10.0**k)]
+    if len(decades) >= 2:
+        return decades
+    for mantissas in ((1, 2, 5), range(1, 10)):
+        out = [(m * 10.0**k, f"{m * 10.0**k:g}") for k in range(a - 1, b + 1) for m in mantissas if inside(m * 10.0**k)]
+        if len(out) >= 2:
+            return out
+    return _linear_ticks(lo, hi, False, 4)
 
 
 def _symlog_ticks(lo: float, hi: float, lt: float) -> list[tuple[float, str]]:

@@ -29,16 +29,18 @@ ATTENTION_ROLES = ("scores", "probs")
 
 
 def peak_cells(m: torch.Tensor, cells: int) -> tuple[np.ndarray, int, int]:
-    """``m`` [R, C] -> at most ``cells`` x ``cells``: per cell the signed value of largest |value| (NaN wins);
-    also the rows and columns each cell spans."""
+    """``m`` [R, C] -> at most ``cells`` x ``cells``: per cell the signed value of largest |value| (a NaN wins,
+    then an Inf); also the rows and columns each cell spans."""
     r, c = m.shape
     fr, fc = max(1, math.ceil(r / cells)), max(1, math.ceil(c / cells))
     pr, pc = (-r) % fr, (-c) % fc
     x = torch.nn.functional.pad(m.float(), (0, pc, 0, pr))  # zero padding never beats a real value's magnitude
     x = x.reshape(x.shape[0] // fr, fr, x.shape[1] // fc, fc).permute(0, 2, 1, 3).reshape(x.shape[0] // fr,
                                                                                           x.shape[1] // fc, fr * fc)
-    mag = torch.where(torch.isnan(x), math.inf, x.abs())
-    idx = mag.argmax(dim=-1, keepdim=True)
+    finite = torch.where(torch.isfinite(x), x.abs(), -1.0).argmax(dim=-1, keepdim=True)
+    nan, inf = torch.isnan(x), torch.isinf(x)  # a NaN in the cell wins, then an Inf, then the largest |finite|
+    idx = torch.where(nan.any(-1, keepdim=True), nan.float().argmax(-1, keepdim=True),
+                      torch.where(inf.any(-1, keepdim=True), inf.float().argmax(-1, keepdim=True), finite))
     return x.gather(-1, idx).squeeze(-1).numpy(), fr, fc
 
 

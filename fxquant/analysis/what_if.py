@@ -171,8 +171,9 @@ def what_if(dirs: list[str | Path] | str | Path, formats: str | list[str] = "all
             problems.append(f"{rec.rank_dir}: record seq={rec.fields.get('seq')}: unreadable, left out: {exc}")
             continue
         loaded += 1
-        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            x = x.float()
+        # float32 (exact for bf16 / fp16 values): the format's own values, not rounded back to the stored dtype
+        # (bf16 of an fp16 65504 is 65536, which fp16 storage made Inf), as report and quant-error compute them
+        x = x.float()
         key = tuple(rec.fields.get(b) for b in by)
         d = dim if x.dim() else 0
         if x.dim() and not -x.dim() <= d < x.dim():
