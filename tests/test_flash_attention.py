@@ -32,6 +32,7 @@ from fxquant.kernels.flash_attention_spec import ELEMENT_TABLE, operand_code
 from fxquant.kernels.flash_attention_tiles import quant_tile
 from fxquant.schemes import AttentionQuant, GemmQuant, MatmulQuant
 from fxquant.schemes.presets import _all as all_gemms
+from tests.bitwise import assert_bitwise_equal
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = [
@@ -90,9 +91,7 @@ def test_quant_tile_equals_reference_bitwise(tq: TensorQuant) -> None:
         y = torch.empty_like(x)
         _quant_tile_test_kernel[(1,)](x, y, R=64, C=64, AXIS=axis, CODE=operand_code(tq))
         ref = tq.quantize(x.cpu(), dim)
-        assert torch.equal(y.cpu().view(torch.int32), ref.view(torch.int32)) or torch.equal(
-            torch.nan_to_num(y.cpu(), nan=7.0).view(torch.int32), torch.nan_to_num(ref, nan=7.0).view(torch.int32)
-        ), (tq.spec(), axis)
+        assert_bitwise_equal(y.cpu(), ref, f"{tq.spec()} axis={axis}:")  # NaN where ref has NaN, same bits elsewhere
 
 
 def test_element_table_matches_the_literals_in_the_kernel() -> None:

@@ -118,19 +118,28 @@ def test_flash_sdpa_refuses_what_the_kernel_cannot_do():
 # -- the Triton implementation through the op ----------------------------------------------------------------
 @pytest.fixture
 def triton_op():
-    """The ops' Triton implementation on this device: CUDA (registered at import), or CPU in the interpreter."""
-    if DEVICE == "cpu":
-        from fxquant.kernels import flash_attention_launch as fl
+    """The ops' Triton implementation on this device: CUDA (registered at import), or CPU in the interpreter.
+    Yields the names of the flash kernels launched meanwhile (pre-run hooks of the kernels themselves)."""
+    from fxquant.kernels import flash_attention_launch as fl
+    from fxquant.kernels.flash_attention_kernels import _flash_bwd_dkdv_kernel, _flash_bwd_dq_kernel, _flash_fwd_kernel
 
+    if DEVICE == "cpu":
         if not fl.interpreted():
             pytest.skip("the Triton kernels were imported for a GPU, not for the interpreter")
         fs.register_triton("cpu")
-        try:
-            yield
-        finally:
+    launches: list[str] = []
+    hooks = []
+    for k in (_flash_fwd_kernel, _flash_bwd_dkdv_kernel, _flash_bwd_dq_kernel):
+        hook = lambda *args, _name=k.__name__, **kw: launches.append(_name)  # noqa: E731
+        k.add_pre_run_hook(hook)
+        hooks.append((k, hook))
+    try:
+        yield launches
+    finally:
+        for k, hook in hooks:
+            k.pre_run_hooks.remove(hook)
+        if DEVICE == "cpu":
             fs.restore_reference("cpu")
-    else:
-        yield
 
 
 @pytest.mark.triton
@@ -140,6 +149,8 @@ def test_triton_through_the_op_equals_reference(triton_op, preset):
     aq = aq_of(preset)
     q, k, v, do = qkv(b=1, hq=2, hk=1, lq=40, lk=72, d=32, dv=16, seed=3)
     got = fwd_bwd(lambda q, k, v: fs.flash_sdpa(q, k, v, True, None, True, aq=aq), q, k, v, do)
+    # the op ran the Triton kernels, forward and both backward ones (the reference would equal itself)
+    assert sorted(set(triton_op)) == ["_flash_bwd_dkdv_kernel", "_flash_bwd_dq_kernel", "_flash_fwd_kernel"], triton_op
     ref = fwd_bwd(lambda q, k, v: flash_quantized_attention(q, k, v, is_causal=True, aq=aq, impl="reference"), q, k, v, do)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
         assert rel(a, b) <= 1e-5, f"{name}: {rel(a, b)}"

@@ -19,7 +19,7 @@ import fxquant.ops  # noqa: F401  (defines the op)
 from fxquant import formats, lowering
 from fxquant.formats._bits import fdiv, fdiv_wide, seed_key, uniforms
 from fxquant.formats.tensor_quant import TensorQuant
-from tests.bitwise import assert_bitwise_equal
+from tests.bitwise import assert_bitwise_equal, assert_lowered, generated_code
 from tests.test_formats_exhaustive import every_pattern
 
 pytestmark = pytest.mark.slow
@@ -48,19 +48,33 @@ def all_specs() -> list[str]:
 DEFAULT_SPECS = [TensorQuant(f).spec() for f in formats.names()] + [TensorQuant(f, rounding="sr").spec() for f in formats.names()]
 
 
-def _lowered(specs: list[str], dim: int = -1, dynamic: bool = False):
-    """One Inductor-compiled function returning every spec's quantization of its input (the lowering)."""
+class _Lowered:
+    """One Inductor-compiled function returning every spec's quantization of its input (the lowering); keeps the
+    output code of each compile its calls ran (``codes``), so a check can see the quantizes were lowered."""
 
-    def fn(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(torch.ops.fxquant.quantize(x, s, dim, SEED) for s in specs)
+    def __init__(self, specs: list[str], dim: int = -1, dynamic: bool = False) -> None:
+        self.specs, self.dim, self.codes = specs, dim, []
 
-    return torch.compile(fn, backend=lowering.inductor_backend, dynamic=dynamic)
+        def fn(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return tuple(torch.ops.fxquant.quantize(x, s, dim, SEED) for s in specs)
+
+        self.fn = torch.compile(fn, backend=lowering.inductor_backend, dynamic=dynamic)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        with generated_code() as codes:
+            out = self.fn(x)
+        self.codes += codes
+        return out
 
 
-def _check(specs: list[str], got: tuple, x: torch.Tensor, dim: int = -1) -> None:
-    for spec, y in zip(specs, got):
-        want = TensorQuant.from_spec(spec).quantize(x, dim, seed=SEED)
-        assert_bitwise_equal(y, want, f"{spec} dim={dim} {x.dtype} {tuple(x.shape)}:")
+def _check(fn: _Lowered, got: tuple, x: torch.Tensor, device: str = "cpu") -> None:
+    """``got`` (``fn``'s outputs for ``x``) equals the reference, and ``fn``'s code computes every quantize that
+    ``lowering.lowers_exactly`` says lowers on ``device`` (the op's CPU kernel is the reference itself: a
+    quantize left as the op would equal it too)."""
+    for spec, y in zip(fn.specs, got, strict=True):
+        want = TensorQuant.from_spec(spec).quantize(x, fn.dim, seed=SEED)
+        assert_bitwise_equal(y, want, f"{spec} dim={fn.dim} {x.dtype} {tuple(x.shape)}:")
+    assert_lowered(fn.codes, fn.specs, device, f"dim={fn.dim} {x.dtype} {tuple(x.shape)}:")
 
 
 def boundary_rows(length: int) -> torch.Tensor:
@@ -93,17 +107,17 @@ def finite(x: torch.Tensor) -> torch.Tensor:
 def test_every_option_on_every_pattern_float32(source):
     specs = all_specs()
     x = patterns(getattr(torch, source))
-    fn = _lowered(specs)
+    fn = _Lowered(specs)
     for data in (x, finite(x)):
-        _check(specs, fn(data), data)
+        _check(fn, fn(data), data)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_defaults_and_sr_in_half_precision_inputs(dtype):
     x = patterns(dtype).to(dtype)
-    fn = _lowered(DEFAULT_SPECS)
+    fn = _Lowered(DEFAULT_SPECS)
     for data in (x, finite(x)):
-        _check(DEFAULT_SPECS, fn(data), data)
+        _check(fn, fn(data), data)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -116,7 +130,8 @@ def test_several_block_formats_of_one_half_precision_tensor_along_a_non_last_dim
     g = torch.Generator().manual_seed(4)
     x = (torch.randn(64, 100, generator=g) * torch.pow(2.0, torch.empty(64, 100).uniform_(-6, 6, generator=g))).to(dtype)
     torch._dynamo.reset()
-    _check(specs, _lowered(specs, dim=0)(x), x, dim=0)
+    fn = _Lowered(specs, dim=0)
+    _check(fn, fn(x), x)
 
 
 @pytest.mark.parametrize("dim", [0, 1])
@@ -125,7 +140,8 @@ def test_other_dims_with_partial_blocks(dim):
     specs = [TensorQuant(f).spec() for f in MX + ["nvfp4"]] + [TensorQuant("mxfp8_e4m3", rounding="sr").spec()]
     g = torch.Generator().manual_seed(3)
     x = torch.randn(37, 37, 8, generator=g) * torch.pow(10.0, torch.empty(37, 37, 8).uniform_(-6, 6, generator=g))
-    _check(specs, _lowered(specs, dim)(x), x, dim)
+    fn = _Lowered(specs, dim)
+    _check(fn, fn(x), x)
 
 
 CONSUMED_SPECS = [TensorQuant(f).spec() for f in MX + ["nvfp4"]] + [
@@ -142,7 +158,10 @@ def _consumed_check(spec: str, shape: tuple, dim: int, consumer: str = "relu") -
     torch._dynamo.reset()
     fn = torch.compile(lambda t: use(torch.ops.fxquant.quantize(t, spec, dim, SEED)), backend=lowering.inductor_backend)
     want = use(TensorQuant.from_spec(spec).quantize(x, dim, seed=SEED))
-    assert_bitwise_equal(fn(x), want, f"{spec} then {consumer}, {shape} dim={dim}:")
+    with generated_code() as codes:
+        got = fn(x)
+    assert_bitwise_equal(got, want, f"{spec} then {consumer}, {shape} dim={dim}:")
+    assert_lowered(codes, [spec], "cpu", f"{spec} then {consumer}, {shape} dim={dim}:")
 
 
 @pytest.mark.parametrize("spec", CONSUMED_SPECS)
@@ -210,10 +229,10 @@ _HYPOTHESIS_FN = []
 def test_hypothesis_values_and_shapes(rows, length, lo, hi, seed):
     """Random magnitudes and shapes through one dynamic-shape compile (no recompile per shape)."""
     if not _HYPOTHESIS_FN:
-        _HYPOTHESIS_FN.append(_lowered(HYPOTHESIS_SPECS, dynamic=True))
+        _HYPOTHESIS_FN.append(_Lowered(HYPOTHESIS_SPECS, dynamic=True))
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, length, generator=g) * torch.pow(2.0, torch.empty(rows, length).uniform_(lo, hi, generator=g))
-    _check(HYPOTHESIS_SPECS, _HYPOTHESIS_FN[0](x), x)
+    _check(_HYPOTHESIS_FN[0], _HYPOTHESIS_FN[0](x), x)
 
 
 def test_sr_without_a_seed_draws_inside_the_graph_and_is_unbiased():
@@ -351,10 +370,11 @@ def test_compiles_run_loop_remainders_scalar_and_leave_the_users_setting_alone()
     user = _UserPass(_tail_vectorised)
     torch._dynamo.reset()
     with config.patch({"post_grad_custom_pre_pass": user, "cpp.enable_loop_tail_vec": True}):  # the user's choice
-        got = _lowered(specs)(x)
+        fn = _Lowered(specs)
+        got = fn(x)
         assert config.cpp.enable_loop_tail_vec is True, "the user's setting is back after the compile"
     assert user.seen and not any(user.seen), f"tail vectorisation in effect while compiling: {user.seen}"
-    _check(specs, got, x)
+    _check(fn, got, x)
 
 
 def test_compiled_attention_site_quantizes_in_generated_code():
@@ -387,10 +407,10 @@ def test_compiled_attention_site_quantizes_in_generated_code():
 # -- CUDA: the same lowering through Inductor's Triton code generation -------------------------------------
 def _check_cuda(specs: list[str], dim: int, *inputs: torch.Tensor) -> None:
     """Each input (CPU) quantized on the GPU by one compiled graph, compared with the CPU reference."""
-    fn = _lowered(specs, dim)
+    fn = _Lowered(specs, dim)
     for x in inputs:
         got = tuple(y.cpu() for y in fn(x.cuda()))
-        _check(specs, got, x, dim)
+        _check(fn, got, x, "cuda")
 
 
 def spec_groups() -> dict[str, list[str]]:

@@ -16,7 +16,7 @@ import fxquant.ops  # noqa: F401  (defines the op)
 from fxquant import kernels, lowering
 from fxquant.formats.element import E2M1, E4M3
 from fxquant.formats.tensor_quant import TensorQuant
-from tests.bitwise import assert_bitwise_equal
+from tests.bitwise import assert_bitwise_equal, assert_lowered, generated_code
 
 TQ = TensorQuant("nvfp4", block_2d=True)
 SHAPES = [(32, 64), (37, 50), (5, 7), (16, 16), (1, 100), (100, 1), (33, 16), (17, 17)]
@@ -75,7 +75,10 @@ def test_compiled_equals_the_reference(rounding, dim):
         w = _tensor(shape, torch.float32, seed=1)
         fn = torch.compile(lambda t: torch.relu(torch.ops.fxquant.quantize(t, tq.spec(), dim, 5)) + 1,
                            backend=lowering.inductor_backend)
-        assert_bitwise_equal(fn(w), torch.relu(tq.quantize(w, dim, seed=5)) + 1, f"{rounding} dim={dim} {shape}:")
+        with generated_code() as codes:
+            got = fn(w)
+        assert_bitwise_equal(got, torch.relu(tq.quantize(w, dim, seed=5)) + 1, f"{rounding} dim={dim} {shape}:")
+        assert_lowered(codes, [tq.spec()], "cpu", f"{rounding} dim={dim} {shape}:")  # the op's kernel is the reference
 
 
 def test_slabs_of_rows_hold_whole_tiles():

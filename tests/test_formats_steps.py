@@ -20,7 +20,7 @@ import torch
 
 from fxquant.formats._bits import round_integer, round_nearest_bits, round_to_step, ufp, uniforms
 from fxquant.formats.element import BF16, E2M1, E2M3, E3M2, E4M3, E5M2, FP16, HIF8, INT8
-from tests.bitwise import assert_bitwise_equal
+from tests.bitwise import assert_bitwise_equal, assert_lowered, op_calls
 from tests.test_formats_exhaustive import every_pattern, near_ties
 
 STEP_SPECS = [E4M3, E5M2, E3M2, E2M3, E2M1, HIF8, INT8, FP16]  # binades within ufp's range
@@ -191,6 +191,7 @@ def test_lowered_element_rounding_reads_no_bits(name):
     x = torch.randn(8, 256).to(torch.bfloat16)
     out, (code,) = run_and_get_code(fn, x)
     assert_bitwise_equal(out, TensorQuant(name).quantize(x))
+    assert_lowered(code, [spec], "cpu", name)  # else the code above is the op's call: nothing to read for bits
     assert "Float8" not in code
     fmt = formats.get(name)
     if fmt.block_size is None:
@@ -205,6 +206,7 @@ def test_lowered_element_rounding_reads_no_bits(name):
 
     out, (code,) = run_and_get_code(torch.compile(values, backend="inductor", dynamic=False), xb, inv, scale)
     assert_bitwise_equal(out.reshape(x.shape).to(x.dtype), TensorQuant(name).quantize(x))
+    assert not op_calls(code, "block_values"), "block_values left as the op: nothing generated to read for bits"
     assert "bit_cast" not in code and "Float8" not in code, code
 
 

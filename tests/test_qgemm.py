@@ -56,15 +56,22 @@ def qgemm_mod():
 
 @pytest.fixture
 def triton_mm(qgemm_mod):
-    """fxquant::quantized_mm through the Triton kernel on this device (CUDA: registered at import)."""
+    """fxquant::quantized_mm through the Triton kernel on this device (CUDA: registered at import). Yields the
+    number of launches of the kernel meanwhile, as a one-element list (a pre-run hook of the kernel itself)."""
+    launches = [0]
+
+    def hook(*args, **kwargs):
+        launches[0] += 1
+
     if DEVICE == "cpu":
         fused_linear.register_triton("cpu")
-        try:
-            yield
-        finally:
+    qgemm_mod._qgemm_kernel.add_pre_run_hook(hook)
+    try:
+        yield launches
+    finally:
+        qgemm_mod._qgemm_kernel.pre_run_hooks.remove(hook)
+        if DEVICE == "cpu":
             fused_linear.restore_reference("cpu")
-    else:
-        yield
 
 
 FORMATS = [TensorQuant("mxfp8_e4m3"), TensorQuant("mxfp4_e2m1"), TensorQuant("mxfp8_e5m2", scale_mode="rceil"),
@@ -121,6 +128,7 @@ def test_fused_linear_triton_through_the_op_equals_reference(triton_mm):
     lq = lq_of("linear_mxfp8")
     x, w, b, dy = values((40, 64), 9), values((48, 64), 10), values((48,), 11), values((40, 48), 12)
     got = linear_grads(lambda x, w, b: fused_linear.fused_quantized_linear(x, w, b, lq), x, w, b, dy)
+    assert triton_mm[0] >= 3, f"the op ran the Triton kernel {triton_mm[0]} times, not for y, dx and dw"
     ref = linear_grads(lambda x, w, b: quantized_linear(x, w, b, lq), x, w, b, dy)
     for name, g, r in zip(("y", "dx", "dw", "db"), got, ref):
         assert rel(g, r) <= 1e-5, f"{name}: {rel(g, r)}"

@@ -64,12 +64,20 @@ def test_loss_falls_on_wikitext_and_metrics_are_written(tmp_path, wiki_data):
 
 @pytest.mark.slow
 def test_quantized_scheme_trains_through_fxquant_compile(tmp_path, wiki_data):
-    from fxquant.megatron_glue.train import train
+    from fxquant.megatron_glue.train import SITES_FILE, train
 
     result = train(_run(tmp_path, "q", data=wiki_data, scheme="FA_linear_hifp8", backend="aot_eager", iters=4,
                         seq_length=32))
     losses = _losses(result.records)
     assert all(l == l for l in losses) and losses[-1] < losses[0]
+    # the scheme reached fxquant.compile: every decoder linear and the core attention were rewritten under it
+    assert json.loads((result.run_dir / SITES_FILE).read_text())["scheme"] == "FA_linear_hifp8"
+    sites = {s["module_path"]: s for s in result.sites}
+    expected = [f"decoder.layers.{l}.{m}" for l in (0, 1) for m in (
+        "self_attention.linear_qkv", "self_attention.linear_proj", "self_attention.core_attention",
+        "mlp.linear_fc1", "mlp.linear_fc2")]
+    assert all(sites.get(p, {}).get("status") == "rewritten" for p in expected), {p: sites.get(p) for p in expected}
+    assert sites["output_layer"]["status"] == "high"
 
 
 def test_control_iter_stops_and_resume_continues_identically(tmp_path):

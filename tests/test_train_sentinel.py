@@ -112,12 +112,19 @@ def test_sentinel_off_and_run_config_round_trip(tmp_path):
     assert not (tmp_path / "off" / "nonfinite.json").exists() and all("nonfinite" not in r for r in result.records)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None, reason="tensorboard is installed here")
-def test_tensorboard_without_the_package_is_refused_by_name(tmp_path, capsys):
+def test_tensorboard_without_the_package_is_refused_by_name(tmp_path, capsys, monkeypatch):
+    """Runs whether or not tensorboard is installed: the package is made to look absent to the check's
+    ``importlib.util.find_spec`` (what ``run_config.check_tensorboard`` asks)."""
     import dataclasses
 
     from experiments.__main__ import main
 
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name, package=None):
+        return None if name.split(".")[0] == "tensorboard" else real_find_spec(name, package)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     with pytest.raises(ValueError, match="--tensorboard needs the 'tensorboard' package"):
         dataclasses.replace(_run(tmp_path, "tb"), tensorboard=True)
     assert main(["run", "--model", "llama32-1b", "--tensorboard", "--dry-run"]) == 2
