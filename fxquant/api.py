@@ -248,10 +248,7 @@ def compile(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
-        how = "fxquant.compile" if hasattr(model, STATE_ATTR) else "torch.compile"
-        raise TypeError(f"model is already compiled ({how}); pass the module it wraps, model._orig_mod, to compile "
-                        "it with this scheme")
+    _refuse_compiled(model, "compile it with this scheme")
     spec = None if capture is None else _capture_spec(capture)
     if capture_dir is not None and spec is None:
         raise ValueError("capture_dir is only meaningful with a capture spec (capture=...)")
@@ -346,6 +343,13 @@ def compile_state(compiled: nn.Module) -> CompileState:
     return state
 
 
+def _refuse_compiled(model: nn.Module, to: str) -> None:
+    """A torch.compile'd or fxquant.compile'd module (an OptimizedModule) is refused: its wrapped module is wanted."""
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        how = "fxquant.compile" if hasattr(model, STATE_ATTR) else "torch.compile"
+        raise TypeError(f"model is already compiled ({how}); pass the module it wraps, model._orig_mod, to {to}")
+
+
 def explain(model: nn.Module, *example_args: object, scheme: str | Path | Scheme, layer_offset: int | None = None,
             num_layers: int | None = None, kernels: str = "auto", backend: str = "inductor", **example_kwargs: object):
     """Trace ``model(*example_args, **example_kwargs)`` once (forward only) and return an ``Explanation``:
@@ -358,6 +362,7 @@ def explain(model: nn.Module, *example_args: object, scheme: str | Path | Scheme
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    _refuse_compiled(model, "explain it (its paths would carry the wrapper's _orig_mod. prefix)")
     resolved = _scheme(scheme)
     layers = LayerNumbering.of_model(model, layer_offset=layer_offset, num_layers=num_layers)
     fx_backend = FxquantBackend(resolved, inner=Inner.EAGER, root=model, dry_run=True, layers=layers)

@@ -211,6 +211,11 @@ def test_compiling_a_compiled_module_says_what_to_pass():
         fxquant.compile(model, "linear_hifp8")
     with pytest.raises(TypeError, match=r"already compiled \(torch.compile\)"):
         fxquant.compile(torch.compile(make_llama()), "linear_hifp8")
+    raw = make_llama()  # explain too: it listed the wrapper's _orig_mod.-prefixed paths (modules rules failed)
+    for wrapped, how in ((torch.compile(raw), "torch.compile"), (model, "fxquant.compile")):
+        with pytest.raises(TypeError, match=rf"already compiled \({how}\); pass the module it wraps, model._orig_mod, "
+                                            r"to explain it"):
+            fxquant.explain(wrapped, make_tokens(raw.cfg), scheme="linear_mxfp8")
 
 
 def test_deep_copy_of_a_compiled_module_is_compiled_the_same_way():

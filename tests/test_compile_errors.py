@@ -396,3 +396,38 @@ def test_nvfp4_block_2d_on_activations_is_refused_naming_the_site():
     q = torch.randn(1, 2, 16, 16)
     with pytest.raises(Exception, match=r"site '<root>' \(attention\): operands qk.q, qk.k, .* have block_2d"):
         fxquant.compile(Attention(), attention, backend="aot_eager")(q, q, q)
+
+
+class _LinearFn(torch.autograd.Function):
+    """A user's own linear as an autograd.Function whose forward calls F.linear (Megatron's call torch.matmul)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return F.linear(x, w)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        return (dy2 @ w).reshape(x.shape), dy2.t() @ x.reshape(-1, x.shape[-1])
+
+
+class _FnLinear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(48, 32))
+
+    def forward(self, x):
+        return _LinearFn.apply(x, self.weight)
+
+
+def test_an_autograd_function_linear_it_cannot_read_says_what_it_found():
+    """The note said 'fwd_body has 1 matmul-like ops (expected one torch.matmul)' for a Function whose one GEMM is
+    F.linear: it names the GEMM and what is recognised."""
+    model = torch.nn.Sequential(_FnLinear(), torch.nn.Linear(48, 16))
+    compiled = fxquant.compile(model, "linear_mxfp8", backend="aot_eager", strict=True)
+    with pytest.raises(QuantizationError, match=r"selected linear site '0' .* was not rewritten: fwd_body's GEMM is "
+                                                r"linear: an autograd.Function's linear is recognised when its forward "
+                                                r"computes it with torch.matmul or mm"):
+        compiled(torch.randn(2, 5, 32, requires_grad=True)).sum().backward()

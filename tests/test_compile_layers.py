@@ -146,15 +146,34 @@ class _FunctionalTiedHead(nn.Module):
         return torch.nn.functional.linear(torch.relu(self.dense(self.emb(ids))), self.emb.weight)
 
 
-def test_a_functional_linear_on_an_embeddings_weight_is_the_lm_head():
+class _FunctionalTiedHeadWritten(_FunctionalTiedHead):
+    """The tied head with its weight as a keyword, or cast first."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+
+    def forward(self, ids):
+        h = torch.relu(self.dense(self.emb(ids)))
+        if self.how == "keyword":
+            return torch.nn.functional.linear(h, weight=self.emb.weight)
+        if self.how == "all keywords":
+            return torch.nn.functional.linear(input=h, weight=self.emb.weight)
+        return torch.nn.functional.linear(h, self.emb.weight.to(h.dtype))
+
+
+@pytest.mark.parametrize("how", ["positional", "keyword", "all keywords", "cast"])
+def test_a_functional_linear_on_an_embeddings_weight_is_the_lm_head(how):
     """The site takes the path of the weight's owner ('emb'), which names no head: it was quantized as a plain
-    linear by the linear_* presets; its weight being an nn.Embedding's makes it kind lm_head."""
+    linear by the linear_* presets; its weight being an nn.Embedding's makes it kind lm_head, whether the weight is
+    passed positionally, as ``weight=`` or cast first (those two were a plain linear at path '', quantized)."""
     torch._dynamo.reset()
-    compiled = fxquant.compile(_FunctionalTiedHead(), "linear_mxfp8", backend="aot_eager", strict=True)
+    model = _FunctionalTiedHead() if how == "positional" else _FunctionalTiedHeadWritten(how)
+    compiled = fxquant.compile(model, "linear_mxfp8", backend="aot_eager", strict=True)
     compiled(torch.randint(0, 64, (2, 8))).sum().backward()
     sites = {s.site.module_path: s for s in fxquant.compile_state(compiled).sites()}
     assert sites["emb"].site.kind is schemes.SiteKind.LM_HEAD and sites["emb"].status.value == "high"
-    assert sites["dense"].status.value == "rewritten"
+    assert sites["dense"].status.value == "rewritten" and set(sites) == {"emb", "dense"}
 
 
 @pytest.mark.parametrize("rule, kept", [

@@ -55,11 +55,12 @@ class ModuleNames:
         param = self._parameter(arg)
         return param is not None and id(param) in self._embedding_weights
 
-    def param_owner(self, node: fx.Node) -> str | None:
+    def param_owner(self, node: fx.Node, extra: tuple = ()) -> str | None:
         """For a GEMM node without a module stack (a module method called in its own compiled frame, e.g. an
         MoE router's gating): the path of the module owning one of its parameter operands, found by identity
-        through the placeholder's graph argument (looking through one transpose). None when none is known."""
-        for arg in node.args:
+        through the placeholder's graph argument (looking through one transpose), or of one of the ``extra`` nodes
+        (a caller's weight looked through casts and views). None when none is known."""
+        for arg in (*node.args, *node.kwargs.values(), *extra):  # F.linear(h, weight=w) too; extra: other nodes
             if isinstance(arg, fx.Node) and _is_transpose(arg):
                 arg = arg.args[0]
             param = self._parameter(arg)

@@ -52,8 +52,12 @@ def _operands(mm: fx.Node) -> tuple[object, object]:
 def _fprop(fwd: fx.GraphModule) -> tuple[fx.Node | None, set[fx.Node], set[fx.Node], str]:
     """(fprop matmul, placeholders its input derives from, the weight's placeholder, note if unrecognised)."""
     f_mms = _mm_nodes(fwd.graph)
-    if len(f_mms) != 1 or matmul_name(f_mms[0]) not in ("matmul", "mm"):
+    if len(f_mms) != 1:
         return None, set(), set(), f"fwd_body has {len(f_mms)} matmul-like ops (expected one torch.matmul)"
+    if matmul_name(f_mms[0]) not in ("matmul", "mm"):
+        return None, set(), set(), (f"fwd_body's GEMM is {matmul_name(f_mms[0])}: an autograd.Function's linear is "
+                                    f"recognised when its forward computes it with torch.matmul or mm, as "
+                                    f"Megatron's do")
     a, b = _operands(f_mms[0])
     x_ph, w_ph = _placeholder_ancestors(a), _placeholder_ancestors(b)
     if len(w_ph) != 1 or not x_ph or w_ph & x_ph:

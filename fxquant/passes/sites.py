@@ -210,6 +210,8 @@ def _site_path(names: ModuleNames, node: fx.Node, root: str | None) -> str:
     if path is not None:
         return path
     owner = names.param_owner(node)
+    if owner is None and matmul_name(node) == "linear":  # a weight reached through a cast or view
+        owner = names.param_owner(node, extra=(_weight_source(node),))
     if owner is not None:
         return owner
     return root or ""
@@ -243,8 +245,7 @@ def _find(gm: fx.GraphModule, names: ModuleNames, layers: LayerNumbering, root: 
         name = matmul_name(node)
         if name == "linear":
             kind = node.meta.get(KIND_KEY)
-            if (kind is None and len(node.args) > 1 and layer_stack(path) is None
-                    and names.is_embedding_weight(node.args[1])):
+            if kind is None and layer_stack(path) is None and names.is_embedding_weight(_weight_source(node)):
                 kind = SiteKind.LM_HEAD  # a tied head written F.linear(h, self.<embedding>.weight), outside the layers
             match(node, OpKind.LINEAR, layers.site(path, kind))
         elif name == "scaled_dot_product_attention":
@@ -330,19 +331,29 @@ def parameter(node: object) -> torch.nn.Parameter | None:
     return example if isinstance(example, torch.nn.Parameter) else None
 
 
-def _is_weight(node: fx.Node) -> bool:
-    """Whether ``node`` is a >= 2-D parameter, or a view, transpose or cast of one (a few steps back)."""
+def _through_views(node: object) -> object:
+    """The node a chain of views, transposes and casts (``_WEIGHT_VIEWS``, a few steps) starts from."""
     for _ in range(8):
-        p = parameter(node)
-        if p is not None:
-            return p.dim() >= 2
+        if not isinstance(node, fx.Node) or parameter(node) is not None:
+            return node
         name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
         if node.op not in ("call_method", "call_function") or name not in _WEIGHT_VIEWS or not node.args:
-            return False
+            return node
         node = node.args[0]
-        if not isinstance(node, fx.Node):
-            return False
-    return False
+    return node
+
+
+def _is_weight(node: fx.Node) -> bool:
+    """Whether ``node`` is a >= 2-D parameter, or a view, transpose or cast of one (a few steps back)."""
+    p = parameter(_through_views(node))
+    return p is not None and p.dim() >= 2
+
+
+def _weight_source(node: fx.Node) -> object:
+    """The weight of a linear call (positional or ``weight=``), looked through views and casts
+    (``F.linear(h, weight=self.emb.weight.to(h.dtype))``)."""
+    weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+    return _through_views(weight)
 
 
 def _tensor_args(node: fx.Node) -> list[fx.Node]:
