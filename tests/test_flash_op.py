@@ -26,6 +26,7 @@ from fxquant.kernels.flash_attention import flash_quantized_attention
 from fxquant.qfunctions import flash_sdpa as fs
 from fxquant.schemes import AttentionQuant, GemmQuant, MatmulQuant, Site, SiteKind
 from tests.models import make_llama, make_tokens
+from tests.kernel_hooks import launches_of
 from tests.test_compile import assert_bitwise, compiled_step
 
 rewrite_sdpa = importlib.import_module("fxquant.passes.rewrite_sdpa")  # the package exports a function of that name
@@ -127,17 +128,10 @@ def triton_op():
         if not fl.interpreted():
             pytest.skip("the Triton kernels were imported for a GPU, not for the interpreter")
         fs.register_triton("cpu")
-    launches: list[str] = []
-    hooks = []
-    for k in (_flash_fwd_kernel, _flash_bwd_dkdv_kernel, _flash_bwd_dq_kernel):
-        hook = lambda *args, _name=k.__name__, **kw: launches.append(_name)  # noqa: E731
-        k.add_pre_run_hook(hook)
-        hooks.append((k, hook))
     try:
-        yield launches
+        with launches_of(_flash_fwd_kernel, _flash_bwd_dkdv_kernel, _flash_bwd_dq_kernel) as launches:
+            yield launches
     finally:
-        for k, hook in hooks:
-            k.pre_run_hooks.remove(hook)
         if DEVICE == "cpu":
             fs.restore_reference("cpu")
 

@@ -23,6 +23,7 @@ import pytest
 import fxquant.ops  # noqa: F401  (defines torch.ops.fxquant.quantize)
 from fxquant import kernels
 from fxquant.formats.tensor_quant import TensorQuant
+from tests.kernel_hooks import launches_of
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = [pytest.mark.triton, pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")]
@@ -34,18 +35,11 @@ def triton_op():
     from fxquant.kernels import _quantize, launch
 
     kernels.register(DEVICE)
-    launches = []
-    hooks = []
-    if launch.INTERPRETED:
-        for k in (_quantize._quantize_element_kernel, _quantize._quantize_mx_kernel, _quantize._quantize_nvfp4_kernel):
-            hook = lambda *args, _name=k.__name__, **kw: launches.append(_name)  # noqa: E731
-            k.add_pre_run_hook(hook)
-            hooks.append((k, hook))
+    watched = (_quantize._quantize_element_kernel, _quantize._quantize_mx_kernel, _quantize._quantize_nvfp4_kernel)
     try:
-        yield launches
+        with launches_of(*(watched if launch.INTERPRETED else ())) as launches:
+            yield launches
     finally:
-        for k, hook in hooks:
-            k.pre_run_hooks.remove(hook)
         if DEVICE == "cpu":
             kernels.restore_reference("cpu")  # the rest of the suite runs the reference on CPU
 

@@ -23,6 +23,7 @@ from fxquant import schemes
 from fxquant.formats.tensor_quant import TensorQuant
 from fxquant.qfunctions import fused_linear, quantized_linear
 from fxquant.schemes import LinearQuant, Site, SiteKind
+from tests.kernel_hooks import launches_of
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -57,19 +58,13 @@ def qgemm_mod():
 @pytest.fixture
 def triton_mm(qgemm_mod):
     """fxquant::quantized_mm through the Triton kernel on this device (CUDA: registered at import). Yields the
-    number of launches of the kernel meanwhile, as a one-element list (a pre-run hook of the kernel itself)."""
-    launches = [0]
-
-    def hook(*args, **kwargs):
-        launches[0] += 1
-
+    kernel's launches meanwhile (a pre-run hook of the kernel itself)."""
     if DEVICE == "cpu":
         fused_linear.register_triton("cpu")
-    qgemm_mod._qgemm_kernel.add_pre_run_hook(hook)
     try:
-        yield launches
+        with launches_of(qgemm_mod._qgemm_kernel) as launches:
+            yield launches
     finally:
-        qgemm_mod._qgemm_kernel.pre_run_hooks.remove(hook)
         if DEVICE == "cpu":
             fused_linear.restore_reference("cpu")
 
@@ -128,7 +123,7 @@ def test_fused_linear_triton_through_the_op_equals_reference(triton_mm):
     lq = lq_of("linear_mxfp8")
     x, w, b, dy = values((40, 64), 9), values((48, 64), 10), values((48,), 11), values((40, 48), 12)
     got = linear_grads(lambda x, w, b: fused_linear.fused_quantized_linear(x, w, b, lq), x, w, b, dy)
-    assert triton_mm[0] >= 3, f"the op ran the Triton kernel {triton_mm[0]} times, not for y, dx and dw"
+    assert len(triton_mm) >= 3, f"the op ran the Triton kernel {len(triton_mm)} times, not for y, dx and dw"
     ref = linear_grads(lambda x, w, b: quantized_linear(x, w, b, lq), x, w, b, dy)
     for name, g, r in zip(("y", "dx", "dw", "db"), got, ref):
         assert rel(g, r) <= 1e-5, f"{name}: {rel(g, r)}"
