@@ -159,3 +159,15 @@ def test_a_second_export_into_the_same_out_is_refused_or_replaces(tmp_path, caps
     (tmp_path / "afile").write_text("x")
     assert main(["capture", "ls", str(tmp_path / "afile")]) == 2
     assert "is a file, not a directory" in capsys.readouterr().err
+
+
+def test_export_pt_read_back_keeps_the_site_kind(tmp_path):
+    """A linear record's kind (fc1, ...) came back None from its export-pt file: `--where kind=fc1` found nothing
+    in the export that it found in the capture set. The predecessor's own linear files still have none."""
+    write_set(tmp_path / "cap", ranks=1, layers=2, what="full")
+    cs = capture.open(tmp_path / "cap")
+    export_pt(cs, tmp_path / "pt")
+    pt = PtCaptureSet(tmp_path / "pt")
+    kinds = sorted(r.fields["kind"] for r in cs if r.has_tensor)
+    assert kinds and sorted(r.fields["kind"] for r in pt) == kinds and "fc1" in kinds
+    assert len(pt.query(kind="fc1")) == len(cs.query(kind="fc1")) > 0

@@ -19,6 +19,8 @@ and listed in ``problems``, never executed. Metadata become record fields:
                 metadata.layer_idx / rank / iteration / micro_batch, else ``L<n>``, ``rank<n>``, ``iter<n>`` in
                 the file name, else None / 0
     module      extras.module (export-pt), else ``<layer_type>.L<layer>``
+    kind        layer_type of an export-pt file (the capture record's kind: fc1, qkv, ...), else attention for
+                attention and None
     sample, section, stats
                 extras.sample / section / stats (export-pt: the capture record's), else None; a sampled tensor's
                 ``shape`` is tensor_info.shape (the whole tensor's), its ``stored_shape`` the rows the file holds
@@ -83,6 +85,17 @@ def _int(value, default=None):
     return default
 
 
+def _kind(layer_type: str, component: str, extras: dict) -> str | None:
+    """The record's site kind: an export-pt file's layer_type (the capture record's kind, e.g. fc1), else
+    attention for attention and None for the predecessor's own linear files."""
+    from fxquant.capture.spec import ModuleKind
+
+    if "module" in extras and layer_type in {k.value for k in ModuleKind} and (
+            ModuleKind(layer_type).component.value == component):
+        return layer_type
+    return "attention" if component == "attention" else None
+
+
 def fields_of(path: Path, data: dict, seq: int, scheme_default: str) -> dict:
     """The fxquant record fields of one payload (module docstring)."""
     meta = data.get("metadata") if isinstance(data.get("metadata"), dict) else {}
@@ -116,7 +129,7 @@ def fields_of(path: Path, data: dict, seq: int, scheme_default: str) -> dict:
         "format": extras.get("format") if copy == "quantized" else None,
         "qspec": extras.get("qspec") if copy == "quantized" else None, "component": component,
         "module": str(extras.get("module") or f"{layer_type}.L{'X' if layer is None else layer}"),
-        "kind": "attention" if component == "attention" else None, "layer": layer, "role": role, "copy": copy,
+        "kind": _kind(layer_type, component, extras), "layer": layer, "role": role, "copy": copy,
         "gemm": gemm, "phase": phase, "direction": direction,
         "iteration": _int(meta.get("iteration"), _from_name(stem, "iter")) or 0,
         "micro_batch": _int(meta.get("micro_batch"), 0), "seq": seq,
