@@ -4,7 +4,7 @@ forward + backward through ``flash_attention_launch`` (no autograd wrapper), per
 same bits (output, dQ, dK, dV). Writes JSON.
 
 The earlier kernels are ``fxquant/kernels/flash_attention_kernels.py`` and ``flash_attention_launch.py`` of
-``--rev`` (taken with ``git show``; the device machine has no history, so extract them here with
+``--rev`` (taken with ``git show``; a GPU machine without the repository's history gets them extracted here with
 ``--extract DIR`` and pass ``--old DIR`` there). Both versions share the rest of the package (tiles,
 primitives, spec), so the comparison is meaningful only while those are unchanged between the two.
 

@@ -279,7 +279,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time plain's and each preset's compile call and first step in a fresh process with an "
                         "empty Inductor cache (cold_compile_s: the compile a user sees on a new machine), then in "
                         "another on the cache that filled (warm_compile_s: a rerun on the same machine)")
-    p.add_argument("--compile-only", default=None, help=argparse.SUPPRESS)  # the --cold-compile child
+    p.add_argument("--compile-only", default=None, metavar="LABEL",
+                   help="compile one variant of the first --models model in this process and print its COMPILE line "
+                        "(JSON: compile call, first step, breakdown); LABEL: a preset name or 'plain torch.compile'; "
+                        "--cold-compile runs it in fresh processes")
     raw = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     split = lambda s: [x for x in s.split(",") if x]  # noqa: E731

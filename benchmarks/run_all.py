@@ -27,7 +27,7 @@ Timing: CUDA events around each call after warm-up, median of ``--repeat`` (CPU:
 that needs a GPU reads "n/a (no GPU)" on a machine without one. ``--quick`` shrinks every size for a
 smoke run (minutes on a 2-core CPU).
 
-One command must finish within a device call (10 minutes): every section has a time budget
+One command must finish within 10 minutes (the GPU job limit): every section has a time budget
 (``SECTION_BUDGET_S``, scaled by ``--budget-scale``; off with ``--quick``) checked before each measurement;
 what does not fit reads "skipped: section time budget spent". JSON and markdown are rewritten after every
 section, so a run that is killed keeps what it measured.
@@ -72,7 +72,7 @@ from tests.models import make_llama, make_tokens, next_token_loss  # noqa: E402
 
 logger = logging.getLogger("fxquant.benchmarks.run_all")
 SECTIONS = ("ceilings", "quantize", "fused", "linear", "attention", "model", "capture", "compile")
-# Seconds per section on a GPU (the sum, plus start-up, stays under a 10-minute device call).
+# Seconds per section on a GPU (the sum, plus start-up, stays under a 10-minute job).
 SECTION_BUDGET_S = {"ceilings": 10, "quantize": 50, "fused": 40, "linear": 80, "attention": 90, "model": 150,
                     "capture": 25, "compile": 40}  # 485 s; one measurement may overrun its section's budget
 SKIPPED = "skipped: section time budget spent"

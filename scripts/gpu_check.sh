@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The GPU check, in one command for one device call (H100 / H200; the machine's own python3, torch and triton):
+# The GPU check, in one command of at most 10 minutes (H100 / H200; the machine's own python3, torch and triton):
 #   1. the environment (GPU, driver, clocks, torch, triton);
 #   2. the CUDA tests, two pytest runs side by side: the Triton kernels (quantize, flash attention, quantized
 #      GEMM) against the pure-torch reference bit for bit, and Inductor's lowering of the quantize op (Triton
 #      code generation) against the same reference: the element rounding, op by op, and through
 #      fxquant.compile (checkpointed regions too);
 #   3. benchmarks/run_all.py over SECTIONS, alone on the GPU.
-# Every step has a wall-clock cap, so the whole command ends inside one device call; logs, JUnit XML and the
+# Every step has a wall-clock cap, so the whole command ends inside 10 minutes; logs, JUnit XML and the
 # benchmark JSON/markdown go to $OUT (else ./gpu-out).
 #
 #   bash scripts/gpu_check.sh                                   # everything, about 9 minutes

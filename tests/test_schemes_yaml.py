@@ -269,7 +269,7 @@ def test_a_reversed_range_says_start_exceeds_stop(span: str) -> None:
     ("{kinds: [fc1], layers: []}", "layers", "an empty list"),
 ])
 def test_an_empty_selector_is_refused_not_taken_as_every_site(match: str, key: str, what: str) -> None:
-    # An empty list used to be stored as () and read as "no selector": the rule matched every site.
+    # Stored as () an empty list would read as "no selector": the rule would match every site.
     with pytest.raises(SchemeError) as info:
         Scheme.from_yaml_text(f"rules:\n  - match: {match}\n    linear: mxfp4\n", "s.yaml")
     (problem,) = info.value.problems

@@ -18,9 +18,10 @@ offset). The training loop then calls:
   tensor itself is untouched (no view, so Megatron's `deallocate_output_tensor` still applies);
 - `paused()` around validation: the session sits at iteration -1, outside every window (spec iterations
   are >= 0), so evaluation forwards capture nothing;
-- `close()` at the end and on error or interrupt: drains the writer (every shard and manifest line is
-  written to a temporary name, fsync'ed and renamed, so nothing half-written ever sits under a final
-  name) and writes the rank's commit marker; returns the summary (records, bytes, stop reason), logged.
+- `close()` at the end and on error or interrupt: drains the writer (every shard is written to a temporary
+  name, fsync'ed and renamed, so no half-written shard sits under a final name; manifest lines are appended
+  and fsync'ed, and the reader skips a torn last line) and writes the rank's commit marker; returns the
+  summary (records, bytes, stop reason), logged.
 """
 from __future__ import annotations
 
