@@ -46,11 +46,14 @@ def test_probes_run_once_in_daemon_threads_and_inductor_reuses_their_answers():
         assert "VALID ['" in run.stdout, run.stdout  # this machine has a vector ISA Inductor can build for
 
 
-def test_no_probe_where_the_isa_is_forced(monkeypatch):
+def test_no_probe_where_the_isa_is_forced():
+    """Inductor's own config.patch: monkeypatch's undo on the config's ``cpp`` proxy deleted the key (every later
+    Inductor C++ compile in the process then failed: 'config.cpp.vec_isa_ok does not exist')."""
     from torch._inductor import config
 
-    monkeypatch.setattr(config.cpp, "vec_isa_ok", False)
-    assert isa_probe.candidates() == []
+    with config.patch({"cpp.vec_isa_ok": False}):
+        assert isa_probe.candidates() == []
+    assert config.cpp.vec_isa_ok is None
 
 
 def test_only_models_with_cpu_tensors_count_as_on_the_cpu():
