@@ -795,11 +795,11 @@ def test_a_failing_capture_after_the_files_budget_is_still_reported(tmp_path, po
     assert s.summary["records"] == 1
 
 
-def test_verify_reports_a_failure_of_the_ops_own_work_and_keeps_earlier_sessions_errors(tmp_path, monkeypatch):
+def test_verify_reports_a_failure_of_the_ops_own_work_and_keeps_earlier_captures_errors(tmp_path, monkeypatch):
     """A failure of the capture call's own tensor work (sampling; on CUDA the queued re-quantization) stops capture
-    like a writer failure and leaves the session unclean (it committed clean); the error stays recorded
-    (errors.jsonl) through later sessions appending to the directory, one that crashes before closing included
-    (the next session's marker replaced the earlier one's)."""
+    like a writer failure and leaves the capture unclean (it committed clean); the error stays recorded
+    (errors.jsonl) through later captures appending to the directory, one that crashes before closing included
+    (the next capture's marker replaced the earlier one's)."""
     from fxquant.capture import prepare
 
     text = "sections: [{name: rows, points: [{component: linear, roles: [input]}], what: full, sampling: {first_rows: 2}}]"
@@ -813,11 +813,11 @@ def test_verify_reports_a_failure_of_the_ops_own_work_and_keeps_earlier_sessions
         return real(self, x)
 
     monkeypatch.setattr(prepare.Work, "sample", failing)
-    with capture.start(spec, tmp_path, scheme="s") as session:
+    with capture.start(spec, tmp_path, scheme="s") as cap:
         for i in range(3):
-            session.set_iteration(i)
+            cap.set_iteration(i)
             torch.ops.fxquant.capture(torch.randn(4, 16), tap())
-    assert session.summary["clean"] is False and "simulated: out of memory" in session.summary["error"]
+    assert cap.summary["clean"] is False and "simulated: out of memory" in cap.summary["error"]
     (problem,) = capture.open(tmp_path).verify()
     assert "the capture of run" in problem and "ended on an error" in problem and "out of memory" in problem
     monkeypatch.setattr(prepare.Work, "sample", real)
@@ -826,9 +826,9 @@ def test_verify_reports_a_failure_of_the_ops_own_work_and_keeps_earlier_sessions
             "s.set_iteration(4)\ntorch.ops.fxquant.capture(torch.randn(4, 16), tap())\nos._exit(1)\n")
     crash = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, capture_output=True, text=True)
     assert crash.returncode == 1 and not (tmp_path / "rank-00000" / layout.COMMITTED).exists(), crash.stderr
-    with capture.start(spec, tmp_path, scheme="s") as session:
-        session.set_iteration(5)
+    with capture.start(spec, tmp_path, scheme="s") as cap:
+        cap.set_iteration(5)
         torch.ops.fxquant.capture(torch.randn(4, 16), tap())
-    assert session.summary["clean"] is True
+    assert cap.summary["clean"] is True
     (problem,) = capture.open(tmp_path).verify()
     assert "ended on an error" in problem and "simulated: out of memory" in problem
