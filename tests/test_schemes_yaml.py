@@ -166,7 +166,7 @@ def test_the_python_api_refuses_what_the_yaml_refuses(kwargs: dict, error: type,
 
 def test_merge_keys_share_settings_and_keys_beside_them_override() -> None:
     """``<<: *anchor`` (YAML's merge key) crashed with PyYAML's ConstructorError (not a SchemeError: a traceback
-    from `fxquant schemes FILE`); its keys now count as written, and keys written beside it override them."""
+    from `fxquant schemes FILE`); its keys count as written, and keys written beside it override them."""
     s = Scheme.from_yaml_text(
         "rules:\n"
         "  - linear: &base {format: mxfp8, rounding: sr}\n"

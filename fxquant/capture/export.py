@@ -73,7 +73,9 @@ def export_pt(cs: CaptureSet, out_dir: str | Path, quant_type: str | None = None
     skipped = statistics_only(cs) if skipped is None else skipped
     if skipped:
         log.info("export-pt: %d statistics-only record(s) skipped (what: stats: no tensor stored)", skipped)
-    name = lambda rec: sanitize(quant_type or rec.fields.get("scheme") or "unknown", 60)  # noqa: E731
+    def name(rec: Record) -> str:
+        return sanitize(quant_type or rec.fields.get("scheme") or "unknown", 60)
+
     for d in sorted({out / name(r) for r in cs if r.has_tensor}):
         earlier = sorted(d.glob("*.pt")) if d.is_dir() else []
         if earlier and not replace:

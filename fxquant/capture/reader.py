@@ -366,9 +366,9 @@ class CaptureSet:
 
 
 def _commit_problems(name: str, meta: dict) -> list[str]:
-    """What a rank's manifest, ``errors.jsonl`` and COMMITTED marker say is missing or wrong: every session that ended
-    on a capture error (records dropped), a manifest holding another number of records than the marker counted at close (lines lost or
-    added since; markers of earlier versions hold no count), a ``seq`` on several records."""
+    """What a rank's manifest, ``errors.jsonl`` and COMMITTED marker say is missing or wrong: every capture that
+    ended on an error (records dropped), a manifest holding another number of records than the marker counted at
+    close (lines lost or added since; markers of earlier versions hold no count), a ``seq`` on several records."""
     out = []
     committed = meta.get("committed") or {}
     errors = meta.get("errors") or []

@@ -284,8 +284,8 @@ class CaptureSession:
                 raise CaptureError(
                     f"the capture tap at {tap.module!r} ({tap.component.value}.{tap.role.value}) was compiled for another "
                     f"capture spec (placement {tap.placement}) than the one capture.start was given, "
-                    f"{self.spec.name!r} ({self._placement}): its section indices would name other sections. Start the session with "
-                    f"the spec the model was compiled with, or compile the model with this one "
+                    f"{self.spec.name!r} ({self._placement}): its section indices would name other sections. "
+                    f"Start the capture with the spec the model was compiled with, or compile the model with this one "
                     f"(fxquant.compile(..., capture=spec)); sections may differ in when/what/sampling only")
             sections = [self.spec.sections[i] for i in tap.sections if i in self._active]
             if not sections:

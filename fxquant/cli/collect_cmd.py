@@ -64,7 +64,8 @@ def add_collection_arguments(p: argparse.ArgumentParser, modes: tuple[str, ...] 
     p.add_argument("--control-iter", type=positive_int, default=1, metavar="N",
                    help="iterations to collect, then stop (N >= 1; default 1)")
     p.add_argument("--collect-micro-batches", "--control-micro-batches", dest="collect_micro_batches",
-                   type=positive_int, default=None, metavar="M", help="micro-batches 0..M-1 of each iteration (default all; quick: 1)")
+                   type=positive_int, default=None, metavar="M",
+                   help="micro-batches 0..M-1 of each iteration (default all; quick: 1)")
     p.add_argument("--tensor-save-dir", "--tensor-dir", "--tensor-path", dest="tensor_dir", default=DEFAULT_DIR, metavar="DIR",
                    help=f"captures go to DIR/<scheme>/ (default {DEFAULT_DIR})")
     p.add_argument("--export-pt", default=None, metavar="OUT",
@@ -170,7 +171,8 @@ def run_collect(args: argparse.Namespace) -> int:
     rows = []
     for c in planned:
         print(f"[collect {mode}] {c.scheme} -> {Path(args.tensor_dir) / c.scheme}", flush=True)
-        row = {"scheme": c.scheme, "captures": str(Path(args.tensor_dir) / c.scheme), "run_dir": _run_dir(args, c.scheme)}
+        row = {"scheme": c.scheme, "captures": str(Path(args.tensor_dir) / c.scheme),
+               "run_dir": _run_dir(args, c.scheme)}
         if c.scheme_arg != c.scheme:  # a scheme YAML: its text as collected, whatever the file becomes
             row["scheme_file"], row["scheme_text"] = c.scheme_arg, Path(c.scheme_arg).read_text()
         try:

@@ -105,8 +105,8 @@ def plan(args: argparse.Namespace, env: dict) -> tuple[str, list[Collection], li
             named.setdefault(c.scheme, []).append(q)
         twice = {scheme: qs for scheme, qs in named.items() if len(qs) > 1}
         if twice:  # one run and capture directory each: the second would replace the first's captures
-            raise ValueError("--quant-types name a scheme more than once: " + "; ".join(
-                f"{' and '.join(map(repr, qs))} are both {scheme}" for scheme, qs in twice.items()) + "; each is collected once")
+            said = "; ".join(f"{' and '.join(map(repr, qs))} are both {scheme}" for scheme, qs in twice.items())
+            raise ValueError(f"--quant-types name a scheme more than once: {said}; each is collected once")
         return mode, collections, notes
     if args.quant_types:
         raise ValueError(f"--quant-types is for batch mode; {mode} collects one --quant-type")

@@ -1,6 +1,6 @@
 """Command-line pieces shared by several verbs: ``--where FIELD=V1,V2`` conditions and their help text, an
-integer >= 1 and a positive-seconds argparse type, the check that every capture DIR is a directory, and the error when the DIRs gave
-nothing to work on."""
+integer >= 1 and a positive-seconds argparse type, the check that every capture DIR is a directory, and the error
+when the DIRs gave nothing to work on."""
 from __future__ import annotations
 
 import argparse

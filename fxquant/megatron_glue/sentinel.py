@@ -92,7 +92,8 @@ class NonFiniteSentinel:
         except FileNotFoundError:
             return
         except (json.JSONDecodeError, OSError, UnicodeDecodeError) as exc:
-            log.warning("%s: unreadable (%s): removed; the next non-finite iteration writes it again", self.path, exc)
+            if self.logging:
+                log.warning("%s: unreadable (%s): removed; the next non-finite iteration writes it again", self.path, exc)
             event = None
         if isinstance(event, dict) and isinstance(event.get("iteration"), int) and event["iteration"] <= start_iteration:
             self.first = event

@@ -88,7 +88,8 @@ def check_blockable_linear(m: Match, lq: LinearQuant) -> None:
                  if t is not None and t.options.block_2d]
         if tiled:
             raise ValueError(
-                f"site {m.site.module_path!r} (a Megatron linear): {' and '.join(tiled)} {'have' if len(tiled) > 1 else 'has'} block_2d, which takes "
+                f"site {m.site.module_path!r} (a Megatron linear): {' and '.join(tiled)} "
+                f"{'have' if len(tiled) > 1 else 'has'} block_2d, which takes "
                 f"2-D tensors (16x16 tiles of a weight); Megatron's linears quantize their [S, B, H] input and its "
                 f"gradient as they come: set block_2d on the weight operands (fprop.w, dgrad.w) or wgrad's")
     for gemm, operand, tq, axis in operands:

@@ -209,9 +209,8 @@ def _site_path(names: ModuleNames, node: fx.Node, root: str | None) -> str:
     path = names.node_path(node)
     if path is not None:
         return path
-    owner = names.param_owner(node)
-    if owner is None and matmul_name(node) == "linear":  # a weight reached through a cast or view
-        owner = names.param_owner(node, extra=(_weight_source(node),))
+    # a linear's weight also through a cast or view (F.linear(h, weight=self.emb.weight.to(h.dtype)))
+    owner = names.param_owner(node, extra=(_weight_source(node),) if matmul_name(node) == "linear" else ())
     if owner is not None:
         return owner
     return root or ""
