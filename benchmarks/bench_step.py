@@ -31,10 +31,12 @@ than eager; compile time <= 1.5x plain's.
 from __future__ import annotations
 
 import argparse
+import atexit
 import copy
 import datetime
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -43,8 +45,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-if __name__ == "__main__":  # before torch is imported: Inductor settles on its cache directory as it loads
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="bench_step_inductor_"))
+if __name__ == "__main__" and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    # Before torch is imported (Inductor settles on its cache directory as it loads): a fresh cache, removed at exit.
+    _cache = tempfile.mkdtemp(prefix="bench_step_inductor_")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _cache
 
 import torch
 from tabulate import tabulate

@@ -68,3 +68,22 @@ def test_bench_step_hf_model_runs_where_transformers_is_installed_and_says_what_
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
     assert list(rows) == ["plain torch.compile", "linear_mxfp8", "linear_mxfp8 [eager]"]
     assert all(r["model"] == "hf" and r["step_ms"] > 0 for r in rows.values())
+
+
+
+@pytest.mark.parametrize("cache_set", [False, True])
+def test_bench_step_leaves_no_inductor_cache_directory_behind(tmp_path, cache_set):
+    """Run as a script without TORCHINDUCTOR_CACHE_DIR, the benchmark compiles into a fresh temporary cache that it
+    removes at exit; with the variable set, it makes none."""
+    import os
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env["TMPDIR"] = str(scratch)
+    if cache_set:
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "cache")
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_step.py"), "--help"],
+                          capture_output=True, text=True, env=env, check=False)
+    assert done.returncode == 0 and "--cold-compile" in done.stdout, done.stderr[-3000:]
+    assert list(scratch.iterdir()) == []
