@@ -292,3 +292,19 @@ def test_no_keys_is_no_flash_site_and_gives_sdpa_zeros():
     model = fxquant.compile(Attention(), "FA_mxfp8_e4m3", backend="aot_eager", attention="flash")
     out = model(q, k, v)
     assert torch.equal(out, F.scaled_dot_product_attention(q, k, v)) and not out.any()
+
+
+def test_empty_batch_with_grouped_heads_runs_backward_and_empty_heads_are_refused():
+    """B = 0 with GQA: the reference backward gives empty gradients of the inputs' shapes, as SDPA does. A head
+    dim or head count of 0 is a refusal (a ValueError naming the shapes, and no flash site), not a crash."""
+    q, k, v = (torch.randn(s, requires_grad=True) for s in ((0, 4, 8, 16), (0, 2, 8, 16), (0, 2, 8, 16)))
+    for out in (fs.flash_sdpa(q, k, v, enable_gqa=True, aq=AttentionQuant()),
+                flash_quantized_attention(q, k, v, aq=AttentionQuant(), impl="reference")):
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.zeros_like(out))
+        assert (out.shape, dq.shape, dk.shape, dv.shape) == (q.shape, q.shape, k.shape, v.shape)
+    for shapes in (((1, 2, 4, 0), (1, 2, 4, 0), (1, 2, 4, 8)), ((1, 2, 4, 8), (1, 2, 4, 8), (1, 2, 4, 0)),
+                   ((1, 0, 4, 8), (1, 2, 4, 8), (1, 2, 4, 8))):
+        q, k, v = (torch.randn(s) for s in shapes)
+        assert "head dims >= 1" in fs.unsupported_reason(q, k, v, enable_gqa=True)
+        with pytest.raises(ValueError, match="head dims >= 1"):
+            fs.flash_sdpa(q, k, v, enable_gqa=True, aq=AttentionQuant())

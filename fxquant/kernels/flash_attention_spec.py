@@ -125,8 +125,11 @@ def operand_code(tq: TensorQuant | None, where: str = "operand", kernel: str = "
 
 
 def bf16_exact(tq: TensorQuant | None) -> bool:
-    """Whether every quantized value is a bf16 value (at most 8 significant bits), so a GEMM on the GPU may
-    feed the tensor cores bf16 without changing it. fp16 elements have 11 significant bits: not exact."""
+    """Whether the format's values have at most 8 significant bits, so a GEMM on the GPU may feed the tensor
+    cores bf16 without changing them. fp16 elements have 11 significant bits: not exact. One exception, kept
+    for the tensor cores' speed: an MX block of float32 input whose amax is below about 2^-118 (scale 2^-127)
+    holds float32 subnormals finer than bf16's subnormal step 2^-133; values below 2^-130 may be rounded to
+    that step (docs/flash_attention.md). bf16 and fp16 inputs give only values bf16 holds."""
     return tq is not None and tq.fmt.element.mbits <= 7
 
 

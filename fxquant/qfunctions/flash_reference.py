@@ -113,8 +113,8 @@ def backward(
         dq[:, :, start:stop] = torch.matmul(_operand(ds, fq, Operand.DQ_DS, -1, q.dtype), kq_lk)
     if group > 1:
         b, hk = k.shape[:2]
-        dk = dk.reshape(b, hk, group, lk, -1).sum(2)
-        dv = dv.reshape(b, hk, group, lk, -1).sum(2)
+        dk = dk.reshape(b, hk, group, lk, dk.shape[-1]).sum(2)  # explicit sizes: B = 0 leaves -1 undefined
+        dv = dv.reshape(b, hk, group, lk, dv.shape[-1]).sum(2)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

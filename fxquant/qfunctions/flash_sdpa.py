@@ -96,6 +96,8 @@ def unsupported_reason(query: object, key: object, value: object, attn_mask: obj
     d, dv = query.shape[-1], value.shape[-1]
     if not all(isinstance(x, int) for x in (d, dv, key.shape[-1], query.shape[1], key.shape[1], value.shape[1])):
         return "a head count or head dim is symbolic (dynamic shapes)"
+    if d == 0 or dv == 0 or query.shape[1] == 0:
+        return f"query {tuple(query.shape)}, value {tuple(value.shape)}: the kernel needs >= 1 head and head dims >= 1"
     if key.shape[-1] != d or d > MAX_HEAD_DIM or dv > MAX_HEAD_DIM:
         return f"head dims d={d}, dk={key.shape[-1]}, dv={dv}: the kernel needs d == dk, both <= {MAX_HEAD_DIM}"
     if not query.shape[0] == key.shape[0] == value.shape[0] or key.shape[2] != value.shape[2]:
