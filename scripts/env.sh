@@ -15,7 +15,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "fxquant: installing dependencies into $venv (torch pinned: $torch_pin)" >&2
     "$venv/bin/python" -m pip install -q --upgrade pip >&2
     "$venv/bin/python" -m pip install -q "$torch_pin" >&2
-    "$venv/bin/python" -m pip install -q -e "$root[triton,megatron,viz,dev]" >&2
+    "$venv/bin/python" -m pip install -q -e "$root[triton,megatron,dev]" >&2
     # Triton before 3.7 cannot interpret fxquant's flash and GEMM kernels with numpy 2.4 (the pair a torch pin
     # such as torch==2.11.0 brings): numpy is held below 2.4 then.
     if ! "$venv/bin/python" -c 'import sys; from importlib.metadata import version as v

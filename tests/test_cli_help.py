@@ -3,6 +3,7 @@ that shows its default, and `fxquant schemes` lists the presets."""
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -213,3 +214,25 @@ def test_help_and_errors_name_the_right_command_and_defaults(tmp_path, capsys):
     assert "a scheme name (fxquant schemes / experiments list)" in err and "fxquant explain" not in err
     assert main(["capture", "ls", str(tmp_path)]) == 2
     assert capsys.readouterr().err.startswith("fxquant capture ls: error: ")
+
+
+@pytest.mark.parametrize("missing,argv,needs", [
+    ("megatron", ["prepare-data", "docs.jsonl", "--dataset", "dolma", "-q"], "megatron-core"),
+    ("triton", ["formats"], None),
+])
+def test_a_command_whose_optional_package_is_missing_says_what_to_install(tmp_path, missing, argv, needs):
+    """Without megatron-core (a base install), `fxquant prepare-data` is one error line naming the extra to install,
+    exit 2, nothing written; a command that does not need the package runs as usual."""
+    (tmp_path / "docs.jsonl").write_text('{"text": "a b c"}\n')
+    code = ("import sys; sys.modules[%r] = None  # as if not installed: importing it raises ModuleNotFoundError\n"
+            "from fxquant.cli import main; sys.exit(main(%r))") % (missing, argv)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=False,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    if needs is None:
+        assert done.returncode == 0, done.stderr[-2000:]
+        return
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines() == [
+        f"fxquant prepare-data: error: this command needs {needs}, which is not installed: pip install "
+        f"'fxquant[megatron]'"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl"]

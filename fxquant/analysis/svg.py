@@ -55,7 +55,7 @@ def cmap(name: str):
     try:
         from matplotlib import colormaps
     except ImportError:
-        raise ImportError("the report's colour maps come from matplotlib: pip install 'fxquant[viz]'") from None
+        raise ImportError("the report's colour maps come from matplotlib: pip install matplotlib") from None
     return colormaps[name]
 
 

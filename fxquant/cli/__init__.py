@@ -93,10 +93,24 @@ def main(argv: list[str] | None = None) -> int:
         return status
     except BrokenPipeError:  # an OSError: before the clause below
         return quiet_broken_pipe()
-    except (ValueError, TypeError, OSError) as exc:  # OSError: a path that is a file, unwritable, disk full, ...
-        command = " ".join(filter(None, (args.verb, getattr(args, "capture_verb", None))))  # `capture ls`
-        print(f"fxquant {command}: error: {_message(exc)}", file=sys.stderr)
+    except ModuleNotFoundError as exc:  # an ImportError: before the clause below
+        extra = OPTIONAL_EXTRAS.get((exc.name or "").partition(".")[0])
+        if extra is None:
+            raise
+        print(f"fxquant {_command(args)}: error: this command needs {extra[0]}, which is not installed: "
+              f"pip install {extra[1]}", file=sys.stderr)
         return 2
+    except (ValueError, TypeError, OSError) as exc:  # OSError: a path that is a file, unwritable, disk full, ...
+        print(f"fxquant {_command(args)}: error: {_message(exc)}", file=sys.stderr)
+        return 2
+
+
+# the optional packages a command may need: top-level module -> (package, what to install)
+OPTIONAL_EXTRAS = {"megatron": ("megatron-core", "'fxquant[megatron]'"), "triton": ("Triton", "'fxquant[triton]'")}
+
+
+def _command(args: argparse.Namespace) -> str:
+    return " ".join(filter(None, (args.verb, getattr(args, "capture_verb", None))))  # `capture ls`
 
 
 def _message(exc: Exception) -> str:
