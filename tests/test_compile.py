@@ -405,6 +405,48 @@ def test_expected_quantize_calls_of_linears_whose_outputs_are_added(backend):
     assert count.expected_backward == (2 + 1 + 3 + 4 + 2 if merged else 2 + 2 + 4 + 4 + 4)
 
 
+class _OperandTwice(torch.nn.Module):
+    """Two linears whose inputs are one expression written twice: AOT autograd's CSE merges the two expressions
+    (and their quantizes) unless they draw random numbers or a tensor is changed in place between them."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.a, self.b = how, torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+
+    def _operand(self, x):
+        how = self.how
+        if how == "relu":
+            return torch.relu(x)
+        if how == "view":
+            return x.view(-1, 32)
+        if how == "getitem":
+            return x[0]
+        return torch.nn.functional.dropout(x, 0.5, training=how == "dropout")
+
+    def forward(self, x):
+        if self.how == "in place":
+            h = x.clone()
+            first = self.a(torch.relu(h))
+            h.mul_(2)
+            return first + self.b(torch.relu(h))
+        return self.a(self._operand(x)) + self.b(self._operand(x))
+
+
+@pytest.mark.parametrize("how,merged", [("relu", True), ("view", True), ("getitem", True), ("dropout eval", True),
+                                        ("dropout", False), ("in place", False)])
+def test_expected_quantize_calls_merge_an_operand_written_twice_as_cse_does(how, merged):
+    torch.manual_seed(0)
+    model = fxquant.compile(_OperandTwice(how), "linear_mxfp8", backend="aot_eager", kernels="reference", strict=True)
+    x = torch.randn(2, 8, 32)
+    model(x).sum().backward()
+    with count_quantize_calls(model, strict=True) as count:
+        model(x).sum().backward()
+    assert count.ok
+    # forward: the input (once when merged) and two weights; backward (no dgrad: x needs none): the shared dY of the
+    # summed outputs once, the input per wgrad (once when merged)
+    assert (count.expected_forward, count.expected_backward) == ((3, 2) if merged else (4, 3))
+
+
 def test_counters_after_an_evaluation_under_no_grad_and_with_a_module_called_twice():
     """An evaluation under no_grad compiles a graph of its own beside the training graph: the next training step
     expects the training graph's quantizes (not the evaluation's) and an evaluation step the evaluation graph's

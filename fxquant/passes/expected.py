@@ -4,7 +4,10 @@ Read from the rewritten graph (after the rewrite passes): each wrapper call quan
 specs name; the quantize nodes inside Megatron bodies are counted as they are. With AOT autograd's
 training graphs (``dedupe=True``; its inference graphs, compiled under no_grad, are not CSE'd) common-subexpression elimination merges identical calls, e.g. the input X shared by
 q_proj, k_proj and v_proj quantized with the same spec along the same axis in fprop (and in wgrad), so
-calls are counted once per (operand, spec, axis). ``fxquant.counters`` compares this with what ran.
+calls are counted once per (operand, spec, axis). An operand is known by its value, as CSE knows it: two nodes
+that apply the same op to the same arguments (``torch.relu(x)`` or ``x.view(-1, d)`` written twice) are one
+operand, unless the op draws random numbers (an active dropout) or the graph mutates a tensor in place (then
+every node is its own operand). ``fxquant.counters`` compares this with what ran.
 
 Backward GEMMs follow autograd: a gradient that autograd does not ask for is not computed, so its GEMM
 quantizes nothing (a first linear whose input does not require grad has no dgrad; a frozen weight, no
@@ -87,7 +90,65 @@ def gradient_node(node: fx.Node) -> fx.Node:
     return node
 
 
-def _operand_keys(node: fx.Node) -> list[tuple[int, tuple]]:
+# op names (substrings) that draw random numbers: AOT autograd's CSE never merges two such calls
+_RANDOM = ("dropout", "rand", "bernoulli", "normal", "poisson", "multinomial", "rrelu", "uniform", "exponential",
+           "geometric", "cauchy")
+_MUTATING = frozenset({operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv})
+
+
+def _name(node: fx.Node) -> str:
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", repr(node.target))
+
+
+def _mutates(node: fx.Node) -> bool:
+    """Whether ``node`` may write a tensor in place (``x.add_()``, ``x[i] = y``, ``F.relu(x, inplace=True)``)."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    name = _name(node)
+    return (node.target in _MUTATING or (name.endswith("_") and not name.endswith("__"))
+            or node.kwargs.get("inplace") is True or "out" in node.kwargs)
+
+
+def _dropout_identity(node: fx.Node) -> bool:
+    """An ``F.dropout``-style call that returns its input: ``training=False`` or ``p=0`` (eval mode)."""
+    if node.op != "call_function" or not _name(node).endswith("dropout") or not node.args:
+        return False
+    p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+    training = node.args[2] if len(node.args) > 2 else node.kwargs.get("training", True)
+    return training is False or (isinstance(p, (int, float)) and p == 0)
+
+
+class _ValueKeys:
+    """Keys of a graph's operand nodes, equal for two nodes that CSE merges (module docstring)."""
+
+    def __init__(self, graph: fx.Graph) -> None:
+        self.by_name = any(_mutates(n) for n in graph.nodes)
+        self.memo: dict[fx.Node, object] = {}
+
+    def __call__(self, value: object) -> object:
+        if isinstance(value, fx.Node):
+            if value not in self.memo:
+                self.memo[value] = self._node(value)
+            return self.memo[value]
+        if isinstance(value, (tuple, list)):
+            return (type(value).__name__, *(self(v) for v in value))
+        if isinstance(value, slice):
+            return ("slice", self(value.start), self(value.stop), self(value.step))
+        if isinstance(value, dict):
+            return ("dict", *sorted((str(k), repr(self(v))) for k, v in value.items()))
+        return (type(value).__name__, repr(value))
+
+    def _node(self, node: fx.Node) -> object:
+        if self.by_name or node.op not in ("call_function", "call_method"):
+            return node.name
+        if _dropout_identity(node):
+            return self(node.args[0] if node.args else node.kwargs["input"])
+        if any(r in _name(node).lower() for r in _RANDOM):
+            return node.name
+        return (node.op, node.target, self(node.args), self(dict(node.kwargs)))
+
+
+def _operand_keys(node: fx.Node, key: _ValueKeys) -> list[tuple[int, tuple]]:
     """(phase, key) of every quantization a rewritten wrapper call makes; keys equal iff CSE merges them."""
     t, args = node.target, node.args
     if t is wrappers.fxquant_linear:
@@ -114,7 +175,7 @@ def _operand_keys(node: fx.Node) -> list[tuple[int, tuple]]:
                 if spec is not None and run]
     else:
         return []
-    return [(ph, (getattr(op, "name", op), axis, spec)) for (ph, op, axis), spec, run in zip(table, s, runs)
+    return [(ph, (key(op), axis, spec)) for (ph, op, axis), spec, run in zip(table, s, runs)
             if spec is not None and run]
 
 
@@ -138,13 +199,17 @@ def expected_calls(gm: fx.GraphModule, *, dedupe: bool) -> tuple[int, int]:
     included: ``recomputes``)."""
     keys: list[tuple[int, tuple]] = []
     counts = [0, 0]
+    value_keys: dict[fx.Graph, _ValueKeys] = {}
     for region, node in _rewritten(gm):
         meta = node.meta[META_KEY]
         if meta.op is OpKind.MEGATRON_LINEAR:
             counts[_FWD] += meta.quantize_calls[0]
             counts[_BWD] += meta.quantize_calls[1]
         else:
-            keys.extend((phase, (region, key)) for phase, key in _operand_keys(node))
+            if node.graph not in value_keys:
+                value_keys[node.graph] = _ValueKeys(node.graph)
+            key = value_keys[node.graph]
+            keys.extend((phase, (region, k)) for phase, k in _operand_keys(node, key))
     if dedupe:
         keys = list(dict.fromkeys(keys))
     for phase, _ in keys:
