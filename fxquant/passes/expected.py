@@ -90,9 +90,14 @@ def gradient_node(node: fx.Node) -> fx.Node:
     return node
 
 
-# op names (substrings) that draw random numbers: AOT autograd's CSE never merges two such calls
-_RANDOM = ("dropout", "rand", "bernoulli", "normal", "poisson", "multinomial", "rrelu", "uniform", "exponential",
-           "geometric", "cauchy")
+# ops that draw random numbers (besides rand*, *dropout*): AOT autograd's CSE never merges two such calls
+_RANDOM = frozenset({"bernoulli", "normal", "poisson", "multinomial", "rrelu", "uniform", "exponential", "geometric",
+                     "cauchy", "log_normal", "binomial"})
+
+
+def _random(name: str) -> bool:
+    name = name.lower().strip("_")
+    return name.startswith("rand") or "dropout" in name or name in _RANDOM
 _MUTATING = frozenset({operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv})
 
 
@@ -143,7 +148,7 @@ class _ValueKeys:
             return node.name
         if _dropout_identity(node):
             return self(node.args[0] if node.args else node.kwargs["input"])
-        if any(r in _name(node).lower() for r in _RANDOM):
+        if _random(_name(node)):
             return node.name
         return (node.op, node.target, self(node.args), self(dict(node.kwargs)))
 
