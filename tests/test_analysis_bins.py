@@ -71,6 +71,15 @@ def test_quantiles_exact_in_rank_within_one_bin_in_value():
     assert got["q0.01"] == -math.inf and got["q0.99"] == math.inf and got["q0.5"] == pytest.approx(1.0, rel=1 / 16)
 
 
+def test_a_quantile_whose_rank_ends_a_bin_is_that_bins_top_and_q1_is_the_largest_finite_value():
+    """q * total landing exactly on a cumulative count, empty bins between the two occupied ones: the quantile is
+    the top of the bin the rank ends in (1.0, or 0.0 for the zero bin), not the bottom of the next occupied bin
+    (3.875); q = 1.0 is the top of the largest finite value's bin (4.0), not the Inf bin past it."""
+    for x, want in (([1.0, 1.0, 4.0, 4.0], 1.0), ([0.0, 0.0, 4.0, 4.0], 0.0), ([-4.0, -4.0, 4.0, 4.0], -3.875)):
+        got = bins.quantiles(_hist(torch.tensor(x))[0], (0.5, 1.0))
+        assert got == {"q0.5": want, "q1": 4.0}, (x, got)
+
+
 @pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e3m2", "mxfp6_e2m3", "mxfp4_e2m1"])
 def test_block_relative_histogram_gives_the_reference_saturation_and_flush_counts(name):
     g = torch.Generator().manual_seed(2)
@@ -219,6 +228,21 @@ def test_blocks_holding_nan_or_inf_are_counted_apart_not_as_flushed(name, dtype)
     assert flushed == int((good & (xf != 0) & (q == 0)).sum())
     ref = capture_stats.compute(tq.quantize(torch.where(good, xf, 0.0), -1), torch.where(good, xf, 0.0), tq, -1)
     assert 100 * saturated / numel == pytest.approx(ref["saturated_pct"], abs=1e-12) and saturated > 0
+
+
+@pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp4_e2m1"])
+def test_elements_below_every_element_bin_of_their_block_are_counted_flushed_not_zero(name):
+    """2**-80 and -2**-90 in a block whose amax is 2**60 lie below the smallest element-domain bin of the format
+    (block-relative bins clamped at the bottom end): non-zero and flushed, as the reference quantizer has them,
+    not counted with the exact zeros."""
+    x = torch.zeros(2, 32)
+    x[0, :3] = torch.tensor([2.0**60, 2.0**-80, -(2.0**-90)])
+    x[1] = 1.0
+    q = TensorQuant(name).quantize(x, -1)
+    assert int(((q == 0) & (x != 0)).sum()) == 2
+    s = summarize(0, {"copy": "hp", "role": "output"}, x, AnalysisConfig((name,), (), sample_blocks=0))
+    numel, nonzero, flushed, saturated, nonfinite, below_clamp = flow_counts(s, name).tolist()
+    assert (numel, nonzero, flushed, saturated, nonfinite, below_clamp) == (64, 35, 2, 0, 0, 0)
 
 
 @pytest.mark.parametrize("threshold", [127 / 64, 65504.0])

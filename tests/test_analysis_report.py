@@ -6,6 +6,7 @@ import json
 import math
 import os
 import pickle
+import re
 import shutil
 from pathlib import Path
 
@@ -566,3 +567,135 @@ def test_flush_counts_where_mx_block_scales_clamp_at_2_pow_minus_127(tmp_path):
     page = _json(tmp_path / "r_tiny/distributions/mxfp8_e4m3/summary.json")["counts"]["flushed"]
     assert page.startswith("lower bound: ")
     assert _json(tmp_path / "r_normal/distributions/mxfp8_e4m3/summary.json")["counts"]["flushed"] == "exact"
+
+
+# -- a report over tensors built for its numbers: two schemes, stored tensors (what: full, no capture-time stats) --
+def _table_rows(text: str, title: str | None = None) -> list[dict[str, str]]:
+    """The rows of a tabulate "simple" table (the one under ``== by TITLE ==`` when given) as {header: cell};
+    headers are split on runs of 2+ spaces ("zero frac"), data rows on any space (no cell holds one)."""
+    if title is not None:
+        text = text.split(f"== by {title} ==\n", 1)[1].split("\n\n", 1)[0]
+    lines = text.splitlines()
+    heads = re.split(r"\s{2,}", lines[0].strip())
+    assert set(lines[1]) <= {"-", " "}, lines[1]
+    rows = [line.split() for line in lines[2:]]
+    assert all(len(cells) == len(heads) for cells in rows), (heads, rows)
+    return [dict(zip(heads, cells)) for cells in rows]
+
+
+@pytest.fixture(scope="module")
+def known(tmp_path_factory):
+    """Scheme "sa": layer 0 holds a NaN, 16 zeros and its largest magnitude in a negative value (-50); layers 1 and 2
+    also store their mxfp8_e4m3 copies, layer 2's error 10x layer 1's. Scheme "sb": layer 9, mean 3, std 0.5. One
+    report over both, with plots (compare/schemes.txt is written with them)."""
+    from fxquant.capture.runtime import RankInfo
+    from fxquant.capture.spec import Component, Copy, Gemm, ModuleKind, Role
+    from fxquant.capture.tap import Tap
+    from fxquant.formats.tensor_quant import TensorQuant
+    from tests.analysis_helpers import spec
+
+    root = tmp_path_factory.mktemp("known")
+    g = torch.Generator().manual_seed(5)
+    t0 = 2 * torch.randn(4, 64, generator=g)
+    t0[0, 0], t0[1, :16], t0[2, 5] = -50.0, 0.0, math.nan
+    xs = {"sa": {0: t0, 1: torch.randn(4, 64, generator=g), 2: 10 * torch.randn(4, 64, generator=g)},
+          "sb": {9: 3 + 0.5 * torch.randn(4, 64, generator=g)}}
+    tq = TensorQuant.from_spec("mxfp8_e4m3")
+    for scheme, tensors in xs.items():
+        with capture.start(spec("full"), root / scheme, scheme=scheme, rank=RankInfo(0, 1), run_id=scheme) as cap:
+            cap.set_iteration(0)
+            for layer, x in tensors.items():
+                m = f"decoder.layers.{layer}.mlp.linear_fc1"
+                torch.ops.fxquant.capture(x, Tap(Component.LINEAR, Role.INPUT, m, (0,), ModuleKind.FC1, layer).encode())
+                if layer in (1, 2):
+                    qt = Tap(Component.LINEAR, Role.INPUT, m, (0,), ModuleKind.FC1, layer, copy=Copy.QUANTIZED,
+                             gemm=Gemm.FPROP, qspec=tq.spec(), dim=-1)
+                    torch.ops.fxquant.capture(tq.quantize(x, -1), qt.encode(), x)
+    out = root / "r"
+    res = analysis.report([root / "sa", root / "sb"], out, plots=True, **FAST)
+    assert res.problems == [] and res.records == 6
+    return out, xs, tq
+
+
+def test_global_statistics_of_a_stored_tensor_with_nan_count_zeros_of_all_elements_and_moments_of_the_finite(known):
+    """zero_fraction is zeros / numel (NaN included in numel), mean and std are over the finite elements only."""
+    out, xs, _ = known
+    layer = {g["group"]["layer"]: g for g in _json(out / "stats/global_stats.json")["groupings"]["layer"]}[0]
+    t0 = xs["sa"][0]
+    finite = t0[torch.isfinite(t0)].double()
+    assert (layer["numel"], layer["finite"], layer["nan"], layer["inf"]) == (256, 255, 1, 0)
+    assert layer["zero_fraction"] == 16 / 256
+    assert layer["mean"] == pytest.approx(finite.mean().item(), rel=1e-9)
+    assert layer["std"] == pytest.approx(finite.std().item(), rel=1e-9)
+
+
+def test_amax_of_a_stored_tensor_whose_largest_magnitude_is_negative(known):
+    """Without capture-time statistics amax comes from the stored tensor: max(|min|, |max|), here |-50|."""
+    out, xs, _ = known
+    layer = {g["group"]["layer"]: g for g in _json(out / "stats/global_stats.json")["groupings"]["layer"]}[0]
+    t0 = xs["sa"][0]
+    assert layer["min"] == -50.0 and layer["max"] == t0.nan_to_num(nan=-1.0).max().item() < 50
+    assert layer["amax"] == 50.0
+
+
+def test_global_stats_text_columns_hold_the_json_values(known):
+    """Each column of stats/global_stats.txt (by layer) is the JSON's value under that header, min and max not
+    swapped."""
+    from fxquant.analysis.outputs import fmt_num
+
+    out, _, _ = known
+    groups = {str(g["group"]["layer"]): g for g in _json(out / "stats/global_stats.json")["groupings"]["layer"]}
+    rows = {r["layer"]: r for r in _table_rows((out / "stats/global_stats.txt").read_text(), "layer")}
+    assert set(rows) == set(groups) == {"0", "1", "2", "9"}
+    for label, g in groups.items():
+        row = rows[label]
+        assert row["min"] != row["max"]
+        for col, key in (("min", "min"), ("max", "max"), ("mean", "mean"), ("std", "std"), ("amax", "amax"),
+                         ("zero frac", "zero_fraction"), ("numel", "numel"), ("nan", "nan")):
+            assert row[col] == fmt_num(g[key]), (label, col, row, g)
+
+
+def test_compare_schemes_text_columns_hold_each_schemes_moments(known):
+    """compare/schemes.txt: per scheme and site, mean and std (not swapped) of the finite elements of its tensors."""
+    out, xs, _ = known
+    rows = [r for r in _table_rows((out / "compare/schemes.txt").read_text()) if r["copy"] == "hp"]
+    assert sorted(r["scheme"] for r in rows) == ["sa", "sb"]
+    for row in rows:
+        allx = torch.cat([t.reshape(-1) for t in xs[row["scheme"]].values()]).double()
+        allx = allx[torch.isfinite(allx)]
+        assert float(row["mean"]) == pytest.approx(allx.mean().item(), rel=1e-3, abs=1e-4), row
+        assert float(row["std"]) == pytest.approx(allx.std().item(), rel=1e-3, abs=1e-4), row
+        assert float(row["amax"]) == pytest.approx(allx.abs().max().item(), rel=1e-3), row
+
+
+def test_quant_error_summary_max_err_is_the_largest_of_its_sites(known):
+    """The summary row of two sites (layers 1 and 2, the second 10x larger) carries the larger max |q - x|."""
+    out, xs, tq = known
+    d = _json(out / "quant_error/sites.json")
+    assert len(d["sites"]) == 2 and len(d["summary"]) == 1
+    want = [(tq.quantize(x, -1).double() - x.double()).abs().max().item() for x in (xs["sa"][1], xs["sa"][2])]
+    assert want[1] > 2 * want[0]
+    assert sorted(s["max_err"] for s in d["sites"]) == pytest.approx(sorted(want), rel=1e-6)
+    assert d["summary"][0]["max_err"] == pytest.approx(want[1], rel=1e-6)
+
+
+def test_overflow_percentages_divide_flushed_by_nonzero_and_saturated_by_all_elements(known):
+    """flushed_pct = 100 flushed / nonzero, saturated_pct = 100 saturated / numel, in the summary and per layer.
+    mxfp4_e2m1's counts are the reference quantizer's: of 1024 elements, 976 non-zero (16 zeros, and the 32 of the
+    block holding the NaN apart), 86 of them flushed: the two denominators differ."""
+    from fxquant.formats.tensor_quant import TensorQuant
+
+    out, xs, _ = known
+    ov = _json(out / "overflow/summary.json")
+    tq = TensorQuant.from_spec("mxfp4_e2m1")
+    nonzero = flushed = 0
+    for x in (x for tensors in xs.values() for x in tensors.values()):
+        q = tq.quantize(x, -1)
+        good = torch.isfinite(q) & (x != 0)
+        nonzero, flushed = nonzero + int(good.sum()), flushed + int((good & (q == 0)).sum())
+    row = next(r for r in ov["summary"] if r["format"] == "mxfp4_e2m1")
+    assert (row["numel"], row["nonzero"], row["flushed"]) == (1024, nonzero, flushed) == (1024, 976, 86)
+    assert row["flushed_pct"] == pytest.approx(100 * 86 / 976, rel=1e-12) and row["saturated"] > 0
+    for r in ov["summary"] + ov["by_layer_direction_role"]:
+        assert r["flushed_pct"] == pytest.approx(100 * r["flushed"] / r["nonzero"], rel=1e-12), r
+        assert r["saturated_pct"] == pytest.approx(100 * r["saturated"] / r["numel"], rel=1e-12), r

@@ -174,6 +174,24 @@ def test_checksums_are_xxh3_written_on_the_fly_and_crc32_sets_still_verify(tmp_p
     assert len(problems) == 1 and recs[1]["key"] in problems[0] and "checksum mismatch" in problems[0]
 
 
+def test_a_crc32_set_verifies_a_checksum_with_leading_zero_digits(tmp_path):
+    """Older sets wrote CRC-32 as 8 hex digits: 0x02d0df35 is "crc32:02d0df35", and verifies (an unpadded
+    "crc32:2d0df35" compared against it was a false mismatch)."""
+    import zlib
+
+    x = torch.full((4, 8), 13.0)
+    assert zlib.crc32(layout.tensor_bytes(x)) == 0x02D0DF35
+    with capture.start(spec_text(), tmp_path):
+        torch.ops.fxquant.capture(x, tap())
+    manifest = tmp_path / "rank-00000" / layout.MANIFEST
+    (rec,) = [json.loads(line) for line in manifest.read_text().splitlines()]
+    del rec["crc"]  # an older set's line carries no crc
+    rec["checksum"] = "crc32:02d0df35"
+    manifest.write_text(json.dumps(rec) + "\n")
+    cs = capture.open(tmp_path)
+    assert cs.verify() == [] and torch.equal(cs.load(cs[0], check=True), x)
+
+
 def test_first_rows_sampling_stores_only_the_rows(tmp_path):
     spec = capture.load_spec("t.yaml", text="""
 sections: [{points: [{component: linear, roles: [input]}], sampling: {first_rows: 2}, what: full}]
@@ -184,6 +202,33 @@ sections: [{points: [{component: linear, roles: [input]}], sampling: {first_rows
     cs = capture.open(tmp_path)
     assert torch.equal(cs.load(cs[0]), x[:2]) and cs[0].stored_shape == [2, 64]
     assert cs[0].path.stat().st_size < 4096  # the rows, not the whole copy
+
+
+def test_first_rows_of_pooled_copies_stay_each_captures_own_when_the_buffers_are_reused_before_the_commit(tmp_path):
+    """what: both with first_rows: the writer releases each pooled copy once its rows are taken, and the next
+    capture reuses that buffer while the rows still wait for their shard: every stored row is the one captured
+    (the stored rows were views of the buffer, all overwritten by the last capture; verify() saw nothing), and
+    each record's statistics are those of its whole tensor."""
+    spec = capture.load_spec("t.yaml", text="""
+sections: [{points: [{component: linear, roles: [input]}], sampling: {first_rows: 2}, what: both}]
+""")
+    g = torch.Generator().manual_seed(0)
+    sent = []
+    with capture.start(spec, tmp_path) as cap:
+        for i in range(6):
+            cap.set_iteration(i)
+            x = torch.randn(64, 32, generator=g) + 10 * i
+            torch.ops.fxquant.capture(x, tap())
+            sent.append(x.clone())
+            cap.writer.wait_idle()  # processed and buffered, not committed: its pooled copy is free again
+        assert cap.pool.hits == 5 and cap.pool.misses == 1  # one buffer, reused by every later capture
+    cs = capture.open(tmp_path)
+    assert len(cs) == 6 and len({rec.file for rec in cs}) == 1 and cs.verify() == []  # one shard, at close
+    for i, (rec, x) in enumerate(zip(cs, sent)):
+        assert rec.iteration == i and rec.stored_shape == [2, 32] and rec.shape == [64, 32]
+        assert torch.equal(cs.load(rec, check=True), x[:2]), i
+        assert rec.stats["max"] == x.max().item() and rec.stats["min"] == x.min().item()
+        assert rec.stats["mean"] == pytest.approx(x.double().mean().item(), rel=1e-9)
 
 
 @pytest.mark.gpu

@@ -211,6 +211,12 @@ def test_stats_nan_inf_and_quantized_operand(tmp_path):
     st = stats.compute(x)
     assert (st["nan_count"], st["inf_count"], st["min"], st["max"], st["amax"]) == (1, 1, -3.0, 2.0, 3.0)
     assert st["zero_fraction"] == 0.25 and st["exp_hist"] == {"-100": 1, "0": 1, "1": 2}
+    finite = x[torch.isfinite(x)].double()  # moments over the 6 finite elements, not all 8
+    assert st["mean"] == pytest.approx(finite.mean().item(), abs=1e-12)
+    assert st["std"] == pytest.approx(finite.std().item(), rel=1e-12)  # sqrt(14 / 5)
+    sy = stats.compute(torch.tensor([1.0, 2.0, 6.0, float("nan"), -float("inf")]))
+    assert sy["mean"] == pytest.approx(3.0, rel=1e-12) and sy["std"] == pytest.approx(math.sqrt(7.0), rel=1e-12)
+    assert (sy["nan_count"], sy["inf_count"], sy["zero_fraction"]) == (1, 1, 0.0)
     tq = TensorQuant("mxfp4")
     x = torch.zeros(1, 32)
     x[0, 0], x[0, 1], x[0, 2] = 7.5, 1e-3, 6.9  # floor scale: amax 7.5 -> s = 2 - 2 = 0; 7.5 > 6 saturates
