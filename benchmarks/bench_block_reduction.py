@@ -36,7 +36,8 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_formats import block_scale, device_name, make_timer, write_json  # noqa: E402
+from bench_formats import block_scale, make_timer, write_json  # noqa: E402
+from envinfo import device_name, environment  # noqa: E402
 
 BLOCK = 32
 KERNELS = ("inductor", "plain max", "two blocks", "reduction only", "multiply only")
@@ -185,12 +186,18 @@ def bench(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--elements", type=int, default=1 << 25, help="bf16 elements (default 2^25: 64 MiB)")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--elements", type=int, default=1 << 25,
+                   help=f"bf16 elements, a multiple of {2 * BLOCK} (default 2^25: 64 MiB)")
     p.add_argument("--repeat", type=int, default=9)
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     args = p.parse_args(argv)
+    if args.elements < 2 * BLOCK or args.elements % (2 * BLOCK):
+        p.error(f"--elements: {args.elements} must be a positive multiple of {2 * BLOCK} (whole pairs of blocks)")
+    if args.repeat < 1:
+        p.error(f"--repeat: {args.repeat} must be >= 1")
     result = bench(args)
+    result["environment"] = environment("cpu", argv)
     print(f"# {result['device']}, torch {result['torch']}, Inductor ISA {result['vec_isa']}, {result['date']}")
     print(f"# {result['elements']} bf16 elements, blocks of {BLOCK}, median of {args.repeat}")
     print(tabulate([[r["kernel"], r["reused_ms"], r["fresh_ms"]] for r in result["rows"]],

@@ -34,7 +34,9 @@ import xxhash
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from envinfo import environment  # noqa: E402
 from fxquant.analysis.outputs import strict_dumps  # noqa: E402
 from fxquant import capture, schemes  # noqa: E402
 from fxquant.backend import FxquantBackend  # noqa: E402
@@ -188,8 +190,8 @@ def _ratios(times: dict[str, list[float]], mode: str, extra: list[float] | None 
     return statistics.median(v / n for v, n in zip(vals, times["none"]))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=8)
@@ -208,7 +210,8 @@ def main() -> None:
                    "the system's temporary directory)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads for training (default: torch's)")
     p.add_argument("--out", default="bench_capture.json")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    check_args(p, args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.dir is not None:
@@ -230,6 +233,7 @@ def main() -> None:
         "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
                    f"{'cuda' if torch.cuda.is_available() else 'cpu'}, {torch.get_num_threads()} intra-op threads",
         "loadavg_before": load_before, "loadavg_after": os.getloadavg(), **io, "config": vars(args),
+        "environment": environment("cpu", argv),
     }
     if io:
         print(tabulate([[k, f"{v:.2f}"] for k, v in io["hash_gbps"].items()], headers=["checksum", "GB/s"]))
@@ -249,6 +253,24 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(strict_dumps(result, indent=1))
     print(f"wrote {args.out}")
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse (``p.error``: one line, exit 2) sizes and counts the run would fail on, before anything is written
+    or compiled."""
+    for flag in ("dim", "layers", "vocab", "seq", "batch", "steps", "write_mib", "repeats"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')}: {getattr(args, flag)} must be >= 1")
+    if args.warmup < 0:
+        p.error(f"--warmup: {args.warmup} must be >= 0")
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads: {args.threads} must be >= 1")
+    if args.heads < 2 or args.heads % 2:  # the model has heads / 2 kv heads
+        p.error(f"--heads: {args.heads} must be even and >= 2 (the kv heads are half of them)")
+    if args.dim % (2 * args.heads):  # RoPE rotates pairs of a head's dimensions
+        p.error(f"--dim: {args.dim} must be a multiple of 2 x --heads ({2 * args.heads}): an even head dimension")
+    if args.skip_io and args.skip_steps:
+        p.error("--skip-io and --skip-steps together leave nothing to measure")
 
 
 def _step_report(args, st: dict) -> dict:

@@ -19,7 +19,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from envinfo import environment  # noqa: E402
 from fxquant.analysis.outputs import strict_dumps  # noqa: E402
 import fxquant  # noqa: E402
 from tests.models import make_llama, make_tokens, next_token_loss  # noqa: E402
@@ -72,7 +74,8 @@ def main() -> None:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(strict_dumps({"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-                                         "torch": torch.__version__, "rows": rows}, indent=2))
+                                         "torch": torch.__version__, "environment": environment("cpu"),
+                                         "rows": rows}, indent=2))
         print(f"wrote {args.json}")
 
 

@@ -32,7 +32,9 @@ if not torch.cuda.is_available():
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from envinfo import environment  # noqa: E402
 from fxquant.analysis.outputs import strict_dumps  # noqa: E402
 from fxquant import schemes  # noqa: E402
 from fxquant.kernels.flash_attention import FlashBlocks, FlashQuant  # noqa: E402
@@ -66,6 +68,23 @@ def load_old(old: Path):
     return mod
 
 
+def attention_quant(preset: str) -> schemes.AttentionQuant:
+    """The attention quantization of ``preset`` ("bf16": none) as the flash kernels take it; ValueError naming the
+    preset for an unknown one, one without an attention rule or one the kernels cannot run."""
+    if preset == "bf16":
+        return schemes.AttentionQuant()
+    if preset not in schemes.names():
+        raise ValueError(f"--presets: unknown {preset!r}")
+    aq = schemes.get(preset).attention_for(Site.from_path("layers.0.self_attn", SiteKind.ATTENTION))
+    if aq is None:
+        raise ValueError(f"--presets: {preset!r} quantizes no attention (give bf16 or an FA_ preset)")
+    try:
+        FlashQuant(aq)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"--presets: {preset!r}: {exc}") from None
+    return aq
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--extract", type=Path, help="write --rev's kernel files to this directory and exit")
@@ -77,6 +96,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write the rows here")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    presets = [s.strip() for s in args.presets.split(",") if s.strip()]
+    try:
+        aqs = {preset: attention_quant(preset) for preset in presets}
+    except ValueError as exc:
+        p.error(str(exc))
+    if not presets:
+        p.error("--presets: none given")
+    if args.seq < 1:
+        p.error(f"--seq: {args.seq} must be >= 1")
+    if args.head_dim < 1 or 2048 % (4 * args.head_dim):
+        p.error(f"--head-dim: {args.head_dim} must divide 512 (heads = 2048 / d, kv heads a quarter of them)")
     if args.extract:
         extract(args.rev, args.extract)
         log.info("wrote %s's flash kernels to %s", args.rev, args.extract)
@@ -99,9 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     q, k, v, do = (torch.randn(1, n, lq, d, device=dev, dtype=torch.bfloat16, generator=g) for n in (h, hk, hk, h))
     scale = d ** -0.5
     rows = []
-    for preset in args.presets.split(","):
-        aq = schemes.AttentionQuant() if preset == "bf16" else \
-            schemes.get(preset).attention_for(Site.from_path("layers.0.self_attn", SiteKind.ATTENTION))
+    for preset, aq in aqs.items():
         fq = FlashQuant(aq)
         out, row = {}, {"preset": preset, "shape": f"L={lq} d={d} H={h}/{hk}", "device": torch.cuda.get_device_name() if on_gpu else "cpu (interpreter)"}
         for name, mod in (("old", old), ("new", new)):
@@ -123,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("%s", json.dumps(row))
     if args.json:
         args.json.write_text(strict_dumps({"old": (args.old / "REV").read_text().strip() if (args.old / "REV").is_file() else None,
-                                         "rows": rows}, indent=1))
+                                         "environment": environment(dev, argv), "rows": rows}, indent=1))
     return 0 if all(r["bitwise_equal"] for r in rows) else 1
 
 

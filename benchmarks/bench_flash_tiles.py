@@ -32,11 +32,12 @@ if not torch.cuda.is_available():
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from bench_flash_ab import attention_quant  # noqa: E402
+from envinfo import environment  # noqa: E402
 from fxquant.analysis.outputs import strict_dumps  # noqa: E402
-from fxquant import schemes  # noqa: E402
 from fxquant.kernels.flash_attention import FlashBlocks, FlashQuant  # noqa: E402
-from fxquant.schemes import Site, SiteKind  # noqa: E402
 
 log = logging.getLogger("fxquant.benchmarks.bench_flash_tiles")
 PRESETS = ("bf16", "FA_mxfp8", "FA_QKPV_mxfp8")
@@ -79,9 +80,7 @@ def sweep(preset: str, tensors, deadline: float, grid: str = "full") -> list[dic
     on_gpu = q.is_cuda
     b, h, lq, d = q.shape
     group, scale = h // k.shape[1], d ** -0.5
-    aq = schemes.AttentionQuant() if preset == "bf16" else \
-        schemes.get(preset).attention_for(Site.from_path("layers.0.self_attn", SiteKind.ATTENTION))
-    fq = FlashQuant(aq)
+    fq = FlashQuant(attention_quant(preset))
     base = FlashBlocks()
     base.check(fq)
     o0, lse0 = launch.forward(q, k, v, True, scale, group, fq, base)
@@ -160,9 +159,20 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     presets = [s.strip() for s in args.presets.split(",") if s.strip()]
-    for name in presets:
-        if name != "bf16" and name not in schemes.names():
-            p.error(f"--presets: unknown {name!r}")
+    try:
+        for name in presets:
+            attention_quant(name)
+    except ValueError as exc:
+        p.error(str(exc))
+    if not presets:
+        p.error("--presets: none given")
+    for flag in ("batch", "seq"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag}: {getattr(args, flag)} must be >= 1")
+    if args.head_dim < 1 or 2048 % (4 * args.head_dim):
+        p.error(f"--head-dim: {args.head_dim} must divide 512 (heads = 2048 / d, kv heads a quarter of them)")
+    if args.budget_s < 0:
+        p.error(f"--budget-s: {args.budget_s} must be >= 0")
     on_gpu = torch.cuda.is_available()
     dev = "cuda" if on_gpu else "cpu"
     b, lq, d = (args.batch, args.seq, args.head_dim) if on_gpu else (1, 64, 32)
@@ -171,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     tensors = tuple(torch.randn(b, n, lq, d, device=dev, dtype=torch.bfloat16, generator=g) for n in (h, h // 4, h // 4, h))
     deadline = time.perf_counter() + args.budget_s
     rows: list[dict] = []
-    env = {"device": torch.cuda.get_device_name() if on_gpu else "cpu (interpreter)", "torch": torch.__version__,
+    env = {**environment(dev, argv), "device": torch.cuda.get_device_name() if on_gpu else "cpu (interpreter)",
            "shape": f"B={b} L={lq} d={d} H={h}/{h // 4} bf16 causal"}
     for preset in presets:
         rows += sweep(preset, tensors, deadline, args.grid)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import platform
 import statistics
 import sys
 import time
@@ -36,7 +35,9 @@ import torch._inductor.config
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from envinfo import CPU_ISA, device_name, environment, parse_device  # noqa: E402,F401  (CPU_ISA: importable from here too)
 from fxquant.analysis.outputs import strict_dumps  # noqa: E402
 from fxquant import formats, kernels  # noqa: E402
 from fxquant.formats.tensor_quant import TensorQuant  # noqa: E402
@@ -110,33 +111,32 @@ def make_timer(device: torch.device, repeat: int) -> Callable[[Callable[[], obje
 
 
 def parse_size(text: str) -> int:
-    """'1048576', '2^20' or '2**20' -> elements, rounded up to whole rows of 4096."""
-    t = text.replace("**", "^")
-    n = 2 ** int(t.split("^")[1]) if "^" in t else int(t)
+    """'1048576', '2^20' or '2**20' -> elements, rounded up to whole rows of 4096; ValueError for anything else
+    (not an integer or a power of two, or not positive)."""
+    bad = f"--size: {text!r} is not an integer or a power of two like 2^22"
+    base, caret, exp = text.strip().replace("**", "^").partition("^")
+    try:
+        n, power = int(base), (int(exp) if caret else None)
+    except ValueError:
+        raise ValueError(bad) from None
+    if power is not None:
+        if n != 2 or power < 0:
+            raise ValueError(bad)
+        n = 2**power
     if n <= 0:
-        raise ValueError(f"--size={text!r} must be positive")
+        raise ValueError(f"--size: {text!r} must be positive")
     return -(-n // ROW_LEN) * ROW_LEN
 
 
-CPU_ISA = (("avx2", "AVX2"), ("avx512f", "AVX-512"), ("avx512_bf16", "AVX512-BF16"), ("amx_tile", "AMX"))
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    model = platform.processor() or platform.machine()
-    isa: list[str] = []
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        lines = cpuinfo.read_text().splitlines()
-        model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), model)
-        flags = next((set(ln.split(":", 1)[1].split()) for ln in lines if ln.startswith("flags")), set())
-        # The vector ISA says more about a CPU kernel's speed than a virtual machine's model name does.
-        isa = [name for flag, name in CPU_ISA if flag in flags]
-        if "AVX-512" in isa and "AVX2" in isa:
-            isa.remove("AVX2")
-    return f"{model} ({', '.join([f'{torch.get_num_threads()} threads', *isa])})"
-
+def parse_blocks(text: str) -> list[int]:
+    """'32,512' -> [32, 512] (``--floor-blocks``); ValueError unless every entry is a positive integer."""
+    try:
+        blocks = [int(b) for b in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--floor-blocks: {text!r} is not a comma-separated list of integers") from None
+    if any(b < 1 for b in blocks):
+        raise ValueError(f"--floor-blocks: {text!r}: every block size must be >= 1")
+    return blocks
 
 
 def bench(args: argparse.Namespace) -> dict:
@@ -267,7 +267,7 @@ def _triton_version() -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="2^22", help="elements (e.g. 4194304, 2^28); default 2^22")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -275,20 +275,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--impls", default="all", help=f"comma-separated subset of {','.join(IMPLS)}, or 'all'")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--floor", action="store_true", help="also time the parts of a quantize's work (Inductor)")
-    p.add_argument("--floor-blocks", type=lambda s: [int(b) for b in s.split(",")], default=[32, 512],
-                   help="block sizes of --floor's block-structure rows (default 32,512)")
+    p.add_argument("--floor-blocks", default="32,512",
+                   help="block sizes of --floor's block-structure rows, each dividing the tensor (default 32,512)")
     p.add_argument("--simdlen", type=int, default=None,
                    help="Inductor's C++ vector width in bits (cpp.simdlen; default: Inductor's choice for the CPU)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     args = p.parse_args(argv)
+    check_args(p, args)
     if args.simdlen is not None:
-        if args.simdlen not in (0, 128, 256, 512):
-            p.error(f"--simdlen: {args.simdlen} is not one of 0 (scalar), 128, 256, 512")
         torch._inductor.config.cpp.simdlen = args.simdlen
-    unknown = set(args.impls.split(",")) - set(IMPLS) if args.impls != "all" else set()
-    if unknown:
-        p.error(f"--impls: unknown {sorted(unknown)}; allowed {list(IMPLS)}")
     result = bench(args)
+    result["environment"] = environment(args.device, argv)
     print(f"# {result['device']}, torch {result['torch']}, triton {result['triton']}, {result['date']}")
     print(f"# x: {result['shape']} {result['dtype']}, GB/s = (bytes read + written) / time, median of {args.repeat}")
     table = [[r["format"], r["impl"], r["ms"], r.get("min_ms"), r["GB/s"], r["x copy"], r.get("note", "")]
@@ -297,6 +294,29 @@ def main(argv: list[str] | None = None) -> int:
     print(tabulate(table, headers=headers, floatfmt=".3g", missingval="n/a"))
     write_json(args.json, result)
     return 0
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse (``p.error``: one line, exit 2) what ``bench`` would fail on, before anything runs; ``--floor-blocks``
+    becomes a list of ints."""
+    try:
+        n = parse_size(args.size)
+        args.floor_blocks = parse_blocks(args.floor_blocks)
+        if args.formats != "all":
+            args.formats = ",".join(formats.canonical_name(f) for f in args.formats.split(","))
+    except ValueError as exc:
+        p.error(str(exc) if str(exc).startswith("--") else f"--formats: {exc}")
+    for b in args.floor_blocks if args.floor else ():
+        if n % b:
+            p.error(f"--floor-blocks: {b} does not divide the {n} elements of --size {args.size}")
+    if args.repeat < 1:
+        p.error(f"--repeat: {args.repeat} must be >= 1")
+    if args.simdlen is not None and args.simdlen not in (0, 128, 256, 512):
+        p.error(f"--simdlen: {args.simdlen} is not one of 0 (scalar), 128, 256, 512")
+    unknown = set(args.impls.split(",")) - set(IMPLS) if args.impls != "all" else set()
+    if unknown:
+        p.error(f"--impls: unknown {sorted(unknown)}; allowed {list(IMPLS)}")
+    parse_device(p, args.device)
 
 
 if __name__ == "__main__":

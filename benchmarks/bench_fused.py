@@ -12,19 +12,36 @@ every shape and format, "drop" when slower for every one, otherwise "mixed" with
 Needs a CUDA device: on a machine without one every row reads "n/a (no GPU)".
 
     python benchmarks/run_all.py --sections fused
+    python benchmarks/bench_fused.py [--quick] [--json bench_fused.json]   # the same; run_all.py's other options
+
+Run as a script it is ``run_all.py --sections fused`` (JSON written to ``bench_fused.json`` unless ``--json``).
 """
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
 
-from fxquant import kernels
-from fxquant.formats.tensor_quant import TensorQuant
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fxquant import kernels  # noqa: E402
+from fxquant.formats.tensor_quant import TensorQuant  # noqa: E402
 
 NO_GPU = "n/a (no GPU)"
 FORMATS = ("mxfp8_e4m3", "hifp8", "mxfp4_e2m1")
+# A linear's shapes, (name, K in, N out) at full size, with M = 8192 tokens; --quick divides K and N by 8, M = 256
+LINEAR_SHAPES = (("square", 4096, 4096), ("llama1b fc1 (gate/up)", 2048, 8192), ("llama1b fc2 (down)", 8192, 2048))
+
+
+def linear_shapes(quick: bool) -> tuple[int, list[tuple[str, int, int]]]:
+    """(M, [(label, K, N)]) of the linear and fused sections; each label names the sizes run, and with ``quick``
+    says that they are the layer's divided by 8 ("llama1b fc1 (gate/up) / 8: K=256 N=1024 M=256")."""
+    m, div = (256, 8) if quick else (8192, 1)
+    return m, [(f"{name}{f' / {div}' if div > 1 else ''}: K={k // div} N={n // div} M={m}", k // div, n // div)
+               for name, k, n in LINEAR_SHAPES]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -48,16 +65,12 @@ def _gemms_fused(x, w, dy, tq: TensorQuant):
 
 def fused(args, dev: torch.device, timer: Callable[[Callable[[], object]], float],
           out_of_time: Callable[[], bool] = lambda: False) -> list[dict]:
-    m = 256 if args.quick else 8192
-    div = 8 if args.quick else 1
-    shapes = [("4096x4096", 4096 // div, 4096 // div), ("llama1b fc1", 2048 // div, 8192 // div),
-              ("llama1b fc2", 8192 // div, 2048 // div)]
+    m, shapes = linear_shapes(args.quick)
     if dev.type != "cuda" or not kernels.available():
         return [{"shape": label, "impl": "fused qgemm vs quantize + cuBLAS", "note": NO_GPU} for label, _, _ in shapes]
     rows, wins = [], []
-    for label, k, n in shapes:
+    for shape, k, n in shapes:
         x, w, dy = (torch.randn(*s, device=dev, dtype=torch.bfloat16) for s in ((m, k), (n, k), (m, n)))
-        shape = f"{label} M={m}"
         bf16_s = timer(lambda: (torch.matmul(x, w.t()), torch.matmul(dy, w), torch.matmul(dy.t(), x)))
         rows.append({"shape": shape, "format": "-", "impl": "bf16 cuBLAS (3 GEMMs)", "ms": bf16_s * 1e3, "x bf16": 1.0})
         for fmt in FORMATS:
@@ -90,3 +103,20 @@ def verdict(wins: list[tuple[str, str, bool]]) -> str:
     if not any(w for _, _, w in wins):
         return "drop: quantize + cuBLAS wins in every case (fused_quantized_linear stays opt-in, unused by fxquant.compile)"
     return "mixed: fused wins for " + ", ".join(f"{s} {f}" for s, f, w in wins if w)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``run_all.py --sections fused`` with run_all.py's other options (``--quick``, ``--device``, ``--repeat``, ...);
+    the JSON goes to ``bench_fused.json`` unless ``--json`` says where."""
+    import run_all
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--sections" or a.startswith("--sections=") for a in argv):
+        print("bench_fused.py: runs the fused section only; for others: python benchmarks/run_all.py --sections ...",
+              file=sys.stderr)
+        return 2
+    return run_all.main(["--sections", "fused", "--json", "bench_fused.json", *argv])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

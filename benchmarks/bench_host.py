@@ -18,7 +18,9 @@ import torch
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from envinfo import environment  # noqa: E402
 from fxquant.analysis.outputs import strict_dumps  # noqa: E402
 from fxquant.capture import stats as capture_stats  # noqa: E402
 from fxquant.formats.tensor_quant import TensorQuant  # noqa: E402
@@ -35,13 +37,16 @@ def median_ms(fn, repeat: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=2048)
     ap.add_argument("--cols", type=int, default=4096)
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--json", default="bench_host.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    for flag in ("rows", "cols", "repeat"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag}: {getattr(args, flag)} must be >= 1")
     if host.backend() != "numba":
         print("numba is not installed (or FXQUANT_HOST_KERNELS=torch): nothing to compare", file=sys.stderr)
         return 1
@@ -76,7 +81,7 @@ def main() -> int:
     print(tabulate(rows, headers=["reduction", "numba ms", "torch twin ms", "speed-up", "GB/s read"]))
     Path(args.json).write_text(strict_dumps({"shape": [args.rows, args.cols], "torch": torch.__version__,
                                            "cpus": os.cpu_count(), "load_average": os.getloadavg()[0],
-                                           "results": out}, indent=1))
+                                           "environment": environment("cpu", argv), "results": out}, indent=1))
     print(f"wrote {args.json}")
     return 0
 

@@ -29,7 +29,9 @@ if not torch.cuda.is_available():
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from envinfo import environment  # noqa: E402
 from fxquant.analysis.outputs import strict_dumps  # noqa: E402
 from fxquant import formats  # noqa: E402
 from fxquant.formats.tensor_quant import TensorQuant  # noqa: E402
@@ -121,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         n = 1 << 13
     if n < 4096 or n % 4096:
         p.error(f"--size: {n} must be a multiple of 4096 (the tensor is [n / 4096, 4096])")
+    if args.budget_s < 0:
+        p.error(f"--budget-s: {args.budget_s} must be >= 0")
     dev = "cuda" if on_gpu else "cpu"
     x = torch.randn(n // 4096, 4096, device=dev, generator=torch.Generator(device=dev).manual_seed(0)).to(torch.bfloat16)
     if on_gpu:
@@ -134,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     import fxquant.kernels.launch as launch
 
     copy_ms, amax_ms = bench(x.clone), bench(lambda: launch.abs_max(x))
-    env = {"device": torch.cuda.get_device_name() if on_gpu else "cpu (interpreter)", "torch": torch.__version__,
+    env = {**environment(dev, argv), "device": torch.cuda.get_device_name() if on_gpu else "cpu (interpreter)",
            "tensor": f"[{n // 4096}, 4096] bf16", "copy_ms": copy_ms, "abs_max_ms": amax_ms}
     log.info("%s", env)
     deadline = time.perf_counter() + args.budget_s

@@ -10,10 +10,8 @@ step (the compile), and the median step of iterations 2..N from the run's `metri
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -25,7 +23,9 @@ from tabulate import tabulate
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from envinfo import environment  # noqa: E402
 from fxquant.analysis.outputs import strict_dumps  # noqa: E402
 
 VARIANTS: dict[str, list[str]] = {
@@ -33,16 +33,6 @@ VARIANTS: dict[str, list[str]] = {
     "opaque": ["--backend", "inductor", "--kernels", "reference"],  # Inductor, the quantize op opaque
     "fused": ["--backend", "inductor"],  # Inductor, the quantizes lowered into its kernels
 }
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def run_variant(name: str, iters: int, work: Path) -> dict:
@@ -64,7 +54,7 @@ def run_variant(name: str, iters: int, work: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
     p.add_argument("--iters", type=int, default=30, help="training iterations per run (default 30, the README's)")
     p.add_argument("--rounds", type=int, default=1, help="times the variants run, alternated (default 1)")
@@ -84,9 +74,8 @@ def main(argv: list[str] | None = None) -> int:
                 work.mkdir(exist_ok=True)
                 results[name].append(run_variant(name, args.iters, work))
                 print(f"round {r + 1}/{args.rounds} {name}: {results[name][-1]}", file=sys.stderr, flush=True)
-    env = {"cpu": cpu_name(), "cpus": os.cpu_count(), "python": platform.python_version(),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "iters": args.iters, "rounds": args.rounds}
+    env = environment("cpu", argv)
+    env.update(cpu=env["host"], iters=args.iters, rounds=args.rounds)  # "cpu": the key earlier results use
     table = [[n, " / ".join(f"{x['wall_s']:.0f}" for x in rs), " / ".join(f"{x['first_step_s']:.1f}" for x in rs),
               " / ".join(f"{x['median_step_ms']:.0f}" for x in rs), rs[-1]["final_loss"]] for n, rs in results.items()]
     print(f"# {env['cpu']} ({env['cpus']} CPUs), {env['date']}, {args.iters} iterations, empty Inductor cache per run")

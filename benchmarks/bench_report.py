@@ -1,7 +1,7 @@
 """Benchmark: `fxquant report` over a synthetic capture set vs reading the same set once from disk.
 
 Writes a capture set of about --size-mb MB through the real capture runtime and writer (linear inputs,
-weights and grad_outputs of an L-layer model, high-precision plus --quantized-fraction of MXFP8 copies),
+weights and grad_outputs of an L-layer model in high precision; every --quantized-every-th one an MXFP8 copy),
 then, in the same run: (1) drops the set from the page cache (posix_fadvise DONTNEED) and reads every
 shard once sequentially ("cold read"), (2) reads it again ("warm read"), (3) drops it again and runs the
 report with --workers processes, tables only and then with figures. Prints a table and writes JSON.
@@ -25,7 +25,9 @@ from tabulate import tabulate
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from envinfo import environment  # noqa: E402
 from fxquant.analysis.outputs import strict_dumps  # noqa: E402
 from fxquant import analysis, capture  # noqa: E402
 from fxquant.capture.runtime import RankInfo  # noqa: E402
@@ -79,8 +81,8 @@ def read_once(root: Path, chunk: int = 16 << 20) -> float:
     return time.perf_counter() - t0
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-mb", type=int, default=256, help="capture set size (default 256; the target is 2048)")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
@@ -91,7 +93,12 @@ def main() -> int:
                     help="where to write the set, under DIR/capture, which must not exist or be empty "
                          "(default: a temporary directory, removed afterwards)")
     ap.add_argument("--json", default="bench_report.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    for flag in ("size_mb", "workers", "rows", "cols"):  # refused before any capture is written
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')}: {getattr(args, flag)} must be >= 1")
+    if args.quantized_every < 0:
+        ap.error(f"--quantized-every: {args.quantized_every} must be >= 0 (0: no quantized copies)")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     base = Path(args.dir or tempfile.mkdtemp(prefix="fxquant-bench-report-"))
     root = base / "capture"
@@ -123,7 +130,7 @@ def main() -> int:
                   "seconds": {"write": t_write, "read_cold": t_cold, "read_warm": t_warm, "report_tables": r1.seconds,
                               "report_full": r2.seconds},
                   "ratio_vs_cold_read": {"report_tables": r1.seconds / t_cold, "report_full": r2.seconds / t_cold},
-                  "target": "report <= 2x the cold read of a 2 GB set"}
+                  "target": "report <= 2x the cold read of a 2 GB set", "environment": environment("cpu", argv)}
         Path(args.json).write_text(strict_dumps(result, indent=1))
         print(f"wrote {args.json}")
     finally:

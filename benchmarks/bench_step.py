@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import copy
-import datetime
 import json
 import os
 import shutil
@@ -59,8 +58,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fxquant.analysis.outputs import strict_dumps  # noqa: E402
 import fxquant  # noqa: E402
-from fxquant import cpp_prebuild  # noqa: E402
-from bench_formats import device_name  # noqa: E402
+from fxquant import cpp_prebuild, schemes  # noqa: E402
+from envinfo import environment  # noqa: E402
 from tests.models import make_llama, next_token_loss  # noqa: E402
 
 PRESETS = ("linear_mxfp8", "linear_hifp8", "FA_linear_mxfp8", "linear_mxfp4", "linear_nvfp4")
@@ -266,7 +265,7 @@ def run_model(name: str, args, argv: list[str]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="torch,megatron", help=f"comma-separated subset of {','.join(MODELS)}")
     p.add_argument("--presets", default=",".join(PRESETS), help="fxquant presets (kernels='auto'), comma-separated")
     p.add_argument("--reference", default="linear_mxfp8", help="presets also run with kernels='reference' ('' for none)")
@@ -294,8 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     args.presets, args.reference, args.eager = split(args.presets), split(args.reference), split(args.eager)
     models = split(args.models)
     bad = [m for m in models if m not in MODELS]
-    if bad:
+    if bad or not models:
         p.error(f"--models: unknown {bad}; choose from {list(MODELS)}")
+    check_args(p, args)
     torch._dynamo.config.cache_size_limit = 64  # one code object, many compiled copies
     torch._dynamo.config.accumulated_cache_size_limit = 512
     if args.compile_only is not None:
@@ -315,15 +315,33 @@ def main(argv: list[str] | None = None) -> int:
                  "warm_compile_x_plain"]
     print(tabulate([[r.get(c) for c in cols] for r in rows], headers=cols, floatfmt=".2f"))
     if args.json:
-        env = {"device": device_name(torch.device("cpu")), "torch": torch.__version__,
-               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               "argv": sys.argv[1:], "load_average": os.getloadavg()}
+        env = {**environment("cpu", raw), "load_average": os.getloadavg()}
         if "hf" in models:
             import transformers
 
             env["transformers"] = transformers.__version__
         Path(args.json).write_text(strict_dumps({"environment": env, "args": vars(args), "rows": rows}, indent=1))
     return 0
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse (``p.error``: one line, exit 2) sizes and presets the run would fail on, before anything compiles."""
+    for flag in ("dim", "layers", "heads", "ffn", "vocab", "batch", "seq", "rounds"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag}: {getattr(args, flag)} must be >= 1")
+    if args.dim % (2 * args.heads):  # RoPE rotates pairs of a head's dimensions
+        p.error(f"--dim: {args.dim} must be a multiple of 2 x --heads ({2 * args.heads}): an even head dimension")
+    for flag in ("presets", "reference", "eager"):
+        for name in getattr(args, flag):
+            try:
+                schemes.get(name)
+            except (ValueError, OSError) as exc:  # an unknown name, a YAML file missing or wrong
+                p.error(f"--{flag}: {str(exc).split(';')[0]}")
+    if args.compile_only not in (None, PLAIN):
+        try:
+            schemes.get(args.compile_only)
+        except (ValueError, OSError) as exc:
+            p.error(f"--compile-only: {args.compile_only!r} is not {PLAIN!r}, and {str(exc).split(';')[0]}")
 
 
 def _without(argv: list[str], options: tuple[str, ...]) -> list[str]:

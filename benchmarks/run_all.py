@@ -38,7 +38,6 @@ section, so a run that is killed keeps what it measured.
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
 import os
 import statistics
@@ -61,6 +60,7 @@ import bench_capture  # noqa: E402
 import bench_compile  # noqa: E402
 import bench_formats  # noqa: E402
 import bench_fused  # noqa: E402
+import envinfo  # noqa: E402
 
 from fxquant.analysis.outputs import strict_dumps  # noqa: E402
 import fxquant  # noqa: E402
@@ -234,10 +234,7 @@ def _reference_ops(dev: torch.device):
 
 
 def linear(args, dev: torch.device, timer: Timer) -> list[dict]:
-    m = 256 if args.quick else 8192
-    div = 8 if args.quick else 1
-    shapes = [("4096x4096", 4096 // div, 4096 // div), ("llama1b fc1 (gate/up)", 2048 // div, 8192 // div),
-              ("llama1b fc2 (down)", 8192 // div, 2048 // div)]
+    m, shapes = bench_fused.linear_shapes(args.quick)
     dtype = torch.bfloat16
     backend = "aot_eager" if dev.type == "cpu" else "inductor"
     rows = []
@@ -251,30 +248,30 @@ def linear(args, dev: torch.device, timer: Timer) -> list[dict]:
 
         torch._dynamo.reset()
         bf16_s = timer(step(torch.compile(base, backend=backend)))
-        rows.append({"shape": f"{label} M={m}", "impl": f"bf16 torch.compile ({backend})", "ms": bf16_s * 1e3, "x bf16": 1.0})
+        rows.append({"shape": label, "impl": f"bf16 torch.compile ({backend})", "ms": bf16_s * 1e3, "x bf16": 1.0})
         for preset in LINEAR_PRESETS if not args.quick else LINEAR_PRESETS[:2]:
             if _out_of_time(args):
-                rows.append({"shape": f"{label} M={m}", "impl": f"fxquant {preset}", "note": SKIPPED})
+                rows.append({"shape": label, "impl": f"fxquant {preset}", "note": SKIPPED})
                 continue
             for k in kernel_choices(dev, backend, preset):
                 torch._dynamo.reset()
                 compiled = fxquant.compile(base, preset, backend=backend, kernels=k)
                 s, note = _attempt(lambda: timer(step(compiled)), f"linear {label} {preset} kernels={k}")
-                rows.append({"shape": f"{label} M={m}", "impl": f"fxquant {preset} ({backend}, kernels={k})",
+                rows.append({"shape": label, "impl": f"fxquant {preset} ({backend}, kernels={k})",
                              "ms": s and s * 1e3, "x bf16": _ratio(s, bf16_s), "target": TARGETS.get(preset),
                              "note": note})
             lq = _lq(preset)
             with _reference_ops(dev):
                 s, note = _attempt(lambda: timer(step(lambda t: quantized_linear(t, base.proj.weight, None, lq))),
                                    f"linear {label} {preset} predecessor")
-            rows.append({"shape": f"{label} M={m}", "impl": f"predecessor approach {preset} (eager torch ops)",
+            rows.append({"shape": label, "impl": f"predecessor approach {preset} (eager torch ops)",
                          "ms": s and s * 1e3, "x bf16": _ratio(s, bf16_s), "note": note})
             _log(f"  linear {label} {preset} done")
         try:
             s = timer(step(lambda t: _TorchaoMXLinearFn.apply(t, base.proj.weight, torch.float8_e4m3fn)))
-            rows.append({"shape": f"{label} M={m}", "impl": "torchao MX emulation mxfp8 (eager)", "ms": s * 1e3, "x bf16": s / bf16_s})
+            rows.append({"shape": label, "impl": "torchao MX emulation mxfp8 (eager)", "ms": s * 1e3, "x bf16": s / bf16_s})
         except ImportError as exc:
-            rows.append({"shape": f"{label} M={m}", "impl": "torchao MX emulation mxfp8 (eager)", "note": f"n/a ({exc})"})
+            rows.append({"shape": label, "impl": "torchao MX emulation mxfp8 (eager)", "note": f"n/a ({exc})"})
     return rows
 
 
@@ -466,9 +463,8 @@ def render(name: str, rows: list[dict]) -> str:
     return f"### {name}\n\n{table}\n"
 
 
-def environment(dev: torch.device) -> dict:
-    import platform
-
+def environment(dev: torch.device, argv: list[str] | None = None) -> dict:
+    """``envinfo.environment`` (device, host CPU, torch, python, date, argv) with the triton and torchao versions."""
     tv = None
     if kernels.available():
         import triton
@@ -480,13 +476,11 @@ def environment(dev: torch.device) -> dict:
         ao = torchao.__version__
     except ImportError:
         ao = None
-    return {"device": bench_formats.device_name(dev), "device_type": dev.type, "torch": torch.__version__,
-            "triton": tv, "torchao": ao, "python": platform.python_version(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    return {**envinfo.environment(dev, argv), "triton": tv, "torchao": ao}
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sections", default="all", help=f"comma-separated subset of {','.join(SECTIONS)}, or 'all'")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run that proves every section works")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -504,12 +498,12 @@ def main(argv: list[str] | None = None) -> int:
     bad = [s for s in sections if s not in SECTIONS]
     if bad:
         p.error(f"--sections: unknown {bad}; choose from {list(SECTIONS)}")
-    dev = torch.device(args.device)
+    dev = check_args(p, args)
     gpu = dev.type == "cuda"
-    args.repeat = args.repeat or (20 if gpu else 3)
+    args.repeat = args.repeat if args.repeat is not None else (20 if gpu else 3)
     args.warmup = args.warmup if args.warmup is not None else (5 if gpu else 1)
     timer = Timer(dev, args.repeat, args.warmup)
-    env = environment(dev)
+    env = environment(dev, argv)
     result = {"environment": env, "args": {k: v for k, v in vars(args).items()}, "sections": {}}
     out = [f"## fxquant benchmarks ({'quick' if args.quick else 'full'})\n",
            f"{env['device']}; torch {env['torch']}, triton {env['triton']}, torchao {env['torchao']}; {env['date']}; "
@@ -535,6 +529,23 @@ def main(argv: list[str] | None = None) -> int:
     for e in ERRORS:
         _log(f"ERROR {e}")
     return 1 if ERRORS else 0
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
+    """The device; refuse (``p.error``: one line, exit 2) counts and sizes the sections would fail on, before any
+    runs. ``--repeat`` and ``--warmup`` left out (None) take the device's defaults."""
+    if args.repeat is not None and args.repeat < 1:
+        p.error(f"--repeat: {args.repeat} must be >= 1 (leave it out for the default)")
+    if args.warmup is not None and args.warmup < 0:
+        p.error(f"--warmup: {args.warmup} must be >= 0 (leave it out for the default)")
+    if any(s < 1 for s in args.seq):
+        p.error(f"--seq: {args.seq}: every sequence length must be >= 1")
+    if args.layers < 1:
+        p.error(f"--layers: {args.layers} must be >= 1")
+    if args.budget_scale < 0:
+        p.error(f"--budget-scale: {args.budget_scale} must be >= 0 (0: no budgets)")
+    dev = envinfo.parse_device(p, args.device)
+    return dev
 
 
 if __name__ == "__main__":

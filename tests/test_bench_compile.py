@@ -29,7 +29,9 @@ def test_bench_compile_writes_json_only_where_asked(tmp_path):
     out = tmp_path / "sub" / "compile.json"
     done = _bench(tmp_path, "--json", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    result = json.loads(out.read_text())
+    assert result["environment"]["argv"] == ["--backends", "aot_eager", "--json", str(out)]
+    rows = result["rows"]
     assert [(r["backend"], r["scheme"]) for r in rows] == [("aot_eager", "(plain torch.compile)"),
                                                             ("aot_eager", "bf16"), ("aot_eager", "FA_linear_mxfp8")]
     assert rows[0]["compile_ratio_vs_plain"] == 1.0 and all(r["first_step_s"] > 0 for r in rows)

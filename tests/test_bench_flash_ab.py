@@ -28,7 +28,9 @@ def test_ab_against_head_runs_both_versions_and_reports_equal_bits(tmp_path):
     run = subprocess.run([sys.executable, str(SCRIPT), "--old", str(old), "--presets", "bf16,FA_QKPV_mxfp8",
                           "--json", str(out)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    result = json.loads(out.read_text())
+    assert result["environment"]["torch"] and result["environment"]["argv"][:2] == ["--old", str(old)]
+    rows = result["rows"]
     assert [r["preset"] for r in rows] == ["bf16", "FA_QKPV_mxfp8"]
     for r in rows:
         assert r["bitwise_equal"] and r["max_abs_diff"] == 0.0, r

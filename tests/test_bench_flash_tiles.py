@@ -30,6 +30,7 @@ def test_sweep_runs_every_setting_against_the_defaults(tmp_path):
                 assert r["rel_diff_vs_default"] <= 2.0 ** -6, r
     assert result["summary"] == []  # nothing timed on CPU
     assert result["environment"]["device"] == "cpu (interpreter)"
+    assert result["environment"]["host"] and "--json" in result["environment"]["argv"]
 
 
 def test_unknown_preset_is_refused():

@@ -18,7 +18,9 @@ def test_bench_host_read_rate_counts_both_inputs_of_the_pair_sums(tmp_path):
            "--repeat", "1", "--json", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, check=False, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    results = {r["case"]: r for r in json.loads(out.read_text())["results"]}
+    result = json.loads(out.read_text())
+    assert result["environment"]["argv"] == cmd[2:] and "1 threads" in result["environment"]["device"]
+    results = {r["case"]: r for r in result["results"]}
     n = 64 * 256
     inputs = {"bf16 counts (patterns + block-relative)": 2 * n, "float32 counts (histograms + moments)": 4 * n,
               "pair sums, bf16": 2 * 2 * n, "pair sums, float32": 2 * 4 * n,  # the quantized copy and its source

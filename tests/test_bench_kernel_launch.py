@@ -33,6 +33,7 @@ def test_sweep_runs_every_setting_against_the_default(tmp_path):
         assert all(r["same_bits"] is True and r["ms"] is None for r in mine), mine
     assert result["summary"] == []  # nothing timed on CPU
     assert result["environment"]["device"] == "cpu (interpreter)"
+    assert result["environment"]["host"] and result["environment"]["argv"][:2] == ["--formats", "nvfp4,mxfp8_e4m3,hifp8"]
 
 
 def test_bad_arguments_are_refused():

@@ -28,6 +28,7 @@ def test_bench_report_measures_what_it_wrote_and_refuses_a_dir_holding_a_capture
     on_disk = {p: p.stat().st_size for p in shards}
     # 1 MB of 256x1024 bf16 tensors (512 KiB each): two tensors, every byte of them in this run's shards
     assert result["tensors"] == 2 and result["bytes"] == sum(on_disk.values())
+    assert result["environment"]["torch"] and "--workers" in result["environment"]["argv"]
     assert 2 * 256 * 1024 * 2 < result["bytes"] < 2 * 256 * 1024 * 2 + (64 << 10)
 
     second = _bench(tmp_path, tmp_path / "second.json", workdir)
