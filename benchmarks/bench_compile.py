@@ -1,8 +1,9 @@
 """Compile time of a 2-layer model on CPU: fxquant.compile vs plain torch.compile (issue 3, "Speed").
 
 Each case compiles a fresh model in a fresh Dynamo state and times the first forward+backward (compile
-included) and a later step. Inductor runs use a temporary cache directory per case (cold compile), so the
-numbers are comparable. Prints a table; with --json PATH also writes the rows as JSON.
+included) and a later step. Each case compiles cold: in a temporary Inductor cache directory, with Inductor's
+in-memory code caches cleared (``fresh_caches``), so no case reuses kernels an earlier case compiled (the
+process itself, its imports and compile workers, is warmed up by a throwaway first case). Prints a table; with --json PATH also writes the rows as JSON.
 
     python benchmarks/bench_compile.py [--backends inductor aot_eager] [--scheme FA_linear_mxfp8] [--json out.json]
 """
@@ -12,7 +13,6 @@ import argparse
 import os
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -33,10 +33,17 @@ def step(model, tokens) -> float:
     return time.perf_counter() - t0
 
 
+def fresh_caches():
+    """Inductor's context for a cold compile: a temporary cache directory (removed after) and its in-memory code
+    caches cleared on entry and exit, so that no case loads kernels an earlier case of the process compiled."""
+    from torch._inductor import utils
+
+    return getattr(utils, "fresh_cache", None) or utils.fresh_inductor_cache  # the older name: torch < 2.8
+
+
 def case(backend: str, scheme: str | None, tokens) -> dict:
     torch._dynamo.reset()
-    with tempfile.TemporaryDirectory() as cache:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+    with fresh_caches()():
         model = make_llama()
         if scheme is None:
             compiled = torch.compile(model, backend=backend)
