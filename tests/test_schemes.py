@@ -147,6 +147,34 @@ def test_get_errors_and_case() -> None:
         schemes.get(3)  # type: ignore[arg-type]
 
 
+
+def test_a_preset_name_wins_over_a_file_of_that_name_in_the_working_directory(tmp_path, monkeypatch) -> None:
+    """A log written as `tee FA_linear_mxfp8` does not hide the preset; ./NAME, a path with a "/", reads the file,
+    and a name that is no preset reads the file of that name."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "FA_linear_mxfp8").write_text("step 1 loss 3.2\n")
+    assert schemes.get("FA_linear_mxfp8") == generate("FA_linear_mxfp8")
+    with pytest.raises(schemes.SchemeError, match="expected a mapping"):
+        schemes.get("./FA_linear_mxfp8")
+    (tmp_path / "mine").write_text(generate("linear_hifp8").to_yaml().replace("name: linear_hifp8", "name: mine"))
+    assert schemes.get("mine").name == "mine"
+
+
+def test_scheme_and_spec_errors_survive_pickle_and_deepcopy() -> None:
+    """A worker process's scheme or capture-spec error reaches its parent whole (problems and message): pickle
+    rebuilds it from ``__reduce__``, as deepcopy does."""
+    import copy
+
+    from fxquant.capture._yaml import SpecError
+
+    for err in (schemes.SchemeError("s.yaml", ["s.yaml:1: (top): bad", "s.yaml:2: rules: worse"]),
+                SpecError(["spec.yaml:3: sites: bad"])):
+        build, args = err.__reduce__()
+        for back in (build(*args), copy.deepcopy(err)):
+            assert type(back) is type(err) and back.problems == err.problems and str(back) == str(err)
+    assert copy.deepcopy(schemes.SchemeError("s.yaml", ["x"])).source == "s.yaml"
+
+
 # -- resolution --------------------------------------------------------------------------------------------
 M8, M4, HI = TensorQuant("mxfp8"), TensorQuant("mxfp4"), TensorQuant("hifp8")
 
@@ -329,6 +357,12 @@ def test_dataclass_validation() -> None:
         GemmQuant("mxfp8")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="must configure"):
         Rule(Selector())
+    for selector in (None, {"kinds": ["fc1"]}):
+        with pytest.raises(TypeError, match=r"Rule.selector must be a Selector \(Selector\(\) selects every site\)"):
+            Rule(selector, linear=lin(M8))  # type: ignore[arg-type]
+    padded = Scheme(" mine ", "MXFP8 linears\n", (Rule(Selector(), linear=lin(M8)),))
+    assert (padded.name, padded.description) == ("mine", "MXFP8 linears")
+    assert Scheme.from_yaml_text(padded.to_yaml()) == padded
     with pytest.raises(ValueError, match="not a valid regular expression"):
         Selector(modules="layers.(")
     with pytest.raises(ValueError, match="first_layers=0"):

@@ -23,6 +23,9 @@ class SpecError(ValueError):
         n = len(self.problems)
         super().__init__(f"{n} problem{'s' if n != 1 else ''} in capture spec:\n  " + "\n  ".join(self.problems))
 
+    def __reduce__(self):  # pickle and deepcopy (a worker process's error) rebuild it from its problems
+        return type(self), (self.problems,)
+
 
 def did_you_mean(value: object, choices) -> str:
     close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.5)

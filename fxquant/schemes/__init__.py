@@ -62,7 +62,9 @@ def _preset(name: str) -> Scheme:
 def get(name_or_path: "str | Path | Scheme") -> Scheme:
     """A preset by name (case-insensitive), or a scheme YAML file by path; a Scheme is returned as it is.
 
-    Unknown names raise ValueError with a did-you-mean and the list of preset families."""
+    A string ending in .yaml/.yml or holding a "/" is a path; otherwise a preset name wins over a file of that name
+    in the working directory (``./NAME`` reads the file). Unknown names raise ValueError with a did-you-mean and
+    the list of preset families."""
     if isinstance(name_or_path, Scheme):
         return name_or_path
     if isinstance(name_or_path, Path):
@@ -70,9 +72,11 @@ def get(name_or_path: "str | Path | Scheme") -> Scheme:
     if not isinstance(name_or_path, str):
         raise TypeError(f"scheme must be a preset name, a YAML path or a Scheme, got {type(name_or_path).__name__}")
     key = name_or_path.strip()
-    if key.endswith((".yaml", ".yml")) or "/" in key or Path(key).is_file():
+    if key.endswith((".yaml", ".yml")) or "/" in key:
         return Scheme.from_yaml(key)
     canonical = _by_lower().get(key.lower())
+    if canonical is None and Path(key).is_file():
+        return Scheme.from_yaml(key)
     if canonical is None:
         known = all_names()
         raise ValueError(

@@ -190,6 +190,9 @@ class Rule:
     where: str = field(default="", compare=False)  # "file:line" of the rule in its YAML, for messages
 
     def __post_init__(self) -> None:
+        if not isinstance(self.selector, Selector):
+            raise TypeError(f"Rule.selector must be a Selector (Selector() selects every site), got "
+                            f"{type(self.selector).__name__}")
         if self.linear is None and self.attention is None:
             raise ValueError("a rule must configure linear, attention or both")
         if self.linear is not None and not isinstance(self.linear, LinearQuant):

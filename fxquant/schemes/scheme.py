@@ -40,6 +40,8 @@ class Scheme:
             raise ValueError(f"Scheme.name must be a non-empty str, got {self.name!r}")
         if not isinstance(self.description, str):
             raise TypeError(f"Scheme.description must be a str, got {self.description!r}")
+        object.__setattr__(self, "name", self.name.strip())  # as the YAML reader keeps them: to_yaml() round trips
+        object.__setattr__(self, "description", self.description.strip())
         object.__setattr__(self, "rules", tuple(self.rules))
         for i, r in enumerate(self.rules):
             if not isinstance(r, Rule):

@@ -64,6 +64,9 @@ class SchemeError(ValueError):
         n = len(problems)
         super().__init__(f"{n} problem{'s' * (n != 1)} in scheme {source}:\n  " + "\n  ".join(problems))
 
+    def __reduce__(self):  # pickle and deepcopy (a worker process's error) rebuild it from its fields
+        return type(self), (self.source, self.problems)
+
 
 _MAP_TAG, _SEQ_TAG = "tag:yaml.org,2002:map", "tag:yaml.org,2002:seq"
 
