@@ -37,7 +37,7 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from envinfo import CPU_ISA, device_name, environment, parse_device  # noqa: E402,F401  (CPU_ISA: importable from here too)
+from envinfo import device_name, environment, parse_device  # noqa: E402
 from fxquant.analysis.outputs import strict_dumps  # noqa: E402
 from fxquant import formats, kernels  # noqa: E402
 from fxquant.formats.tensor_quant import TensorQuant  # noqa: E402

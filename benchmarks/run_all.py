@@ -544,8 +544,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> torch.de
         p.error(f"--layers: {args.layers} must be >= 1")
     if args.budget_scale < 0:
         p.error(f"--budget-scale: {args.budget_scale} must be >= 0 (0: no budgets)")
-    dev = envinfo.parse_device(p, args.device)
-    return dev
+    return envinfo.parse_device(p, args.device)
 
 
 if __name__ == "__main__":

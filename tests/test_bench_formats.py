@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_formats  # noqa: E402
+import envinfo  # noqa: E402
 
 
 def _args(**kw) -> argparse.Namespace:
@@ -46,14 +47,14 @@ def test_without_floor_no_floor_rows():
 def test_cpu_device_name_lists_the_vector_isa_from_cpuinfo():
     import torch
 
-    name = bench_formats.device_name(torch.device("cpu"))
+    name = envinfo.device_name(torch.device("cpu"))
     assert f"{torch.get_num_threads()} threads" in name
     cpuinfo = Path("/proc/cpuinfo")
     if not cpuinfo.exists():
         pytest.skip("no /proc/cpuinfo on this system")
     flags = next((set(ln.split(":", 1)[1].split()) for ln in cpuinfo.read_text().splitlines()
                   if ln.startswith("flags")), set())
-    for flag, label in bench_formats.CPU_ISA:
+    for flag, label in envinfo.CPU_ISA:
         if flag == "avx2" and "avx512f" in flags:
             assert "AVX2" not in name  # the wider ISA is named instead
         else:
