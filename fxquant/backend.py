@@ -2,7 +2,8 @@
 
 ``FxquantBackend(scheme, inner=Inner.INDUCTOR, ...)`` is what ``fxquant.compile`` hands to
 ``torch.compile(backend=...)``. Per Dynamo graph it runs ``fxquant.passes.run_passes`` (match, resolve,
-rewrite), records a ``GraphReport``, compiles the rewritten graph with the inner backend, and reports sites it
+rewrite), records a ``GraphReport``, has Dynamo compile the frame per module instance where the graph holds an
+instance's sites or taps (``passes.instances``), compiles the rewritten graph with the inner backend, and reports sites it
 could not rewrite (``passes.strict``); a graph whose compile raises (Dynamo restarting the frame's analysis, as
 when it specialises a float it first traced as symbolic) leaves no report and no issue behind:
 
@@ -26,6 +27,7 @@ from torch import fx, nn
 from fxquant import lowering
 from fxquant.lowering import Kernels
 from fxquant.passes import GraphReport, LayerNumbering, ModuleNames, run_passes
+from fxquant.passes.instances import guard_instances
 from fxquant.passes.strict import (QuantizationError, failed_sites, opaque_calls, possible_sites, report,
                                     unmatched_rule_error)
 from fxquant.schemes.scheme import Scheme
@@ -105,6 +107,8 @@ class FxquantBackend:
             from fxquant.passes.capture_taps import insert_capture_taps
 
             self.tap_reports.append(insert_capture_taps(gm, self.capture))  # it logs what it cannot tap
+        taps = self.tap_reports[-1].taps if self.capture is not None and not self.dry_run else []
+        graph_report.instance = guard_instances(self.root, graph_report.sites, [t.module for t in taps])
         n_rewritten = sum(s.status.value == "rewritten" for s in graph_report.sites)
         log.info("fxquant: graph %d: %d sites matched, %d rewritten, %d matmul-like ops unmatched",
                  graph_report.index, len(graph_report.sites), n_rewritten, len(graph_report.unmatched))

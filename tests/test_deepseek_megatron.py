@@ -142,6 +142,43 @@ def test_forward_backward_on_cpu_and_attentions_agree(single_process):
     assert sum(g is not None and g.abs().sum() > 0 for g in routed) >= 2  # top-2 of 8: tokens reach experts
 
 
+def test_a_per_layer_scheme_holds_in_every_step_with_exact_counts(single_process):
+    """Layer 1's MoE breaks the graph, so Dynamo compiles each TransformerLayer's call as a frame of its own; the
+    graph compiled for one layer must not run for the other (fxquant.passes.instances). Layer 0 alone is selected:
+    the same loss in every step (no optimizer), and the runtime counters exact in steady steps, MLA's q_proj and
+    kv_down_proj sharing their input's quantizations (fprop and wgrad) as AOT autograd's CSE does."""
+    import fxquant
+    from fxquant import schemes
+    from fxquant.api import compile_state
+    from fxquant.counters import count_quantize_calls
+    from fxquant.megatron_glue.graph_breaks import quiet_tp_group_lookup
+
+    scheme = schemes.Scheme.from_yaml_text("""
+name: layer0
+rules:
+  - match: {layers: [0]}
+    linear: mxfp8
+    attention: {qk: mxfp8}
+""")
+    ids, pos, mask = _batch()
+    compiled = fxquant.compile(_build(), scheme, backend="aot_eager", strict=True)
+    losses, counts = [], []
+    with quiet_tp_group_lookup():
+        for _ in range(4):
+            with count_quantize_calls(compiled) as count:
+                loss = compiled(ids, pos, mask, labels=ids).mean()
+                loss.backward()
+            losses.append(loss.item())
+            counts.append(count)
+    assert losses == [losses[0]] * 4
+    # 6 linears x (2 forward + 4 backward) + QK^T (2 forward), less X's fprop and wgrad quantizes shared
+    assert all(c.ok and not c.compiled and c.executed == c.expected == 36 for c in counts[2:])
+    sites = {s.site.module_path: s.status.value for s in compile_state(compiled).sites()}
+    for module in ("linear_q_proj", "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj", "core_attention"):
+        assert sites[f"decoder.layers.0.self_attention.{module}"] == "rewritten"
+        assert sites[f"decoder.layers.1.self_attention.{module}"] == "high"
+
+
 def _run(tmp_path, name, data, **changes):
     from fxquant.megatron_glue.run_config import CompileBackend, OptimConfig, RunConfig, TrainConfig
 

@@ -1,9 +1,10 @@
 """How many ``fxquant::quantize`` calls a rewritten Dynamo graph makes per forward and per backward.
 
 Read from the rewritten graph (after the rewrite passes): each wrapper call quantizes the operands its
-specs name; the quantize nodes inside Megatron bodies are counted as they are. With AOT autograd's
+specs name, a Megatron linear what the quantize nodes inside its bodies quantize. With AOT autograd's
 training graphs (``dedupe=True``; its inference graphs, compiled under no_grad, are not CSE'd) common-subexpression elimination merges identical calls, e.g. the input X shared by
-q_proj, k_proj and v_proj quantized with the same spec along the same axis in fprop (and in wgrad), so
+q_proj, k_proj and v_proj (or a Megatron MLA's q_proj and kv_down_proj, their bodies inlined) quantized with the
+same spec along the same axis in fprop (and in wgrad), so
 calls are counted once per (operand, spec, axis). An operand is known by its value, as CSE knows it: two nodes
 that apply the same op to the same arguments (``torch.relu(x)`` or ``x.view(-1, d)`` written twice) are one
 operand, unless the op draws random numbers (an active dropout) or the graph mutates a tensor in place (then
@@ -24,7 +25,7 @@ import torch
 from torch import fx
 
 from fxquant.passes import wrappers
-from fxquant.passes.sites import META_KEY, OpKind, Status, checkpointed_bodies
+from fxquant.passes.sites import META_KEY, OpKind, Status, body_modules, checkpointed_bodies
 
 _FWD, _BWD = 0, 1
 
@@ -123,6 +124,20 @@ def _dropout_identity(node: fx.Node) -> bool:
     return training is False or (isinstance(p, (int, float)) and p == 0)
 
 
+def _body_key(node: fx.Node) -> object:
+    """The key of a ``get_attr`` node: a subgraph (an ``autograd_function_apply`` body) by its code, so the same
+    function applied twice to one value is one value (Megatron's copy_to_tensor_model_parallel_region in front of
+    each linear); anything else, and a body that draws random numbers or writes in place, by name."""
+    owner = node.graph.owning_module
+    body = getattr(owner, node.target, None) if owner is not None and isinstance(node.target, str) else None
+    if not isinstance(body, fx.GraphModule):
+        return node.name
+    calls = [n for n in body.graph.nodes if n.op in ("call_function", "call_method")]
+    if any(_mutates(n) or _random(_name(n)) for n in calls):
+        return node.name
+    return ("body", body.code)
+
+
 class _ValueKeys:
     """Keys of a graph's operand nodes, equal for two nodes that CSE merges (module docstring)."""
 
@@ -144,6 +159,8 @@ class _ValueKeys:
         return (type(value).__name__, repr(value))
 
     def _node(self, node: fx.Node) -> object:
+        if node.op == "get_attr" and not self.by_name:
+            return _body_key(node)
         if self.by_name or node.op not in ("call_function", "call_method"):
             return node.name
         if _dropout_identity(node):
@@ -184,6 +201,64 @@ def _operand_keys(node: fx.Node, key: _ValueKeys) -> list[tuple[int, tuple]]:
             if spec is not None and run]
 
 
+def _collective(node: fx.Node) -> bool:
+    """Whether ``node`` calls a distributed collective (``torch.distributed``, functional collectives)."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    where = f"{getattr(node.target, '__module__', '') or ''}.{_name(node)}".lower()
+    return any(word in where for word in ("distributed", "c10d", "all_gather", "all_reduce", "reduce_scatter",
+                                          "all_to_all"))
+
+
+class _BodyKeys(_ValueKeys):
+    """Value keys of an ``autograd_function_apply`` body's nodes: its placeholders are the values they stand for
+    (``inputs``: a fwd_body's tensor arguments in the outer graph, a bwd_body's saved tensors in the fwd_body); its
+    other placeholders and the nodes ``_ValueKeys`` keys by name (random ops, a graph with in-place writes) are
+    private to the site (``scope``), as node names are per body."""
+
+    def __init__(self, graph: fx.Graph, inputs: dict[fx.Node, object], scope: object) -> None:
+        super().__init__(graph)
+        self.inputs, self.scope = inputs, scope
+
+    def _node(self, node: fx.Node) -> object:
+        if node in self.inputs:
+            return self.inputs[node]
+        if _collective(node):  # communication (sequence parallelism's all-gather): not merged
+            return (self.scope, node.name)
+        k = super()._node(node)
+        return (self.scope, k) if isinstance(k, str) else k
+
+
+def _megatron_keys(node: fx.Node, key: _ValueKeys) -> list[tuple[int, tuple]]:
+    """(phase, key) of every quantize the Megatron rewrite put in a site's bodies (``rewrite_megatron_linear``): AOT
+    autograd inlines the bodies into its joint graph, so two linears on one input (DeepSeek's q_proj and
+    kv_down_proj) quantize it once for fprop and once for wgrad. A body's input is keyed by the outer graph's value
+    (``key``), a bwd_body's saved tensor by its fwd_body value, its incoming gradients per site."""
+    bodies = body_modules(node.graph.owning_module, node)
+    if bodies is None:
+        return []
+    fwd, bwd = bodies
+    scope = ("megatron", node.name)
+    f_phs = [n for n in fwd.graph.nodes if n.op == "placeholder"]
+    f_keys = _BodyKeys(fwd.graph, {ph: key(arg) for ph, arg in zip(f_phs, node.args[2:])}, scope)
+    saved: list = []
+    out = next(n for n in fwd.graph.nodes if n.op == "output").args[0]
+    if isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[0], (tuple, list)):
+        n_grads, saved = len(out[0]), list(out[1])
+    else:
+        n_grads = 0
+    b_phs = [n for n in bwd.graph.nodes if n.op == "placeholder"]
+    inputs = {ph: (scope, "grad", i) for i, ph in enumerate(b_phs[:n_grads])}
+    inputs.update((ph, f_keys(s)) for ph, s in zip(b_phs[n_grads:], saved))
+    b_keys = _BodyKeys(bwd.graph, inputs, scope)
+    keys = []
+    for phase, body, body_key in ((_FWD, fwd, f_keys), (_BWD, bwd, b_keys)):
+        for q in body.graph.nodes:
+            if q.op == "call_function" and q.target is torch.ops.fxquant.quantize.default:
+                keys.append((phase, ("megatron quantize", body_key(q.args[0]), body_key(q.args[1:]))))
+    return keys
+
+
 def _rewritten(gm: fx.GraphModule) -> list[tuple[int, fx.Node]]:
     """(region, node) of every rewritten site node of ``gm``: region 0 for its own graph, else an id of the
     checkpointed region whose body holds it (``sites.checkpointed_bodies``)."""
@@ -207,14 +282,11 @@ def expected_calls(gm: fx.GraphModule, *, dedupe: bool) -> tuple[int, int]:
     value_keys: dict[fx.Graph, _ValueKeys] = {}
     for region, node in _rewritten(gm):
         meta = node.meta[META_KEY]
-        if meta.op is OpKind.MEGATRON_LINEAR:
-            counts[_FWD] += meta.quantize_calls[0]
-            counts[_BWD] += meta.quantize_calls[1]
-        else:
-            if node.graph not in value_keys:
-                value_keys[node.graph] = _ValueKeys(node.graph)
-            key = value_keys[node.graph]
-            keys.extend((phase, (region, k)) for phase, k in _operand_keys(node, key))
+        if node.graph not in value_keys:
+            value_keys[node.graph] = _ValueKeys(node.graph)
+        key = value_keys[node.graph]
+        found = _megatron_keys(node, key) if meta.op is OpKind.MEGATRON_LINEAR else _operand_keys(node, key)
+        keys.extend((phase, (region, k)) for phase, k in found)
     if dedupe:
         keys = list(dict.fromkeys(keys))
     for phase, _ in keys:
