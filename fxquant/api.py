@@ -173,11 +173,13 @@ class CompileState:
     def _check_new_graphs(self) -> list[str]:
         sites = self.sites()
         checks.check_model_has_sites(sites, self.unmatched(), type(self.model).__name__)
-        checks.check_rules_match(self.scheme, sites, self.backend.layers)
         new_breaks = [
             reason.splitlines()[0] for reason, n in _graph_break_counts().items() if n > self._breaks.get(reason, 0)
         ]
         expected = checks.model_sites(self.model, self.backend.layers)
+        # after a graph break a selected module may have run outside the graphs (an LM head after a layer loop that
+        # broke): its rule matches a site of the model, and the coverage check below says where it ran
+        checks.check_rules_match(self.scheme, sites, self.backend.layers, expected if new_breaks else ())
         traced = frozenset().union(*(r.modules for r in self.backend.reports))
         issues = checks.coverage(expected, self.scheme, sites, new_breaks, traced)
         if not self._attention_said:  # once: later graphs (no_grad, new shapes) would repeat it
@@ -367,14 +369,19 @@ def explain(model: nn.Module, *example_args: object, scheme: str | Path | Scheme
     layers = LayerNumbering.of_model(model, layer_offset=layer_offset, num_layers=num_layers)
     fx_backend = FxquantBackend(resolved, inner=Inner.EAGER, root=model, dry_run=True, layers=layers)
     # Grad mode on, as in training: Megatron's linears are traced as autograd_function_apply then.
-    before = _unimplemented_counts()
+    before, breaks_before = _unimplemented_counts(), _graph_break_counts()
     torch.compile(model, backend=fx_backend, **_ISOLATED)(*example_args, **example_kwargs)
     fx_backend.raise_pending()
     if not fx_backend.reports:  # Dynamo skipped the frame: say so, rather than "no linear op was found"
         raise ValueError(checks.no_graph_compiled(type(model).__name__, before, _unimplemented_counts())[0])
     sites, unmatched = fx_backend.current_sites(), fx_backend.unmatched_ops()
     checks.check_model_has_sites(sites, unmatched, type(model).__name__)
-    checks.check_rules_match(resolved, sites, layers)  # as compile: a rule with a selector must match a site
+    breaks = [reason.splitlines()[0] for reason, n in _graph_break_counts().items() if n > breaks_before.get(reason, 0)]
+    expected = checks.model_sites(model, layers) if breaks else []
+    checks.check_rules_match(resolved, sites, layers, expected)  # as compile: a rule with a selector must match a site
+    traced = frozenset().union(*(r.modules for r in fx_backend.reports))
+    for issue in checks.coverage(expected, resolved, sites, breaks, traced):  # not in the table: ran outside a graph
+        log.warning("fxquant: %s", issue)
     graphs = len(fx_backend.reports)
     requested = parse_kernels(kernels)
     device = lowering.graph_device([*example_args, *example_kwargs.values(), *model.parameters()])
@@ -383,5 +390,5 @@ def explain(model: nn.Module, *example_args: object, scheme: str | Path | Scheme
     how = f"{used.value} (kernels={requested.value}, backend {_inner(backend).value}, {device})"
     if inexact and requested is lowering.Kernels.AUTO and _inner(backend) is Inner.INDUCTOR:
         how += f"; not inductor: its code is not bit-exact for {', '.join(inexact)} on {device}"
-    return Explanation(resolved, copy.copy(sites), unmatched, graphs, resolved.unmatched_rules([s.site for s in sites]),
-                       kernels=how)
+    return Explanation(resolved, copy.copy(sites), unmatched, graphs,
+                       resolved.unmatched_rules([s.site for s in sites] + expected), kernels=how)

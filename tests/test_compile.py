@@ -531,3 +531,51 @@ def test_a_collective_in_a_megatron_body_is_never_taken_for_a_merged_value():
              g.call_function(torch.ops._c10d_functional.all_gather_into_tensor.default, (x, 2, "0")),
              g.call_method("relu", (x,))]
     assert [_collective(n) for n in calls] == [False, True, True, False]
+
+
+class _MatmulFunction(torch.autograd.Function):
+    """A linear as Megatron writes it: an autograd.Function whose forward is one torch.matmul (a megatron_linear
+    site: its quantizes go inside the traced bodies)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return torch.matmul(x, w.t())
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g.matmul(w), g.reshape(-1, g.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+
+
+class _FunctionLinear(torch.nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(n, n) * 0.1)
+
+    def forward(self, x):
+        return _MatmulFunction.apply(x, self.weight)
+
+
+class _AddedFunctionLinears(torch.nn.Module):
+    def __init__(self, combine: str) -> None:
+        super().__init__()
+        self.inp, self.q, self.kv, self.combine = torch.nn.Linear(32, 32), _FunctionLinear(32), _FunctionLinear(32), combine
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.q(h) + self.kv(h) if self.combine == "add" else self.q(h) * self.kv(h)
+
+
+@pytest.mark.parametrize("combine, calls", [("add", (5, 7)), ("mul", (5, 9))])
+def test_expected_quantize_calls_of_function_linears_on_one_input_and_added_outputs(combine, calls):
+    """Two autograd.Function linears on one input share X's fprop and wgrad quantizes; with their outputs added they
+    also share dY's dgrad and wgrad quantizes (one gradient tensor), as AOT's CSE merges them."""
+    torch.manual_seed(0)
+    model = fxquant.compile(_AddedFunctionLinears(combine), "linear_mxfp8", backend="aot_eager", strict=True)
+    x = torch.randn(4, 32)
+    model(x).sum().backward()
+    with count_quantize_calls(model, strict=True) as count:
+        model(x).sum().backward()
+    assert count.ok and (count.expected_forward, count.expected_backward) == calls
+    assert {s.op.value for s in fxquant.compile_state(model).sites()} == {"linear", "megatron_linear"}

@@ -190,7 +190,45 @@ def test_strict_raises_when_a_frame_hits_the_recompile_limit(caplog):
     with torch._dynamo.config.patch(recompile_limit=1), caplog.at_level("WARNING", logger="fxquant"):
         lenient(make_tokens(cfg, seq_len=8))
         lenient(make_tokens(cfg, seq_len=12))
-    assert "recompile limit" in caplog.text
+    assert "hit Dynamo's recompile_limit" in caplog.text and "raise torch._dynamo.config.recompile_limit" in caplog.text
+
+
+def test_a_rule_for_a_module_a_graph_break_left_outside_the_graphs_is_a_coverage_issue(caplog):
+    """With a graph break in every layer, Dynamo gives up the root's layer loop and runs the LM head after it eagerly:
+    a rule selecting only the LM head matched a site of the model, not one of the graphs. It was refused as 'rules
+    match no site: the model has no lm_head'; it is the coverage issue (strict raises, else a WARNING), and explain
+    warns instead of noting that the rule matched nothing."""
+    from fxquant import schemes
+
+    scheme = schemes.Scheme.from_yaml_text("name: head\nrules:\n  - match: {kinds: [lm_head]}\n    linear: mxfp8\n")
+    tokens = make_tokens(make_llama().cfg)
+    strict = fxquant.compile(make_llama(graph_break=True), scheme, backend="aot_eager", strict=True)
+    with pytest.raises(QuantizationError, match="lm_head site 'lm_head' was not rewritten.*graph_break"):
+        strict(tokens)
+    torch._dynamo.reset()
+    lenient = fxquant.compile(make_llama(graph_break=True), scheme, backend="aot_eager")
+    with caplog.at_level("WARNING", logger="fxquant"):
+        lenient(tokens)
+    assert "'lm_head' was not rewritten" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fxquant"):
+        table = str(fxquant.explain(make_llama(graph_break=True), tokens, scheme=scheme))
+    assert "'lm_head' was not rewritten" in caplog.text and "matched no site" not in table
+    with pytest.raises(ValueError, match="match no site"):  # without a graph break the rule error stays
+        fxquant.explain(make_llama(), tokens, scheme=schemes.Scheme.from_yaml_text(
+            "name: typo\nrules:\n  - match: {modules: 'lm_haed'}\n    linear: mxfp8\n"))
+
+
+def test_the_recompile_limit_warning_names_the_limit_hit(caplog):
+    """A stack whose layers are frames of their own compiles once per layer (passes.instances): past
+    accumulated_recompile_limit the frame runs eagerly, and the warning names that limit (it said recompile_limit)."""
+    from tests.test_compile_instances import Stack
+
+    model = fxquant.compile(Stack(graph_break=True, n_layers=4), "linear_mxfp8", backend="aot_eager")
+    with torch._dynamo.config.patch(accumulated_recompile_limit=2), caplog.at_level("WARNING", logger="fxquant"):
+        model(torch.randn(4, 64))
+    assert "hit Dynamo's accumulated_recompile_limit" in caplog.text
+    assert "raise torch._dynamo.config.accumulated_recompile_limit" in caplog.text
 
 
 class _LSTMHead(torch.nn.Module):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
@@ -159,3 +160,101 @@ def test_which_module_arguments_are_guarded():
     assert instance_arguments(args, model, [], ["layers.0.fc"]) == {"other": "layers.0"}
     assert instance_arguments(args, model, [], []) == {}
 
+
+
+def _run_layer(fn, x):
+    return fn(x)
+
+
+def _run_first(x, *mods):
+    return mods[0](x)
+
+
+def _closure(layer):
+    def run(x):
+        return layer(x)
+    return run
+
+
+class Reached(Stack):
+    """Layers that reach their frame other than as an argument: a bound method, ``*args``, a closure cell."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__(graph_break=False)
+        self.how = how
+        self.fns = [_closure(layer) for layer in self.layers]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            if self.how == "bound":
+                x = _run_layer(layer.forward, x)
+            elif self.how == "star":
+                x = _run_first(x, layer)
+            else:
+                x = self.fns[i](x)
+            torch._dynamo.graph_break()  # each call a frame of its own, the layer not among its arguments
+        return x
+
+
+class AttentionBlock(nn.Module):
+    """A frame whose graph holds an attention site and no parameter: the layer is a closure variable of the frame."""
+
+    def forward(self, q: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q)
+
+
+class AttentionStack(nn.Module):
+    def __init__(self, graph_break: bool = True) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.ModuleDict({"self_attn": AttentionBlock()}) for _ in range(3))
+        self.graph_break = graph_break
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            module = layer["self_attn"]
+
+            def attend(t: torch.Tensor) -> torch.Tensor:
+                return module(t) + t  # a nested function: its frame reads the module from a closure cell
+
+            x = attend(x)
+            if self.graph_break:
+                torch._dynamo.graph_break()
+        return x
+
+
+@pytest.mark.parametrize("how", ["bound", "star", "closure"])
+def test_a_layer_reached_through_a_method_args_or_a_closure_is_guarded(how):
+    torch.manual_seed(0)
+    reached = Reached(how)
+    whole = Stack(graph_break=False)
+    whole.load_state_dict(reached.state_dict())
+    a = fxquant.compile(reached, LAYER_1, backend="aot_eager", strict=True)
+    b = fxquant.compile(whole, LAYER_1, backend="aot_eager")
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        out_a, grads_a = _step(a, x)
+        out_b, grads_b = _step(b, x)
+        assert torch.equal(out_a, out_b) and all(torch.equal(g, h) for g, h in zip(grads_a, grads_b))
+    assert _sites(a) == {"layers.0.fc": "high", "layers.1.fc": "rewritten", "layers.2.fc": "high"}
+    # the closure's layer is a cell of the frame (guarded itself); a bound method's or *args' through its parameters
+    guarded = [r.instance for r in compile_state(a).backend.reports if r.sites]
+    assert [sorted(set(g.values())) for g in guarded] == (
+        [[f"layers.{i}"] for i in range(3)] if how == "closure" else [[f"layers.{i}.fc"] for i in range(3)])
+
+
+def test_an_attention_layer_in_a_closure_cell_is_guarded_by_identity():
+    scheme = schemes.Scheme.from_yaml_text("""
+name: attention1
+rules:
+  - match: {layers: [1]}
+    attention: mxfp8
+""", "attention1.yaml")
+    q = torch.randn(2, 2, 32, 32, generator=torch.Generator().manual_seed(1))
+    compiled = fxquant.compile(AttentionStack(), scheme, backend="aot_eager", strict=True)
+    whole = fxquant.compile(AttentionStack(graph_break=False), scheme, backend="aot_eager")
+    for _ in range(2):
+        assert torch.equal(compiled(q), whole(q))
+    reports = [r for r in compile_state(compiled).backend.reports if r.sites]
+    assert [r.instance for r in reports] == [{"module": f"layers.{i}.self_attn"} for i in range(3)]
+    assert _sites(compiled) == {"layers.0.self_attn": "high", "layers.1.self_attn": "rewritten",
+                                "layers.2.self_attn": "high"}

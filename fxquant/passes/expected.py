@@ -233,7 +233,8 @@ def _megatron_keys(node: fx.Node, key: _ValueKeys) -> list[tuple[int, tuple]]:
     """(phase, key) of every quantize the Megatron rewrite put in a site's bodies (``rewrite_megatron_linear``): AOT
     autograd inlines the bodies into its joint graph, so two linears on one input (DeepSeek's q_proj and
     kv_down_proj) quantize it once for fprop and once for wgrad. A body's input is keyed by the outer graph's value
-    (``key``), a bwd_body's saved tensor by its fwd_body value, its incoming gradients per site."""
+    (``key``), a bwd_body's saved tensor by its fwd_body value, its incoming gradient by the node whose gradient it
+    is (``gradient_node``: linears whose outputs are added receive one gradient tensor)."""
     bodies = body_modules(node.graph.owning_module, node)
     if bodies is None:
         return []
@@ -248,7 +249,11 @@ def _megatron_keys(node: fx.Node, key: _ValueKeys) -> list[tuple[int, tuple]]:
     else:
         n_grads = 0
     b_phs = [n for n in bwd.graph.nodes if n.op == "placeholder"]
-    inputs = {ph: (scope, "grad", i) for i, ph in enumerate(b_phs[:n_grads])}
+    outputs = {u.args[1]: u for u in node.users
+               if u.op == "call_function" and u.target is operator.getitem and isinstance(u.args[1], int)}
+    # output i's incoming gradient: that of the add it feeds (``gradient_node``), shared by the sites added there
+    inputs = {ph: ("gradient", key(gradient_node(outputs[i]))) if i in outputs else (scope, "grad", i)
+              for i, ph in enumerate(b_phs[:n_grads])}
     inputs.update((ph, f_keys(s)) for ph, s in zip(b_phs[n_grads:], saved))
     b_keys = _BodyKeys(bwd.graph, inputs, scope)
     keys = []

@@ -13,8 +13,8 @@ formats and label its captures with the first instance's paths.
 ``instance_arguments`` names the compiling frame's module arguments that hold a site or a capture tap of the graph
 and share their class with another module of the root model. ``guard_instances`` adds Dynamo's ID_MATCH guard on
 each (the guard Dynamo itself puts on a module it specialises; its ``recompile_limit`` then counts compiles per
-guarded instance, and ``accumulated_recompile_limit``, 256 by default, all compiles of the frame), so the frame
-compiles once per instance: every layer's sites are rewritten with its own configuration, reported under its own
+guarded instance, and ``accumulated_recompile_limit``, 256 by default, all compiles of the frame), so a graph
+compiled for one instance never runs for another: every layer's sites are rewritten with its own configuration, reported under its own
 path (``explain``, strict mode's coverage check, the runtime counters) and captured under its own labels, also when
 the scheme treats every layer alike. A frame without sites or taps (a router's, a norm's) stays shared.
 """
@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from torch import nn
+from torch import fx, nn
 
 from fxquant.passes.sites import SiteMeta
 
@@ -63,12 +63,14 @@ def _compiling_frame() -> object | None:
 
 
 def _frame_arguments(tx: object) -> dict[str, object]:
+    """The compiling frame's arguments and closure variables (a module a nested function reads, as in Hugging Face's
+    ``create_custom_forward(module)``), by name, with their values at the frame's entry."""
     code = getattr(tx, "f_code", None)
     f_locals = getattr(tx, "f_locals", None)
     if code is None or not isinstance(f_locals, dict):
         return {}
-    names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
-    return {name: f_locals[name] for name in names if name in f_locals}
+    names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount] + code.co_cellvars + code.co_freevars
+    return {name: f_locals[name] for name in dict.fromkeys(names) if name in f_locals}
 
 
 def _identity_guard(tx: object, name: str) -> None:
@@ -81,14 +83,48 @@ def _identity_guard(tx: object, name: str) -> None:
     install_guard(source.make_guard(GuardBuilder.ID_MATCH))
 
 
-def guard_instances(root: nn.Module | None, sites: Sequence[SiteMeta], tap_modules: Sequence[str]) -> dict[str, str]:
-    """Guard by identity the compiling frame's module arguments that hold the graph's sites or taps (module
-    docstring); returns them (argument name -> module path). Nothing outside Dynamo's compile of a frame."""
+def _parameter_inputs(gm: fx.GraphModule | None) -> list[tuple[nn.Parameter, object]]:
+    """(parameter, Dynamo source) of each graph input of ``gm`` that is a parameter."""
+    out = []
+    for node in gm.graph.nodes if gm is not None else ():
+        grapharg = node.meta.get("grapharg") if node.op == "placeholder" else None
+        example, source = getattr(grapharg, "example", None), getattr(grapharg, "source", None)
+        if isinstance(example, nn.Parameter) and source is not None:
+            out.append((example, source))
+    return out
+
+
+def uncovered_parameters(arguments: dict[str, object], root: nn.Module, held: Sequence[str],
+                         parameters: Sequence[tuple[nn.Parameter, object]]) -> list[tuple[str, object]]:
+    """(owner path, source) of the graph's parameter inputs owned at or under a held path (a site's or tap's module)
+    that no module argument of the frame holds: the module reached the frame another way (a closure, a bound
+    method, ``*args``), so its parameters, found by Dynamo through it, tell the instance."""
+    path_of = {id(m): name for name, m in root.named_modules()}
+    frame_paths = [path_of[id(v)] for v in arguments.values() if isinstance(v, nn.Module) and id(v) in path_of]
+    loose = [p for p in held if not any(_under(p, f) for f in frame_paths)]
+    owner = {id(p): name.rpartition(".")[0] for name, p in root.named_parameters()}
+    return [(owner[id(param)], source) for param, source in parameters
+            if id(param) in owner and any(_under(owner[id(param)], p) for p in loose)]
+
+
+def guard_instances(root: nn.Module | None, sites: Sequence[SiteMeta], tap_modules: Sequence[str],
+                    gm: fx.GraphModule | None = None) -> dict[str, str]:
+    """Guard by identity what tells the instance of the graph's sites and taps (module docstring): the frame's module
+    arguments that hold them, else the parameters of theirs that are graph inputs; returns what it guarded (argument
+    name or parameter source -> module path). Nothing outside Dynamo's compile of a frame."""
     tx = _compiling_frame()
     if root is None or tx is None:
         return {}
-    guarded = instance_arguments(_frame_arguments(tx), root, sites, tap_modules)
+    arguments = _frame_arguments(tx)
+    guarded = instance_arguments(arguments, root, sites, tap_modules)
     for name, path in guarded.items():
         _identity_guard(tx, name)
         log.debug("fxquant: graph compiled for module %r only (frame argument %r)", path, name)
+    held = [s.site.module_path for s in sites] + list(tap_modules)
+    for path, source in uncovered_parameters(arguments, root, held, _parameter_inputs(gm)):
+        from torch._dynamo.guards import GuardBuilder, install_guard
+
+        install_guard(source.make_guard(GuardBuilder.ID_MATCH))
+        guarded[source.name] = path
+        log.debug("fxquant: graph compiled for module %r only (parameter %s)", path, source.name)
     return guarded

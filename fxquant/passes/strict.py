@@ -23,6 +23,8 @@ paths; docs/schemes.md "Rules that match nothing").
 """
 from __future__ import annotations
 
+import re
+
 import inspect
 import logging
 from collections.abc import Iterable
@@ -219,10 +221,12 @@ def unmatched_rule_error(scheme: Scheme, sites: Iterable[Site], layers: LayerNum
     return ValueError(f"scheme rules match no site of the model{where}:\n  " + "\n  ".join(map(str, unmatched)))
 
 
-def check_rules_match(scheme: Scheme, sites: list[SiteMeta], layers: LayerNumbering | None = None) -> None:
+def check_rules_match(scheme: Scheme, sites: list[SiteMeta], layers: LayerNumbering | None = None,
+                      elsewhere: Iterable[Site] = ()) -> None:
     """Raise ``unmatched_rule_error`` for the sites seen (and, on a pipeline stage, the other stages' layers:
-    ``LayerNumbering.other_stages``)."""
-    error = unmatched_rule_error(scheme, [s.site for s in sites], layers)
+    ``LayerNumbering.other_stages``), and ``elsewhere``: sites of the model that ran outside the compiled graphs
+    (after a graph break; ``coverage`` reports them)."""
+    error = unmatched_rule_error(scheme, [s.site for s in sites] + list(elsewhere), layers)
     if error is not None:
         raise error
 
@@ -237,9 +241,18 @@ def no_graph_compiled(model: str, before: dict[str, int], after: dict[str, int])
 
 
 def recompile_limit_hits(before: dict[str, int], after: dict[str, int]) -> list[str]:
-    return [
-        "a frame hit Dynamo's recompile limit and now runs eagerly, unquantized (raise "
-        "torch._dynamo.config.recompile_limit, or mark the varying dimension dynamic): " + key.splitlines()[0]
-        for key, n in after.items()
-        if key.startswith(RECOMPILE_LIMIT_KEY) and n > before.get(key, 0)
-    ]
+    """The issue per recompile-limit fallback Dynamo counted during a call, naming the limit it hit (the counter's
+    text says ``Limit type: recompile_limit`` or ``accumulated_recompile_limit``)."""
+    issues = []
+    for key, n in after.items():
+        if not key.startswith(RECOMPILE_LIMIT_KEY) or n <= before.get(key, 0):
+            continue
+        found = re.search(r"Limit type: (\w+)", key)
+        limit = found.group(1) if found else "recompile_limit"
+        advice = f"raise torch._dynamo.config.{limit}, or mark the varying dimension dynamic"
+        if limit == "accumulated_recompile_limit":
+            advice += ("; a layer compiled as a frame of its own compiles once per layer, grad mode and shape "
+                       "(docs/compile.md, 'Layers compiled as frames of their own')")
+        issues.append(f"a frame hit Dynamo's {limit} and now runs eagerly, unquantized ({advice}): "
+                      + key.splitlines()[0])
+    return issues
