@@ -71,6 +71,11 @@ def _graph_break_counts() -> dict[str, int]:
     return dict(counters["graph_break"])
 
 
+def _new_graph_breaks(before: dict[str, int]) -> list[str]:
+    """The first line of each graph-break reason Dynamo counted since ``before`` (``_graph_break_counts()``)."""
+    return [reason.splitlines()[0] for reason, n in _graph_break_counts().items() if n > before.get(reason, 0)]
+
+
 def _unimplemented_counts() -> dict[str, int]:
     from torch._dynamo.utils import counters
 
@@ -173,9 +178,7 @@ class CompileState:
     def _check_new_graphs(self) -> list[str]:
         sites = self.sites()
         checks.check_model_has_sites(sites, self.unmatched(), type(self.model).__name__)
-        new_breaks = [
-            reason.splitlines()[0] for reason, n in _graph_break_counts().items() if n > self._breaks.get(reason, 0)
-        ]
+        new_breaks = _new_graph_breaks(self._breaks)
         expected = checks.model_sites(self.model, self.backend.layers)
         # after a graph break a selected module may have run outside the graphs (an LM head after a layer loop that
         # broke): its rule matches a site of the model, and the coverage check below says where it ran
@@ -376,7 +379,7 @@ def explain(model: nn.Module, *example_args: object, scheme: str | Path | Scheme
         raise ValueError(checks.no_graph_compiled(type(model).__name__, before, _unimplemented_counts())[0])
     sites, unmatched = fx_backend.current_sites(), fx_backend.unmatched_ops()
     checks.check_model_has_sites(sites, unmatched, type(model).__name__)
-    breaks = [reason.splitlines()[0] for reason, n in _graph_break_counts().items() if n > breaks_before.get(reason, 0)]
+    breaks = _new_graph_breaks(breaks_before)
     expected = checks.model_sites(model, layers) if breaks else []
     checks.check_rules_match(resolved, sites, layers, expected)  # as compile: a rule with a selector must match a site
     traced = frozenset().union(*(r.modules for r in fx_backend.reports))

@@ -108,7 +108,7 @@ class FxquantBackend:
 
             self.tap_reports.append(insert_capture_taps(gm, self.capture))  # it logs what it cannot tap
         taps = self.tap_reports[-1].taps if self.capture is not None and not self.dry_run else []
-        graph_report.instance = guard_instances(self.root, graph_report.sites, [t.module for t in taps], gm)
+        graph_report.instance = guard_instances(self.names, graph_report.sites, [t.module for t in taps], gm)
         n_rewritten = sum(s.status.value == "rewritten" for s in graph_report.sites)
         log.info("fxquant: graph %d: %d sites matched, %d rewritten, %d matmul-like ops unmatched",
                  graph_report.index, len(graph_report.sites), n_rewritten, len(graph_report.unmatched))

@@ -14,7 +14,7 @@ from fxquant import capture, schemes
 from fxquant.api import compile_state
 from fxquant.counters import count_quantize_calls
 from fxquant.passes.instances import instance_arguments
-from fxquant.passes.layers import LayerNumbering
+from fxquant.passes.module_paths import ModuleNames
 
 LAYER_1 = schemes.Scheme.from_yaml_text("""
 name: layer1
@@ -150,15 +150,13 @@ sections:
 
 
 def test_which_module_arguments_are_guarded():
-    from fxquant.passes.sites import OpKind, SiteMeta
-
     model = Stack(graph_break=True)
-    site = SiteMeta(LayerNumbering(num_layers=3).site("layers.1.fc"), OpKind.LINEAR, "linear")
+    names = ModuleNames(model)
     args = {"self": model.layers[1], "fc": model.layers[1].fc, "other": model.layers[0], "root": model,
             "n": 3, "foreign": Block(64, False)}
-    assert instance_arguments(args, model, [site], []) == {"self": "layers.1", "fc": "layers.1.fc"}
-    assert instance_arguments(args, model, [], ["layers.0.fc"]) == {"other": "layers.0"}
-    assert instance_arguments(args, model, [], []) == {}
+    assert instance_arguments(args, names, ["layers.1.fc"]) == {"self": "layers.1", "fc": "layers.1.fc"}
+    assert instance_arguments(args, names, ["layers.0.fc"]) == {"other": "layers.0"}
+    assert instance_arguments(args, names, []) == {}
 
 
 

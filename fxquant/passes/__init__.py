@@ -55,7 +55,7 @@ class GraphReport:
     grad_enabled: bool = True  # compiled under grad mode (Dynamo keeps a no_grad graph beside the training one)
     recomputes: bool = False  # sites in checkpointed regions: the backward runs more quantizes (expected.recomputes)
     modules: frozenset[str] = frozenset()  # every module path on a node's module stack (graph and nested bodies)
-    # frame argument -> module path, for the module arguments the graph is compiled for by identity (passes.instances)
+    # what pins the graph to one module instance (passes.instances): frame argument or parameter source -> module path
     instance: dict[str, str] = field(default_factory=dict)
 
     @property

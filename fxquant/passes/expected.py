@@ -25,6 +25,7 @@ import torch
 from torch import fx
 
 from fxquant.passes import wrappers
+from fxquant.passes.rewrite_megatron_linear import body_outputs
 from fxquant.passes.sites import META_KEY, OpKind, Status, body_modules, checkpointed_bodies
 
 _FWD, _BWD = 0, 1
@@ -242,12 +243,7 @@ def _megatron_keys(node: fx.Node, key: _ValueKeys) -> list[tuple[int, tuple]]:
     scope = ("megatron", node.name)
     f_phs = [n for n in fwd.graph.nodes if n.op == "placeholder"]
     f_keys = _BodyKeys(fwd.graph, {ph: key(arg) for ph, arg in zip(f_phs, node.args[2:])}, scope)
-    saved: list = []
-    out = next(n for n in fwd.graph.nodes if n.op == "output").args[0]
-    if isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[0], (tuple, list)):
-        n_grads, saved = len(out[0]), list(out[1])
-    else:
-        n_grads = 0
+    n_grads, saved = body_outputs(fwd)  # a rewritten site's bodies passed locate_gemms, which reads them so
     b_phs = [n for n in bwd.graph.nodes if n.op == "placeholder"]
     outputs = {u.args[1]: u for u in node.users
                if u.op == "call_function" and u.target is operator.getitem and isinstance(u.args[1], int)}

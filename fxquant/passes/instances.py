@@ -10,13 +10,15 @@ traced for: the formats the scheme resolves for its sites (a rule that selects `
 and layer of each capture tap. Run for another instance, such a graph would quantize with the first instance's
 formats and label its captures with the first instance's paths.
 
-``instance_arguments`` names the compiling frame's module arguments that hold a site or a capture tap of the graph
-and share their class with another module of the root model. ``guard_instances`` adds Dynamo's ID_MATCH guard on
-each (the guard Dynamo itself puts on a module it specialises; its ``recompile_limit`` then counts compiles per
-guarded instance, and ``accumulated_recompile_limit``, 256 by default, all compiles of the frame), so a graph
-compiled for one instance never runs for another: every layer's sites are rewritten with its own configuration, reported under its own
-path (``explain``, strict mode's coverage check, the runtime counters) and captured under its own labels, also when
-the scheme treats every layer alike. A frame without sites or taps (a router's, a norm's) stays shared.
+``instance_arguments`` names the compiling frame's module arguments and closure variables that hold a site or a
+capture tap of the graph and share their class with another module of the root model; ``guard_instances`` adds
+Dynamo's ID_MATCH guard on each (the guard Dynamo itself puts on a module it specialises; its ``recompile_limit``
+then counts compiles per guarded instance, and ``accumulated_recompile_limit``, 256 by default, all compiles of the
+frame). Where a site's module reaches the frame another way (a bound method, ``*args``), ``uncovered_parameters``
+names the graph's parameter inputs it owns, and those are guarded instead. So a graph compiled for one instance
+never runs for another: every layer's sites are rewritten with its own configuration, reported under its own path
+(``explain``, strict mode's coverage check, the runtime counters) and captured under its own labels, also when the
+scheme treats every layer alike. A frame without sites or taps (a router's, a norm's) stays shared.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from collections.abc import Sequence
 
 from torch import fx, nn
 
+from fxquant.passes.module_paths import ModuleNames
 from fxquant.passes.sites import SiteMeta
 
 log = logging.getLogger(__name__)
@@ -34,22 +37,14 @@ def _under(path: str, prefix: str) -> bool:
     return not prefix or path == prefix or path.startswith(prefix + ".")
 
 
-def instance_arguments(arguments: dict[str, object], root: nn.Module, sites: Sequence[SiteMeta],
-                       tap_modules: Sequence[str]) -> dict[str, str]:
-    """Argument name -> module path, for each module argument of the compiling frame (``arguments``: name -> value)
-    that holds a site (``sites``) or a tap (``tap_modules``) and has another module of its class in ``root``."""
-    path_of: dict[int, str] = {}
-    classes: dict[type, int] = {}
-    for name, m in root.named_modules():
-        path_of.setdefault(id(m), name)
-        classes[type(m)] = classes.get(type(m), 0) + 1
-    held = [s.site.module_path for s in sites] + list(tap_modules)
+def instance_arguments(arguments: dict[str, object], names: ModuleNames, held: Sequence[str]) -> dict[str, str]:
+    """Name -> module path, for each module of the root model among the compiling frame's ``arguments`` (name ->
+    value) that holds a ``held`` path (a site's or tap's module) and shares its class with another module."""
     out = {}
     for arg, value in arguments.items():
-        if isinstance(value, nn.Module) and id(value) in path_of and classes[type(value)] > 1:
-            path = path_of[id(value)]
-            if any(_under(p, path) for p in held):
-                out[arg] = path
+        path = names.path_of(value)
+        if path is not None and names.shares_class(value) and any(_under(p, path) for p in held):
+            out[arg] = path
     return out
 
 
@@ -73,14 +68,18 @@ def _frame_arguments(tx: object) -> dict[str, object]:
     return {name: f_locals[name] for name in dict.fromkeys(names) if name in f_locals}
 
 
-def _identity_guard(tx: object, name: str) -> None:
+def _guard_identity(source: object) -> None:
     from torch._dynamo.guards import GuardBuilder, install_guard
+
+    install_guard(source.make_guard(GuardBuilder.ID_MATCH))
+
+
+def _local(tx: object, name: str) -> object:
+    """Dynamo's source of the frame's local ``name`` (an argument a closure reads, or a free variable, is a cell)."""
     from torch._dynamo.source import LocalSource
 
     code = tx.f_code
-    cell = name in code.co_cellvars or name in code.co_freevars  # an argument a closure reads is stored in a cell
-    source = LocalSource(name, is_input=True, is_derefed_cell_contents=cell)
-    install_guard(source.make_guard(GuardBuilder.ID_MATCH))
+    return LocalSource(name, is_input=True, is_derefed_cell_contents=name in code.co_cellvars + code.co_freevars)
 
 
 def _parameter_inputs(gm: fx.GraphModule | None) -> list[tuple[nn.Parameter, object]]:
@@ -94,37 +93,33 @@ def _parameter_inputs(gm: fx.GraphModule | None) -> list[tuple[nn.Parameter, obj
     return out
 
 
-def uncovered_parameters(arguments: dict[str, object], root: nn.Module, held: Sequence[str],
+def uncovered_parameters(arguments: dict[str, object], names: ModuleNames, held: Sequence[str],
                          parameters: Sequence[tuple[nn.Parameter, object]]) -> list[tuple[str, object]]:
-    """(owner path, source) of the graph's parameter inputs owned at or under a held path (a site's or tap's module)
-    that no module argument of the frame holds: the module reached the frame another way (a closure, a bound
-    method, ``*args``), so its parameters, found by Dynamo through it, tell the instance."""
-    path_of = {id(m): name for name, m in root.named_modules()}
-    frame_paths = [path_of[id(v)] for v in arguments.values() if isinstance(v, nn.Module) and id(v) in path_of]
+    """(owner path, source) of the graph's parameter inputs owned at or under a ``held`` path that no module among
+    the frame's ``arguments`` holds: the module reached the frame another way (a bound method, ``*args``), so its
+    parameters, found by Dynamo through it, tell the instance."""
+    frame_paths = [p for p in map(names.path_of, arguments.values()) if p is not None]
     loose = [p for p in held if not any(_under(p, f) for f in frame_paths)]
-    owner = {id(p): name.rpartition(".")[0] for name, p in root.named_parameters()}
-    return [(owner[id(param)], source) for param, source in parameters
-            if id(param) in owner and any(_under(owner[id(param)], p) for p in loose)]
+    owned = [(names.owner_of(param), source) for param, source in parameters]
+    return [(owner, source) for owner, source in owned if owner is not None and any(_under(owner, p) for p in loose)]
 
 
-def guard_instances(root: nn.Module | None, sites: Sequence[SiteMeta], tap_modules: Sequence[str],
+def guard_instances(names: ModuleNames, sites: Sequence[SiteMeta], tap_modules: Sequence[str],
                     gm: fx.GraphModule | None = None) -> dict[str, str]:
-    """Guard by identity what tells the instance of the graph's sites and taps (module docstring): the frame's module
-    arguments that hold them, else the parameters of theirs that are graph inputs; returns what it guarded (argument
-    name or parameter source -> module path). Nothing outside Dynamo's compile of a frame."""
+    """Guard by identity what tells the instance of the graph's sites and taps (module docstring): the frame's
+    modules that hold them, else their parameters that are graph inputs; returns what it guarded (argument name or
+    parameter source -> module path). Nothing outside Dynamo's compile of a frame."""
     tx = _compiling_frame()
-    if root is None or tx is None:
+    if tx is None:
         return {}
     arguments = _frame_arguments(tx)
-    guarded = instance_arguments(arguments, root, sites, tap_modules)
-    for name, path in guarded.items():
-        _identity_guard(tx, name)
-        log.debug("fxquant: graph compiled for module %r only (frame argument %r)", path, name)
     held = [s.site.module_path for s in sites] + list(tap_modules)
-    for path, source in uncovered_parameters(arguments, root, held, _parameter_inputs(gm)):
-        from torch._dynamo.guards import GuardBuilder, install_guard
-
-        install_guard(source.make_guard(GuardBuilder.ID_MATCH))
+    guarded = instance_arguments(arguments, names, held)
+    for name in guarded:
+        _guard_identity(_local(tx, name))
+    for path, source in uncovered_parameters(arguments, names, held, _parameter_inputs(gm)):
+        _guard_identity(source)
         guarded[source.name] = path
-        log.debug("fxquant: graph compiled for module %r only (parameter %s)", path, source.name)
+    if guarded:
+        log.debug("fxquant: graph compiled for one module instance: %s", guarded)
     return guarded

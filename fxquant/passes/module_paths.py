@@ -32,9 +32,11 @@ class ModuleNames:
         self._by_id: dict[str, str] = {}
         self._param_owner: dict[int, str] = {}  # id(parameter) -> path of the module owning it
         self._embedding_weights: set[int] = set()  # id() of every nn.Embedding's weight
+        self._class_count: dict[type, int] = {}  # modules of each class (passes.instances)
         if root is not None:
             for name, mod in root.named_modules(remove_duplicate=False):
-                self._by_id.setdefault(str(id(mod)), name)
+                if self._by_id.setdefault(str(id(mod)), name) == name:
+                    self._class_count[type(mod)] = self._class_count.get(type(mod), 0) + 1
                 if isinstance(mod, torch.nn.Embedding):
                     self._embedding_weights.add(id(mod.weight))
             for name, param in root.named_parameters(remove_duplicate=False):
@@ -67,6 +69,18 @@ class ModuleNames:
             if param is not None and id(param) in self._param_owner:
                 return self._param_owner[id(param)]
         return None
+
+    def path_of(self, obj: object) -> str | None:
+        """The qualified name of a module of the root model (None for any other object)."""
+        return self._by_id.get(str(id(obj))) if isinstance(obj, torch.nn.Module) else None
+
+    def owner_of(self, param: object) -> str | None:
+        """The path of the module owning a parameter of the root model (None for any other object)."""
+        return self._param_owner.get(id(param))
+
+    def shares_class(self, module: torch.nn.Module) -> bool:
+        """Whether the root model holds another module of ``module``'s class."""
+        return self._class_count.get(type(module), 0) > 1
 
     def path_of_entry(self, key: str, dynamo_path: str) -> str:
         """The qualified name of one ``nn_module_stack`` entry: exact by module identity, else spelled."""

@@ -75,6 +75,13 @@ def operand_positions(fwd: fx.GraphModule) -> tuple[int, int] | None:
     return phs.index(next(iter(x_ph))), phs.index(next(iter(w_ph)))
 
 
+def body_outputs(fwd: fx.GraphModule) -> tuple[int, list]:
+    """(how many outputs the fwd_body returns, which is how many gradients the bwd_body receives first; the tensors
+    it saves for the bwd_body, whose placeholders follow those gradients in this order)."""
+    out = next(n for n in fwd.graph.nodes if n.op == "output").args[0]
+    return len(out[0]), list(out[1])
+
+
 def locate_gemms(fwd: fx.GraphModule, bwd: fx.GraphModule) -> tuple[dict[str, fx.Node], str]:
     """``{"fprop": node, "dgrad": node, "wgrad": node}`` found in the bodies, and a note on what is missing."""
     fprop, x_ph, w_ph, note = _fprop(fwd)
@@ -82,8 +89,7 @@ def locate_gemms(fwd: fx.GraphModule, bwd: fx.GraphModule) -> tuple[dict[str, fx
         return {}, note
     if note:
         return {FPROP: fprop}, note
-    out = next(n for n in fwd.graph.nodes if n.op == "output").args[0]
-    n_grads, saved = len(out[0]), out[1]
+    n_grads, saved = body_outputs(fwd)
     origin = [_placeholder_ancestors(s) for s in saved]
     b_phs = [n for n in bwd.graph.nodes if n.op == "placeholder"]
     grads, saved_phs = set(b_phs[:n_grads]), b_phs[n_grads:]

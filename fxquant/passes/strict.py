@@ -23,10 +23,9 @@ paths; docs/schemes.md "Rules that match nothing").
 """
 from __future__ import annotations
 
-import re
-
 import inspect
 import logging
+import re
 from collections.abc import Iterable
 
 import torch
